@@ -1,0 +1,104 @@
+"""Reading checkpoint folders and presets: shared by every family's loader.
+
+A preset is `configs/<name>.json` whose keys are exactly the fields of the family's config
+dataclass. A checkpoint folder holds `config.json` and weights as one or sharded safetensors files
+or `pytorch_model.bin`. Every problem a user can cause (unknown field, missing or mis-shaped
+tensor, unknown architecture) raises `CheckpointError` with a one-line message naming it.
+"""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+class CheckpointError(ValueError):
+    """A preset or checkpoint folder the lab cannot use; the message is one line for the user."""
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: file not found") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+
+
+def config_from_dict(cls, values: dict, source: str):
+    """Build dataclass `cls` from `values`, rejecting unknown keys and reporting missing ones."""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - fields)
+    if unknown:
+        raise CheckpointError(f"{source}: unknown config field(s) {', '.join(unknown)} for {cls.__name__}")
+    try:
+        return cls(**values)
+    except TypeError as e:
+        raise CheckpointError(f"{source}: {e}") from None
+
+
+def save_config(config, folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2) + "\n")
+
+
+def load_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint folder (safetensors, sharded or not, or pytorch_model.bin), on the CPU."""
+    folder = Path(folder)
+    shards = sorted(folder.glob("*.safetensors"))
+    if shards:
+        from safetensors.torch import load_file
+
+        tensors = {}
+        for shard in shards:
+            tensors.update(load_file(str(shard)))
+        return tensors
+    bins = sorted(folder.glob("pytorch_model*.bin"))
+    if bins:
+        tensors = {}
+        for path in bins:
+            tensors.update(torch.load(path, map_location="cpu", weights_only=True))
+        return tensors
+    raise CheckpointError(f"{folder}: no weights found (expected *.safetensors or pytorch_model.bin)")
+
+
+def assign_weights(module: torch.nn.Module, tensors: dict[str, torch.Tensor], source: str, *, optional=()) -> None:
+    """Copy `tensors` into `module`'s parameters and buffers by name, checking names and shapes.
+
+    Every parameter must be present (except names in `optional`) with the exact shape; a tensor in
+    the checkpoint that the model does not have is also an error, since it means a different model.
+    """
+    own = dict(module.named_parameters())
+    own.update({k: v for k, v in module.named_buffers() if k in tensors})
+    for name, param in own.items():
+        if name not in tensors:
+            if name in optional:
+                continue
+            raise CheckpointError(f"{source}: missing tensor {name} (expected shape {list(param.shape)})")
+        t = tensors[name]
+        if tuple(t.shape) != tuple(param.shape):
+            raise CheckpointError(f"{source}: tensor {name} has shape {list(t.shape)}, expected {list(param.shape)}")
+    extra = sorted(set(tensors) - set(own))
+    if extra:
+        raise CheckpointError(f"{source}: unexpected tensor {extra[0]}" + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))
+    with torch.no_grad():
+        for name, param in own.items():
+            if name in tensors:
+                param.copy_(tensors[name].to(param.dtype))
+
+
+def load_tokenizer(folder: Path):
+    """The HF tokenizer saved in `folder`, or None when the folder has no tokenizer files."""
+    folder = Path(folder)
+    if not any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)

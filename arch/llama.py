@@ -1,0 +1,331 @@
+"""Llama-style decoder (Llama 2/3, Qwen2, Mistral): RMSNorm, RoPE (with the Llama-3 scaling rule),
+grouped-query attention, SwiGLU MLP, tied or untied embeddings; and the HF checkpoint loader.
+
+Parameter names follow HF `LlamaForCausalLM` (`model.layers.N.self_attn.q_proj.weight`, ...), so a
+checkpoint's state dict loads without renaming. Attention runs in one of two ways:
+
+- `forward(tokens [B, T])`: contiguous K/V, causal or not, through PyTorch SDPA; used by
+  `Decoder.logits` for scoring and as the independent check of the paged path;
+- `forward_paged(tokens [N], positions [N], batch)`: packed tokens of several sequences whose K/V
+  are written into and read from a paged cache through `kernels.paged_attention` (prefill chunks
+  and decode steps).
+
+The blocks are reused unchanged (with `causal=False`) by the Mask-Predict family.
+"""
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from arch.checkpoint import CheckpointError, assign_weights, config_from_dict, load_weights, read_json
+from kernels import paged_attention
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 8192
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    def __post_init__(self):
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise CheckpointError(
+                f"num_attention_heads {self.num_attention_heads} is not a multiple of num_key_value_heads {self.num_key_value_heads}"
+            )
+
+
+@dataclass
+class PagedBatch:
+    """Where a packed forward reads and writes K/V: tensors only, built by the decoder's cache."""
+
+    k_cache: torch.Tensor  # [L, num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor  # [L, num_blocks, block_size, Hkv, D]
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    seq_lens: torch.Tensor  # [B] int32, valid K/V positions after this forward's tokens are written
+    slot_mapping: torch.Tensor  # [N] int64, cache slot of each packed token
+    decode: bool  # one query per sequence (N == B)
+    causal: bool = True
+    cu_seqlens_q: torch.Tensor | None = None  # [B+1] int32, prefill only
+    max_seqlen_q: int = 1
+    impl: str = "ref"
+    workspace: dict | None = field(default=None, repr=False)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        # Normalise in float32 as HF does, then scale in the input dtype.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
+    """[D/2] inverse frequencies, with the Llama-3 rule when `rope_scaling` says so."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+        smooth = (old_len / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        middle = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        inv_freq = torch.where(middle, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+    elif kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind != "default":
+        raise CheckpointError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3)")
+    return inv_freq.float()
+
+
+class Rotary(nn.Module):
+    """cos/sin tables for positions [0, max_position_embeddings), built once on the model's device."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.max_positions = config.max_position_embeddings
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        self.cos = self.sin = None
+
+    def forward(self, x, positions):
+        """x [..., H, D] at `positions` [...] (HF's rotate-half convention)."""
+        if self.cos is None or self.cos.device != self.inv_freq.device:
+            pos = torch.arange(self.max_positions, device=self.inv_freq.device, dtype=torch.float32)
+            angles = torch.outer(pos, self.inv_freq)  # [P, D/2]
+            self.cos, self.sin = angles.cos(), angles.sin()
+        cos = self.cos[positions].unsqueeze(-2)  # [..., 1, D/2]
+        sin = self.sin[positions].unsqueeze(-2)
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.n_kv * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.n_kv * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, config.hidden_size, bias=False)
+        self.scale = self.head_dim**-0.5
+
+    def qkv(self, x, positions, rotary):
+        """x [..., d] -> q [..., Hq, D], k and v [..., Hkv, D], with RoPE applied to q and k."""
+        q = self.q_proj(x).unflatten(-1, (self.n_heads, self.head_dim))
+        k = self.k_proj(x).unflatten(-1, (self.n_kv, self.head_dim))
+        v = self.v_proj(x).unflatten(-1, (self.n_kv, self.head_dim))
+        return rotary(q, positions), rotary(k, positions), v
+
+    def forward(self, x, positions, rotary, causal: bool):
+        """Contiguous attention over x [B, T, d] at positions [B, T]."""
+        q, k, v = self.qkv(x, positions, rotary)
+        group = self.n_heads // self.n_kv
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=self.scale)
+        return self.o_proj(out.transpose(1, 2).flatten(-2))
+
+    def forward_paged(self, x, positions, rotary, batch: PagedBatch, layer: int):
+        """Packed tokens x [N, d]: write their K/V into the pages, attend through the block table."""
+        q, k, v = self.qkv(x, positions, rotary)
+        k_cache, v_cache = batch.k_cache[layer], batch.v_cache[layer]
+        paged_attention.write_kv(k, v, k_cache, v_cache, batch.slot_mapping, impl=batch.impl)
+        if batch.decode:
+            out = paged_attention.paged_decode_attention(
+                q, k_cache, v_cache, batch.block_tables, batch.seq_lens, self.scale, impl=batch.impl, workspace=batch.workspace
+            )
+        else:
+            out = paged_attention.paged_prefill_attention(
+                q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.cu_seqlens_q, self.scale,
+                causal=batch.causal, impl=batch.impl, max_seqlen_q=batch.max_seqlen_q,
+            )
+        return self.o_proj(out.flatten(-2))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, attend):
+        """`attend(normed_x) -> attention output`; the residual structure is shared by both paths."""
+        x = x + attend(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Trunk(nn.Module):
+    """Embedding, blocks and final norm (HF's `model.` prefix)."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class Llama(nn.Module):
+    def __init__(self, config: LlamaConfig, *, causal: bool = True):
+        super().__init__()
+        self.config = config
+        self.causal = causal
+        self.model = Trunk(config)
+        self.rotary = Rotary(config)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def head(self, h):
+        w = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        return F.linear(self.model.norm(h), w)
+
+    def hidden(self, tokens, positions=None):
+        """Final hidden states [B, T, d] before the norm, contiguous attention."""
+        B, T = tokens.shape
+        if positions is None:
+            positions = torch.arange(T, device=tokens.device).expand(B, T)
+        x = self.model.embed_tokens(tokens)
+        for block in self.model.layers:
+            x = block(x, lambda h, b=block: b.self_attn(h, positions, self.rotary, self.causal))
+        return x
+
+    def forward(self, tokens):
+        """Logits [B, T, V] of one parallel forward."""
+        return self.head(self.hidden(tokens))
+
+    def forward_paged(self, tokens, positions, batch: PagedBatch, logit_index=None):
+        """Packed tokens [N] at positions [N]; logits [len(logit_index), V] (all N if None)."""
+        x = self.model.embed_tokens(tokens)
+        for i, block in enumerate(self.model.layers):
+            x = block(x, lambda h, b=block, i=i: b.self_attn.forward_paged(h, positions, self.rotary, batch, i))
+        if logit_index is not None:
+            x = x[logit_index]
+        return self.head(x)
+
+    def init_random(self, seed: int = 0):
+        """Random weights with the usual 0.02-std normal init (norms at 1), deterministic in `seed`."""
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                elif name.endswith("bias"):
+                    p.zero_()
+                else:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+        return self
+
+
+HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}
+
+
+def config_from_hf(hf: dict, source: str) -> LlamaConfig:
+    """Our LlamaConfig from an HF config.json (transformers 4.x `rope_scaling` or 5.x `rope_parameters`)."""
+    required = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"]
+    for key in required:
+        if key not in hf:
+            raise CheckpointError(f"{source}: config.json has no field {key}")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"{source}: hidden_act {hf['hidden_act']!r} is not supported (silu only)")
+    if hf.get("mlp_bias"):
+        raise CheckpointError(f"{source}: mlp_bias=true is not supported")
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    max_pos = hf.get("max_position_embeddings", 8192)
+    window = hf.get("sliding_window")
+    if window and hf.get("use_sliding_window", True) and window < max_pos:
+        # Sliding-window attention is not implemented: limit the context to the window, where it is exact.
+        max_pos = window
+    model_type = hf.get("model_type", "llama")
+    return LlamaConfig(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_hidden_layers=hf["num_hidden_layers"],
+        num_attention_heads=hf["num_attention_heads"],
+        num_key_value_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        head_dim=hf.get("head_dim"),
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_theta=float(theta),
+        rope_scaling=rope if kind != "default" else None,
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        # Qwen2 always has q/k/v biases; Llama and Mistral say so in attention_bias.
+        attention_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_id=hf.get("eos_token_id"),
+    )
+
+
+def is_hf_llama(hf: dict) -> bool:
+    archs = hf.get("architectures") or []
+    return any(a in HF_ARCHITECTURES for a in archs) or hf.get("model_type") in ("llama", "qwen2", "mistral")
+
+
+def load_hf(folder: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+    """Config and state dict (HF names) of a Llama/Qwen2/Mistral checkpoint folder."""
+    folder = Path(folder)
+    hf = read_json(folder / "config.json")
+    if not is_hf_llama(hf):
+        raise CheckpointError(f"{folder}: unknown architecture {hf.get('architectures') or hf.get('model_type')}")
+    config = config_from_hf(hf, str(folder))
+    tensors = load_weights(folder)
+    if config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    # Buffers HF may save that the lab recomputes.
+    tensors = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
+    return config, tensors
+
+
+def build(config: LlamaConfig, tensors: dict | None, source: str, *, causal: bool = True, seed: int = 0) -> Llama:
+    """A Llama on the CPU in float32, with `tensors` assigned (checked) or random weights."""
+    model = Llama(config, causal=causal)
+    if tensors is None:
+        return model.init_random(seed)
+    assign_weights(model, tensors, source)
+    return model
+
+
+def preset_config(values: dict, source: str) -> LlamaConfig:
+    return config_from_dict(LlamaConfig, values, source)

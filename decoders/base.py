@@ -1,0 +1,270 @@
+"""The shared decoder interface: every family implements `prefill`, `step`, `memory`; `generate` is
+written once on top of them and records the timings the harness needs.
+
+- `Decoder.logits(tokens [B, T]) -> [B, T, V]`: one parallel forward, for scoring.
+- `Decoder.prefill(prompts, max_new_tokens=..., sampling=...) -> state`: consumes the prompts and
+  picks each sequence's first new token.
+- `Decoder.step(state) -> StepOut`: exactly one model forward; `StepOut.committed` [B] says how
+  many tokens each sequence gained (1 for the autoregressive families, 0..n for a Mask-Predict pass).
+- `Decoder.memory(batch, ctx) -> Memory`: weight bytes, state bytes, bytes one decode step moves.
+
+`AutoregressiveDecoder` is the common body of the transformer, Mamba-2 and RWKV-7 families: a family
+supplies a cache, a prefill forward and a decode forward; sampling and bookkeeping stay on the device
+so that a step never synchronises with the host.
+"""
+
+import time
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass, field, is_dataclass
+
+import torch
+
+from decoders.sampling import GREEDY, Sampling, sample
+
+
+class UsageError(ValueError):
+    """Input the lab refuses (context over the limit, bad option); the message is one line."""
+
+
+@dataclass
+class StepOut:
+    tokens: torch.Tensor  # [B, k] tokens this pass produced (k = 1 autoregressive; the canvas for Mask-Predict)
+    committed: torch.Tensor  # [B] int32 tokens each sequence gained in this pass
+    logits: torch.Tensor | None = None  # [B, V] autoregressive: logits of the position just fed
+
+
+@dataclass
+class Memory:
+    weight_bytes: int
+    state_bytes: int  # KV cache or recurrent state for the whole batch at this context
+    step_read_bytes: int  # weights + state read by one decode step
+    step_write_bytes: int  # state written by one decode step
+
+    @property
+    def step_bytes(self) -> int:
+        return self.step_read_bytes + self.step_write_bytes
+
+
+@dataclass
+class Generation:
+    tokens: list[list[int]]  # new tokens per sequence
+    prompt_lens: list[int]
+    prefill_s: float  # prompts consumed and first tokens chosen (time to first token)
+    step_s: list[float] = field(default_factory=list)  # one entry per step (one forward each)
+    committed: list[float] = field(default_factory=list)  # mean tokens committed per sequence, per step
+    text: list[str] | None = None
+
+    @property
+    def passes(self) -> int:
+        return len(self.step_s)
+
+
+class Timer:
+    """Elapsed seconds between marks: CUDA events on a GPU (no synchronisation until `read`), else a monotonic clock."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks = []
+
+    def mark(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def intervals(self) -> list[float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [a.elapsed_time(b) * 1e-3 for a, b in zip(self.marks, self.marks[1:])]
+        return [b - a for a, b in zip(self.marks, self.marks[1:])]
+
+
+class Decoder(ABC):
+    """One model behind the shared interface. Subclasses set `family`."""
+
+    family: str = ""
+
+    def __init__(self, model, config, *, device, dtype, impl, source, tokenizer=None, max_context=None):
+        self.model = model.to(device=device, dtype=dtype).eval()
+        self.config = config
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.impl = impl
+        self.source = source
+        self.tokenizer = tokenizer
+        self.max_context = max_context
+
+    def describe(self) -> dict:
+        """What a result record says about this decoder."""
+        config = asdict(self.config) if is_dataclass(self.config) else dict(self.config)
+        return {"family": self.family, "model": self.source, "impl": self.impl, "dtype": str(self.dtype).removeprefix("torch."), "config": config}
+
+    @property
+    def eos_token_id(self) -> int | None:
+        eos = getattr(self.config, "eos_token_id", None)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos = self.tokenizer.eos_token_id
+        return eos[0] if isinstance(eos, list) else eos
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    @torch.inference_mode()
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        tokens = torch.as_tensor(tokens, device=self.device)
+        self.check_context(tokens.shape[-1])
+        return self.model(tokens)
+
+    def check_context(self, length: int) -> None:
+        if self.max_context is not None and length > self.max_context:
+            raise UsageError(f"context of {length} tokens is over {self.source}'s maximum of {self.max_context}")
+
+    def encode_prompts(self, prompts) -> list[list[int]]:
+        """Prompts as token lists: a [B, T] tensor, a list of token lists, or strings (with a tokenizer)."""
+        if isinstance(prompts, torch.Tensor):
+            return prompts.reshape(-1, prompts.shape[-1]).tolist()
+        prompts = list(prompts)
+        if prompts and isinstance(prompts[0], str):
+            if self.tokenizer is None:
+                raise UsageError(f"{self.source} has no tokenizer: pass token ids, not strings")
+            return [self.tokenizer.encode(p) for p in prompts]
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise UsageError("every prompt needs at least one token")
+        return [list(map(int, p)) for p in prompts]
+
+    @abstractmethod
+    def prefill(self, prompts, *, max_new_tokens: int, sampling: Sampling = GREEDY):
+        """Consume the prompts; returns the family's state, ready for `step`."""
+
+    @abstractmethod
+    def step(self, state) -> StepOut:
+        """Exactly one model forward over `state`, updating it in place."""
+
+    @abstractmethod
+    def finished(self, state) -> bool:
+        """Host-side: whether `generate` should stop stepping."""
+
+    @abstractmethod
+    def output(self, state, steps: list[StepOut]) -> list[list[int]]:
+        """New tokens per sequence, from the state and the step outputs `generate` collected."""
+
+    @abstractmethod
+    def memory(self, batch: int, ctx: int) -> Memory:
+        """Bytes for `batch` sequences at context `ctx` (prompt + generated)."""
+
+    @torch.inference_mode()
+    def generate(self, prompts, max_new_tokens: int, sampling: Sampling = GREEDY, *, stop_at_eos: bool = False) -> Generation:
+        """Prefill, then step until done; per-step times come from CUDA events (or a monotonic clock).
+
+        With `stop_at_eos`, every sequence's output is cut after its first end-of-sequence token and
+        stepping ends once all have one (one host synchronisation per step).
+        """
+        if max_new_tokens < 1:
+            raise UsageError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        prompts = self.encode_prompts(prompts)
+        timer = Timer(self.device)
+        timer.mark()
+        state = self.prefill(prompts, max_new_tokens=max_new_tokens, sampling=sampling)
+        timer.mark()
+        steps, committed = [], []
+        eos = self.eos_token_id if stop_at_eos else None
+        while not self.finished(state):
+            out = self.step(state)
+            timer.mark()
+            steps.append(StepOut(out.tokens.clone(), out.committed.clone()))
+            committed.append(out.committed)
+            if eos is not None and all(eos in seq for seq in self.output(state, steps)):
+                break
+        times = timer.intervals()
+        tokens = self.output(state, steps)
+        if eos is not None:
+            tokens = [seq[: seq.index(eos) + 1] if eos in seq else seq for seq in tokens]
+        gen = Generation(
+            tokens=tokens,
+            prompt_lens=[len(p) for p in prompts],
+            prefill_s=times[0],
+            step_s=times[1:],
+            committed=[c.float().mean().item() for c in committed],
+        )
+        if self.tokenizer is not None:
+            gen.text = [self.tokenizer.decode(t) for t in tokens]
+        self.release(state)
+        return gen
+
+    def release(self, state) -> None:
+        """Give back what the state holds (KV blocks); the default holds nothing shared."""
+
+
+@dataclass
+class ARState:
+    """Decode state of an autoregressive family: the family's cache plus the token to feed next."""
+
+    cache: object
+    next_tokens: torch.Tensor  # [B] int64, sampled but not yet fed
+    positions: torch.Tensor  # [B] int64, position of next_tokens (= tokens already in the cache)
+    first_tokens: torch.Tensor  # [B] tokens chosen by prefill
+    first_logits: torch.Tensor  # [B, V] logits of each prompt's last position
+    sampling: Sampling
+    generator: torch.Generator | None
+    steps_left: int
+    prompt_lens: list[int]
+
+
+class AutoregressiveDecoder(Decoder):
+    """prefill/step/generate for families that add one token per sequence per forward."""
+
+    def new_cache(self, prompt_lens: list[int], max_len: int):
+        """The family's cache for sequences of up to `max_len` tokens."""
+        raise NotImplementedError
+
+    def prefill_forward(self, cache, prompts: list[list[int]]) -> torch.Tensor:
+        """Consume the prompts into the cache; logits [B, V] of each prompt's last token."""
+        raise NotImplementedError
+
+    def decode_forward(self, cache, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Feed tokens [B] at positions [B]; logits [B, V]. Must not synchronise with the host."""
+        raise NotImplementedError
+
+    @torch.inference_mode()
+    def prefill(self, prompts, *, max_new_tokens: int, sampling: Sampling = GREEDY) -> ARState:
+        prompts = self.encode_prompts(prompts)
+        lens = [len(p) for p in prompts]
+        self.check_context(max(lens) + max_new_tokens)
+        cache = self.new_cache(lens, max(lens) + max_new_tokens)
+        logits = self.prefill_forward(cache, prompts)
+        generator = None
+        if not sampling.greedy:
+            generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
+        first = sample(logits, sampling, generator)
+        return ARState(
+            cache=cache,
+            next_tokens=first.clone(),
+            positions=torch.tensor(lens, device=self.device, dtype=torch.int64),
+            first_tokens=first,
+            first_logits=logits,
+            sampling=sampling,
+            generator=generator,
+            steps_left=max_new_tokens - 1,
+            prompt_lens=lens,
+        )
+
+    @torch.inference_mode()
+    def step(self, state: ARState) -> StepOut:
+        logits = self.decode_forward(state.cache, state.next_tokens, state.positions)
+        state.next_tokens.copy_(sample(logits, state.sampling, state.generator))
+        state.positions.add_(1)
+        state.steps_left -= 1
+        committed = torch.ones_like(state.next_tokens, dtype=torch.int32)
+        return StepOut(tokens=state.next_tokens.unsqueeze(1), committed=committed, logits=logits)
+
+    def finished(self, state: ARState) -> bool:
+        return state.steps_left <= 0
+
+    def output(self, state: ARState, steps: list[StepOut]) -> list[list[int]]:
+        return torch.cat([state.first_tokens.unsqueeze(1)] + [s.tokens for s in steps], dim=1).tolist()

@@ -1,0 +1,210 @@
+"""`python -m decoders.compare`: decode throughput, latency and context-scaling decay of every family.
+
+    python -m decoders.compare                                  # defaults for this machine (printed)
+    python -m decoders.compare --models llama-1b,mamba2-1.3b --ctx 4k..128k --batch 1,16
+    python -m decoders.compare --models maskpredict-tiny --iterations 1,4,16 --block 8
+
+Each finished point is appended to `--out` as one JSON object (an interrupted sweep keeps what it
+wrote); a point that does not fit in memory is recorded as skipped and the sweep goes on. The table
+is printed at the end and the last stdout line is one JSON document with every point. Bad input is
+one line on stderr and exit code 2.
+"""
+
+import argparse
+import json
+import re
+import sys
+import time
+
+import torch
+
+K = 1024
+
+
+class ArgError(ValueError):
+    """A command-line value the CLI refuses."""
+
+
+def parse_size(text: str) -> int:
+    """'4k' -> 4096, '300' -> 300; k = 1024."""
+    m = re.fullmatch(r"\s*(\d+)\s*([kK]?)\s*", text)
+    if not m:
+        raise ArgError(f"not a context size: {text!r} (expected e.g. 4096, 4k)")
+    value = int(m.group(1)) * (K if m.group(2) else 1)
+    if value < 1:
+        raise ArgError(f"context must be at least 1 token, got {text!r}")
+    return value
+
+
+def parse_ctx(text: str) -> list[int]:
+    """'4k..128k' doubles from 4k to 128k; '4k,6k,32k' and plain integers list the values."""
+    if ".." in text:
+        lo_text, _, hi_text = text.partition("..")
+        lo, hi = parse_size(lo_text), parse_size(hi_text)
+        if lo > hi:
+            raise ArgError(f"--ctx range {text!r} runs backwards (start {lo} > end {hi})")
+        values = []
+        while lo <= hi:
+            values.append(lo)
+            lo *= 2
+        return values
+    values = [parse_size(t) for t in text.split(",") if t.strip()]
+    if not values:
+        raise ArgError(f"--ctx {text!r} names no context")
+    return sorted(set(values))
+
+
+def parse_ints(text: str, name: str, minimum: int = 1) -> list[int]:
+    try:
+        values = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise ArgError(f"--{name} expects comma-separated integers, got {text!r}") from None
+    if not values or min(values) < minimum:
+        raise ArgError(f"--{name} values must be integers >= {minimum}, got {text!r}")
+    return values
+
+
+def defaults(on_gpu: bool) -> dict:
+    if on_gpu:
+        return {"models": "llama-1b,mamba2-1.3b,rwkv7-1.5b,maskpredict-1b", "ctx": "4k..128k"}
+    return {"models": "llama-tiny,mamba2-tiny,rwkv7-tiny,maskpredict-tiny", "ctx": "256..1k"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m decoders.compare", description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", help="comma list of presets or checkpoint folders")
+    p.add_argument("--ctx", help="contexts: 4k..128k (doubling), 4k,6k,32k, or integers (k = 1024)")
+    p.add_argument("--batch", default="1", help="comma list of batch sizes (default 1)")
+    p.add_argument("--new-tokens", type=int, default=32, help="tokens decoded per point (default 32)")
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bf16 on a GPU, fp32 on a CPU)")
+    p.add_argument("--impl", default="auto", choices=["auto", "triton", "ref"])
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--page-size", type=int, default=16, help="KV cache page size for attention families")
+    p.add_argument("--iterations", default="4", help="Mask-Predict: comma list of refinement passes T")
+    p.add_argument("--block", type=int, default=None, help="Mask-Predict: semi-autoregressive block length")
+    p.add_argument("--out", default="results/compare.jsonl", help="JSON lines file, appended point by point")
+    p.add_argument("--plot", default=None, help="PNG: decode tokens/s against context, one line per model")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def plan_points(models, ctxs, batches, iterations):
+    """(model, family, T, batch, ctx) in sweep order; T only for Mask-Predict models."""
+    import decoders
+
+    for model in models:
+        family = decoders.family_of(model)
+        for it in iterations if family == "maskpredict" else [None]:
+            for batch in batches:
+                for ctx in ctxs:
+                    yield model, family, it, batch, ctx
+
+
+def format_table(records: list[dict]) -> str:
+    cols = [
+        ("model", "{}"), ("T", "{}"), ("batch", "{}"), ("ctx", "{}"), ("status", "{}"), ("ttft ms", "{:.1f}"),
+        ("p50 ms", "{:.2f}"), ("p99 ms", "{:.2f}"), ("tok/s/seq", "{:.1f}"), ("tok/s", "{:.1f}"),
+        ("prefill tok/s", "{:.0f}"), ("MBU", "{:.2f}"), ("decay", "{:.2f}"),
+    ]
+    keys = ["model", "iterations", "batch", "ctx", "status", "ttft_ms", "step_ms_p50", "step_ms_p99", "decode_tok_s_per_seq",
+            "decode_tok_s", "prefill_tok_s", "mbu", "decay"]
+    rows = [[name for name, _ in cols]]
+    for r in records:
+        rows.append(["-" if r.get(k) is None else fmt.format(r[k]) for (_, fmt), k in zip(cols, keys)])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(cols))]
+    return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows)
+
+
+def run(args) -> int:
+    import decoders
+    from decoders import harness
+    from kernels.benchtools import append_jsonl, environment
+
+    on_gpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
+    chosen = defaults(on_gpu)
+    said = [f"--{k} {v}" for k, v in chosen.items() if getattr(args, k) is None]
+    if said:
+        print(f"defaults for this {'GPU' if on_gpu else 'CPU'}: {' '.join(said)}", file=sys.stderr)
+    models = [m for m in (args.models or chosen["models"]).split(",") if m]
+    ctxs = parse_ctx(args.ctx or chosen["ctx"])
+    batches = parse_ints(args.batch, "batch")
+    iterations = parse_ints(args.iterations, "iterations")
+    if args.new_tokens < 1:
+        raise ArgError(f"--new-tokens must be >= 1, got {args.new_tokens}")
+    if args.new_tokens >= min(ctxs):
+        raise ArgError(f"--new-tokens {args.new_tokens} leaves no prompt at context {min(ctxs)}")
+    device = torch.device(args.device or ("cuda" if on_gpu else "cpu"))
+
+    env = environment(device)
+    ceiling = harness.ceilings(device)
+    print(f"ceilings on {env['device']}: copy {ceiling['copy_bytes_per_s'] / 1e12:.2f} TB/s, matmul {ceiling['matmul_flops'] / 1e12:.1f} TFLOP/s", file=sys.stderr)
+    records, base_tok_s = [], {}
+    plan = list(plan_points(models, ctxs, batches, iterations))
+    progress = None
+    if not args.no_progress:
+        from tqdm import tqdm
+
+        progress = tqdm(total=len(plan), file=sys.stderr, unit="point")
+    loaded = {}
+    try:
+        for model, family, it, batch, ctx in plan:
+            key = (model, it)
+            if key not in loaded:
+                loaded.clear()
+                options = {"page_size": args.page_size} if family in ("transformer", "maskpredict") else {}
+                if family == "maskpredict":
+                    options.update(iterations=it, block_length=args.block)
+                dec = decoders.load(model, device=device, dtype=args.dtype, impl=args.impl, seed=args.seed, **options)
+                dec.check_context(max(ctxs))
+                gate = harness.check_against_reference(dec, seed=args.seed)
+                loaded[key] = (dec, gate)
+            dec, gate = loaded[key]
+            record = {"model": model, "iterations": it, **dec.describe(), "ceilings": ceiling, "correctness": gate, **env, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+            if not gate["ok"]:
+                record.update(status="refused", reason=f"{dec.impl} disagrees with the reference (rel. RMS {gate['rel_rms']:.2e} > {gate['tolerance']:.0e})", ctx=ctx, batch=batch)
+            elif (why := harness.fits(dec, batch, ctx)) is not None:
+                record.update(status="skipped", reason=why, ctx=ctx, batch=batch)
+            else:
+                try:
+                    record.update(status="ok", **harness.measure(dec, ctx=ctx, batch=batch, new_tokens=args.new_tokens, ceiling=ceiling, seed=args.seed))
+                except torch.cuda.OutOfMemoryError as e:
+                    torch.cuda.empty_cache()
+                    record.update(status="skipped", reason=f"out of memory: {str(e).splitlines()[0]}", ctx=ctx, batch=batch)
+            if record.get("decode_tok_s_per_seq"):
+                base = base_tok_s.setdefault((model, it, batch), record["decode_tok_s_per_seq"])
+                record["decay"] = record["decode_tok_s_per_seq"] / base
+            append_jsonl(args.out, record)
+            records.append(record)
+            if progress:
+                progress.update()
+    except KeyboardInterrupt:
+        print(f"interrupted: {len(records)} finished point(s) kept in {args.out}", file=sys.stderr)
+    finally:
+        if progress:
+            progress.close()
+    print(format_table(records))
+    if args.plot:
+        from decoders.plot import plot_context_scaling
+
+        plot_context_scaling(records, args.plot)
+        print(f"plot written to {args.plot}", file=sys.stderr)
+    print(json.dumps({"environment": env, "ceilings": ceiling, "points": records}))
+    return 0 if len(records) == len(plan) else 130
+
+
+def main(argv=None) -> int:
+    from arch.checkpoint import CheckpointError
+    from decoders.base import UsageError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except (ArgError, UsageError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""The measuring harness: one point = (decoder, context, batch), measured the same way for every family.
+
+For a point at context `ctx` the prompt has `ctx - new_tokens` tokens, so decoding runs at `ctx`.
+Per point: time to first token (prefill), per-step decode latency p50/p90/p99, decode tokens/s per
+sequence and aggregate (tokens committed per step, so Mask-Predict passes count what they commit),
+prefill tokens/s, peak memory, state bytes, the roofline step time (bytes one step must move over
+the copy bandwidth measured in the same run) and MBU (roofline time / measured median step time).
+Warm-up (compilation, autotuning) runs before the timed generation and is reported separately.
+
+`check_against_reference` is the correctness gate: a decoder whose kernels disagree with the
+reference path on a short sequence is not timed.
+"""
+
+import copy
+import math
+import statistics
+import time
+
+import torch
+
+from decoders.base import Decoder
+from kernels import benchtools
+
+
+def ceilings(device) -> dict:
+    """Copy bandwidth and matmul rate of this device, measured now."""
+    return {"copy_bytes_per_s": benchtools.copy_bandwidth(device), "matmul_flops": benchtools.matmul_flops(device)}
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))
+    return ordered[index]
+
+
+def with_impl(decoder: Decoder, impl: str) -> Decoder:
+    """The same decoder (shared weights) running on another kernel implementation."""
+    other = copy.copy(decoder)
+    other.impl = impl
+    return other
+
+
+def relative_rms(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def reference_outputs(decoder: Decoder, prompt: torch.Tensor, steps: int) -> torch.Tensor:
+    """Logits a short generation produces: prefill's last logits and each step's (or, for a family
+    whose steps return no logits, the parallel forward's)."""
+    state = decoder.prefill(prompt, max_new_tokens=steps + 1)
+    logits = [state.first_logits] if hasattr(state, "first_logits") else []
+    for _ in range(steps):
+        out = decoder.step(state)
+        if out.logits is not None:
+            logits.append(out.logits)
+    decoder.release(state)
+    return torch.stack(logits) if logits else decoder.logits(prompt)
+
+
+def check_against_reference(decoder: Decoder, *, tokens: int = 48, steps: int = 4, seed: int = 0) -> dict:
+    """Compare `decoder`'s logits with its reference path's on a random sequence (the correctness gate)."""
+    if decoder.impl == "ref":
+        return {"ok": True, "rel_rms": 0.0, "tolerance": 0.0}
+    tolerance = 1e-3 if decoder.dtype == torch.float32 else 3e-2
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, decoder.vocab_size, (1, tokens), generator=g)
+    with torch.inference_mode():
+        err = relative_rms(reference_outputs(decoder, prompt, steps), reference_outputs(with_impl(decoder, "ref"), prompt, steps))
+    return {"ok": err <= tolerance, "rel_rms": err, "tolerance": tolerance}
+
+
+def fits(decoder: Decoder, batch: int, ctx: int) -> str | None:
+    """Why a point cannot fit in device memory, or None when it may."""
+    if decoder.device.type != "cuda":
+        return None
+    need = decoder.memory(batch, ctx).state_bytes
+    free, _ = torch.cuda.mem_get_info(decoder.device)
+    if need > 0.9 * free:
+        return f"needs {need / 1e9:.1f} GB of state/KV, {free / 1e9:.1f} GB free"
+    return None
+
+
+def measure(decoder: Decoder, *, ctx: int, batch: int, new_tokens: int, ceiling: dict, seed: int = 0, warmup_tokens: int = 4) -> dict:
+    """Measure one point; returns the record (without environment fields)."""
+    prompt_len = ctx - new_tokens
+    if prompt_len < 1:
+        raise ValueError(f"context {ctx} leaves no prompt for {new_tokens} new tokens")
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(0, decoder.vocab_size, (batch, prompt_len), generator=g)
+    cuda = decoder.device.type == "cuda"
+
+    t0 = time.perf_counter()
+    decoder.generate(prompts[:, : min(prompt_len, 64)], max_new_tokens=min(new_tokens, warmup_tokens))
+    warmup_s = time.perf_counter() - t0
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(decoder.device)
+    gen = decoder.generate(prompts, max_new_tokens=new_tokens)
+
+    mem = decoder.memory(batch, ctx)
+    steps = gen.step_s
+    record = {
+        "ctx": ctx,
+        "batch": batch,
+        "prompt_len": prompt_len,
+        "new_tokens": new_tokens,
+        "warmup_s": warmup_s,
+        "ttft_ms": gen.prefill_s * 1e3,
+        "prefill_tok_s": batch * prompt_len / gen.prefill_s,
+        "passes": gen.passes,
+        "weight_bytes": mem.weight_bytes,
+        "state_bytes": mem.state_bytes,
+        "step_bytes": mem.step_bytes,
+        "peak_memory_bytes": torch.cuda.max_memory_allocated(decoder.device) if cuda else None,
+    }
+    if steps:
+        step_median = statistics.median(steps)
+        tokens_per_pass = statistics.fmean(gen.committed)
+        roofline_s = mem.step_bytes / ceiling["copy_bytes_per_s"]
+        record.update(
+            {
+                "step_ms_p50": step_median * 1e3,
+                "step_ms_p90": percentile(steps, 90) * 1e3,
+                "step_ms_p99": percentile(steps, 99) * 1e3,
+                "tokens_per_pass": tokens_per_pass,
+                "decode_tok_s_per_seq": tokens_per_pass / step_median,
+                "decode_tok_s": batch * tokens_per_pass / step_median,
+                "roofline_ms": roofline_s * 1e3,
+                "achieved_bytes_per_s": mem.step_bytes / step_median,
+                "mbu": roofline_s / step_median,
+            }
+        )
+    return record

@@ -1,0 +1,151 @@
+"""The transformer family: a Llama-style model (`arch.llama`) decoding over a paged KV cache.
+
+Prefill packs the prompts' tokens (several sequences, variable lengths) and runs them in chunks of
+`prefill_chunk` tokens per sequence, each chunk writing its K/V into the pages and attending over the
+prefix already there, so a 128k prompt never needs more than one chunk's attention scores. Before
+decoding, every sequence reserves the blocks for its prompt plus `max_new_tokens`, so a decode step
+computes its slots on the device from the block table and never returns to the host.
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from arch import llama
+from arch.checkpoint import load_tokenizer
+from decoders.base import AutoregressiveDecoder, Memory
+from decoders.kv_cache import PagedKVCache
+from kernels import paged_attention
+
+
+@dataclass
+class TransformerCache:
+    kv: PagedKVCache
+    seqs: list[int]
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    workspace: dict | None  # decode partials, allocated once per state
+
+
+class TransformerDecoder(AutoregressiveDecoder):
+    family = "transformer"
+
+    def __init__(self, model, config, *, page_size: int = 16, num_blocks: int | None = None, kv_memory_bytes: int | None = None, prefill_chunk: int | None = None, **kwargs):
+        super().__init__(model, config, max_context=config.max_position_embeddings, **kwargs)
+        self.page_size = page_size
+        self.prefill_chunk = prefill_chunk
+        self.pool = None
+        if num_blocks is not None or kv_memory_bytes is not None:
+            self.pool = self._new_kv(num_blocks=num_blocks, memory_bytes=kv_memory_bytes)
+
+    @classmethod
+    def detects(cls, hf_config: dict) -> bool:
+        return llama.is_hf_llama(hf_config)
+
+    @classmethod
+    def from_preset(cls, values: dict, name: str, *, seed: int = 0, **kwargs):
+        config = llama.preset_config(values, name)
+        return cls(llama.build(config, None, name, seed=seed), config, source=name, **kwargs)
+
+    @classmethod
+    def from_checkpoint(cls, folder: Path, **kwargs):
+        config, tensors = llama.load_hf(folder)
+        model = llama.build(config, tensors, str(folder))
+        return cls(model, config, source=str(folder), tokenizer=load_tokenizer(folder), **kwargs)
+
+    def _new_kv(self, **size) -> PagedKVCache:
+        c = self.config
+        return PagedKVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, block_size=self.page_size, dtype=self.dtype, device=self.device, **size)
+
+    def new_cache(self, prompt_lens: list[int], max_len: int) -> TransformerCache:
+        kv = self.pool
+        if kv is None:
+            kv = self._new_kv(num_blocks=len(prompt_lens) * -(-max_len // self.page_size))
+        seqs = [kv.add_sequence() for _ in prompt_lens]
+        for s in seqs:
+            kv.reserve(s, max_len)
+        workspace = None
+        if self.impl == "triton":
+            workspace = paged_attention.decode_workspace(
+                len(seqs), self.config.num_attention_heads, self.config.num_key_value_heads, self.config.head_dim, max_len, self.device
+            )
+        return TransformerCache(kv, seqs, kv.block_table(seqs), workspace)
+
+    def release(self, state) -> None:
+        for s in state.cache.seqs:
+            state.cache.kv.free(s)
+
+    def chunk_tokens(self, max_len: int) -> int:
+        """Prefill tokens per sequence per forward; the reference attention holds [Hq, chunk, ctx] floats."""
+        if self.prefill_chunk:
+            return self.prefill_chunk
+        if self.impl == "ref":
+            return max(64, min(8192, (1 << 30) // (4 * self.config.num_attention_heads * max_len)))
+        return 8192
+
+    def prefill_forward(self, cache: TransformerCache, prompts: list[list[int]]) -> torch.Tensor:
+        chunk = self.chunk_tokens(max(map(len, prompts)))
+        done = [0] * len(prompts)
+        last_logits = [None] * len(prompts)
+        while any(d < len(p) for d, p in zip(done, prompts)):
+            rows = [i for i, p in enumerate(prompts) if done[i] < len(p)]
+            tokens, positions, slots, q_lens, finishing = [], [], [], [], []
+            for i in rows:
+                n = min(chunk, len(prompts[i]) - done[i])
+                tokens += prompts[i][done[i] : done[i] + n]
+                positions += range(done[i], done[i] + n)
+                slots.append(cache.kv.append(cache.seqs[i], n))
+                q_lens.append(n)
+                done[i] += n
+                finishing.append(done[i] == len(prompts[i]))
+            dev = self.device
+            cu = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+            batch = llama.PagedBatch(
+                k_cache=cache.kv.k,
+                v_cache=cache.kv.v,
+                block_tables=cache.block_tables[rows],
+                seq_lens=torch.tensor([done[i] for i in rows], dtype=torch.int32, device=dev),
+                slot_mapping=torch.cat(slots).to(dev),
+                decode=False,
+                cu_seqlens_q=cu.to(dev),
+                max_seqlen_q=max(q_lens),
+                impl=self.impl,
+            )
+            ends = [int(cu[j + 1]) - 1 for j, f in enumerate(finishing) if f]
+            logits = self.model.forward_paged(
+                torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev), batch, torch.tensor(ends, device=dev)
+            )
+            for row, logit in zip([i for i, f in zip(rows, finishing) if f], logits):
+                last_logits[row] = logit
+        return torch.stack(last_logits)
+
+    def decode_forward(self, cache: TransformerCache, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        page = self.page_size
+        blocks = cache.block_tables.gather(1, (positions // page).unsqueeze(1)).squeeze(1).long()
+        batch = llama.PagedBatch(
+            k_cache=cache.kv.k,
+            v_cache=cache.kv.v,
+            block_tables=cache.block_tables,
+            seq_lens=(positions + 1).to(torch.int32),
+            slot_mapping=blocks * page + positions % page,
+            decode=True,
+            impl=self.impl,
+            workspace=cache.workspace,
+        )
+        return self.model.forward_paged(tokens, positions, batch)
+
+    def memory(self, batch: int, ctx: int) -> Memory:
+        c = self.config
+        elt = torch.tensor([], dtype=self.dtype).element_size()
+        kv_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * elt
+        weights = self.weight_bytes()
+        # A step reads one embedding row, not the table; a tied table is still read whole as the head.
+        embed = self.model.model.embed_tokens.weight
+        weights_read = weights - (0 if c.tie_word_embeddings else embed.numel() * embed.element_size())
+        blocks = -(-ctx // self.page_size)
+        return Memory(
+            weight_bytes=weights,
+            state_bytes=batch * blocks * self.page_size * kv_per_token,
+            step_read_bytes=weights_read + batch * ctx * kv_per_token,
+            step_write_bytes=batch * kv_per_token,
+        )
