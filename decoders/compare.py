@@ -136,11 +136,11 @@ def run(args) -> int:
         raise ArgError(f"--new-tokens {args.new_tokens} leaves no prompt at context {min(ctxs)}")
     device = torch.device(args.device or ("cuda" if on_gpu else "cpu"))
 
+    plan = list(plan_points(models, ctxs, batches, iterations))
     env = environment(device)
     ceiling = harness.ceilings(device)
     print(f"ceilings on {env['device']}: copy {ceiling['copy_bytes_per_s'] / 1e12:.2f} TB/s, matmul {ceiling['matmul_flops'] / 1e12:.1f} TFLOP/s", file=sys.stderr)
     records, base_tok_s = [], {}
-    plan = list(plan_points(models, ctxs, batches, iterations))
     progress = None
     if not args.no_progress:
         from tqdm import tqdm

@@ -1,0 +1,76 @@
+"""`python -m decoders.compare`: argument parsing, bad input, and an end-to-end tiny sweep."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from decoders.compare import ArgError, parse_ctx
+
+
+def test_ctx_ranges_double_and_lists_are_taken_as_given():
+    assert parse_ctx("4k..128k") == [4096, 8192, 16384, 32768, 65536, 131072]
+    assert parse_ctx("256..1k") == [256, 512, 1024]
+    assert parse_ctx("4k,6k,32k") == [4096, 6144, 32768]
+    assert parse_ctx("300") == [300]
+    assert parse_ctx("1K") == [1024]
+
+
+@pytest.mark.parametrize("bad", ["128k..4k", "banana", "0", "4k..", "-5", "1.5k", ","])
+def test_bad_ctx_is_refused(bad):
+    with pytest.raises(ArgError):
+        parse_ctx(bad)
+
+
+def run_cli(*args, tmp_path):
+    return subprocess.run(
+        [sys.executable, "-m", "decoders.compare", "--no-progress", "--out", str(tmp_path / "out.jsonl"), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--models", "llama-tiny", "--ctx", "128k..4k"], "runs backwards"),
+        (["--models", "llama-tiny", "--ctx", "banana"], "not a context size"),
+        (["--models", "llama-tiny", "--ctx", "0"], "at least 1 token"),
+        (["--models", "no-such-model", "--ctx", "256"], "unknown preset 'no-such-model'"),
+        (["--models", "llama-tiny", "--ctx", "16k"], "over llama-tiny's maximum of 8192"),
+        (["--models", "llama-tiny", "--ctx", "256", "--batch", "0"], "--batch values must be"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_code_2(tmp_path, args, message):
+    result = run_cli(*args, tmp_path=tmp_path)
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and message in lines[0], result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_folder_that_is_not_a_checkpoint(tmp_path):
+    folder = tmp_path / "weights"
+    folder.mkdir()
+    result = run_cli("--models", str(folder), "--ctx", "256", tmp_path=tmp_path)
+    assert result.returncode == 2 and "not a checkpoint folder" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_tiny_sweep_end_to_end(tmp_path):
+    plot = tmp_path / "scaling.png"
+    result = run_cli("--models", "llama-tiny", "--ctx", "256..1k", "--new-tokens", "8", "--plot", str(plot), tmp_path=tmp_path)
+    assert result.returncode == 0, result.stderr
+    lines = (tmp_path / "out.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert [r["ctx"] for r in records] == [256, 512, 1024]
+    for r in records:
+        assert r["status"] == "ok" and r["impl"] == "ref" and r["family"] == "transformer"
+        assert r["decode_tok_s"] > 0 and r["ttft_ms"] > 0 and r["mbu"] > 0 and r["git_sha"]
+        assert r["step_ms_p50"] <= r["step_ms_p90"] <= r["step_ms_p99"]
+    assert records[0]["decay"] == 1.0
+    final = json.loads(result.stdout.strip().splitlines()[-1])
+    assert len(final["points"]) == 3
+    assert "llama-tiny" in result.stdout and "tok/s" in result.stdout
+    assert plot.stat().st_size > 0
