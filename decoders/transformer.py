@@ -113,7 +113,7 @@ class TransformerDecoder(AutoregressiveDecoder):
             )
             ends = [int(cu[j + 1]) - 1 for j, f in enumerate(finishing) if f]
             logits = self.model.forward_paged(
-                torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev), batch, torch.tensor(ends, device=dev)
+                torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev), batch, torch.tensor(ends, dtype=torch.long, device=dev)
             )
             for row, logit in zip([i for i, f in zip(rows, finishing) if f], logits):
                 last_logits[row] = logit

@@ -120,3 +120,23 @@ def append_jsonl(path, record: dict) -> None:
     with path.open("a") as f:
         f.write(json.dumps(record) + "\n")
         f.flush()
+
+
+def import_mamba_ssm():
+    """Import mamba-ssm for peer runs and cross-checks (never on the lab's own path).
+
+    mamba-ssm built without its CUDA extension (MAMBA_SKIP_CUDA_BUILD=TRUE) still has its Triton
+    kernels, but its package imports the Mamba-1 `selective_scan_cuda` module at load; a stand-in
+    module lets that import succeed, and calling anything that needs the extension still fails.
+    Raises ImportError when mamba-ssm is not installed.
+    """
+    import importlib.util
+    import types
+
+    if importlib.util.find_spec("mamba_ssm") is None:
+        raise ImportError("mamba-ssm is not installed (pip install -e '.[peers]', see the README)")
+    if importlib.util.find_spec("selective_scan_cuda") is None and "selective_scan_cuda" not in sys.modules:
+        sys.modules["selective_scan_cuda"] = types.ModuleType("selective_scan_cuda")
+    import mamba_ssm
+
+    return mamba_ssm
