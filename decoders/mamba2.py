@@ -1,0 +1,111 @@
+"""The Mamba-2 family: `arch.mamba2` decoding over a fixed-size recurrent state.
+
+The cache is two preallocated buffers, the same size at any context:
+
+    conv [L, B, conv_dim, d_conv-1]  model dtype   the last d_conv-1 inputs of each layer's conv
+    ssm  [L, B, H, P, N]             float32       each layer's SSM state
+
+A decode step reads and rewrites both in place (one `mamba2_decode_step` per layer), allocating only
+temporaries and never reading a value back to the host, so it can be captured in a CUDA graph.
+
+Prefill consumes each prompt in chunks of `prefill_chunk` tokens, each chunk starting from the state
+the previous one left (conv window and SSM state), so a 128k prompt costs memory linear in the chunk,
+not the prompt, and only the last position's logits are computed. Prompts of different lengths are
+prefilled one length group at a time into their rows of the batched state. `prefill_forward`
+continues from whatever state the cache holds, so a prompt consumed in two calls equals one call.
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from arch import mamba2
+from arch.checkpoint import load_tokenizer
+from decoders.base import AutoregressiveDecoder, Memory
+
+# Parameters kept in float32 whatever the model dtype: A = -exp(A_log) and softplus(dt + dt_bias)
+# set the decay, whose rounding compounds over thousands of steps; they are 3 * H numbers per layer.
+FP32_PARAMS = ("A_log", "D", "dt_bias")
+
+
+@dataclass
+class Mamba2Cache:
+    conv: torch.Tensor  # [L, B, conv_dim, d_conv-1] model dtype
+    ssm: torch.Tensor  # [L, B, H, P, N] float32
+
+
+class Mamba2Decoder(AutoregressiveDecoder):
+    family = "mamba2"
+
+    def __init__(self, model, config, *, prefill_chunk: int = 8192, **kwargs):
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        keep = {n: p.detach().float().clone() for n, p in model.named_parameters() if n.rsplit(".", 1)[-1] in FP32_PARAMS}
+        super().__init__(model, config, **kwargs)
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                if name in keep:
+                    p.data = keep[name].to(self.device)
+        self.prefill_chunk = prefill_chunk
+
+    @classmethod
+    def detects(cls, hf_config: dict) -> bool:
+        return mamba2.is_hf_mamba2(hf_config) or mamba2.is_state_spaces_mamba2(hf_config)
+
+    @classmethod
+    def from_preset(cls, values: dict, name: str, *, seed: int = 0, **kwargs):
+        config = mamba2.preset_config(values, name)
+        return cls(mamba2.build(config, None, name, seed=seed), config, source=name, **kwargs)
+
+    @classmethod
+    def from_checkpoint(cls, folder: Path, **kwargs):
+        config, tensors = mamba2.load(folder)
+        model = mamba2.build(config, tensors, str(folder))
+        return cls(model, config, source=str(folder), tokenizer=load_tokenizer(folder), **kwargs)
+
+    def save(self, folder: Path) -> None:
+        """Write the lab's own checkpoint format (loadable by `decoders.load(folder)`)."""
+        mamba2.save(self.model, folder)
+
+    @torch.inference_mode()
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        tokens = torch.as_tensor(tokens, device=self.device)
+        self.check_context(tokens.shape[-1])
+        return self.model(tokens, impl=self.impl)
+
+    def new_cache(self, prompt_lens: list[int], max_len: int) -> Mamba2Cache:
+        c, B = self.config, len(prompt_lens)
+        return Mamba2Cache(
+            conv=torch.zeros(c.n_layer, B, c.conv_dim, c.d_conv - 1, device=self.device, dtype=self.dtype),
+            ssm=torch.zeros(c.n_layer, B, c.nheads, c.headdim, c.d_state, device=self.device, dtype=torch.float32),
+        )
+
+    def prefill_forward(self, cache: Mamba2Cache, prompts: list[list[int]]) -> torch.Tensor:
+        """Consume prompts (row i of the cache continues with prompts[i]); logits [B, V] of each last token."""
+        groups = {}
+        for i, p in enumerate(prompts):
+            groups.setdefault(len(p), []).append(i)
+        last = [None] * len(prompts)
+        for length, members in groups.items():
+            rows = torch.tensor(members, device=self.device)
+            tokens = torch.tensor([prompts[i] for i in members], device=self.device)
+            for start in range(0, length, self.prefill_chunk):
+                r = self.model.forward_chunk(tokens[:, start : start + self.prefill_chunk], cache.conv, cache.ssm, rows, self.impl)
+            for i, logit in zip(members, self.model.head(r)):
+                last[i] = logit
+        return torch.stack(last)
+
+    def decode_forward(self, cache: Mamba2Cache, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # The state already encodes each sequence's position: `positions` is not needed.
+        return self.model.step(tokens, cache.conv, cache.ssm, self.impl)
+
+    def memory(self, batch: int, ctx: int) -> Memory:
+        c = self.config
+        elt = torch.tensor([], dtype=self.dtype).element_size()
+        state = batch * c.n_layer * (c.conv_dim * (c.d_conv - 1) * elt + c.nheads * c.headdim * c.d_state * 4)
+        weights = self.weight_bytes()
+        # A step reads one embedding row, not the table; a tied table is still read whole as the head.
+        embed = self.model.backbone.embeddings.weight
+        weights_read = weights - (0 if c.tie_embeddings else embed.numel() * embed.element_size())
+        return Memory(weight_bytes=weights, state_bytes=state, step_read_bytes=weights_read + state, step_write_bytes=state)

@@ -1,0 +1,169 @@
+"""Mamba-2 (SSD, Dao & Gu 2024) reference ops in plain PyTorch float32: the specification.
+
+Layouts follow mamba-ssm so results cross-check against `mamba_chunk_scan_combined`,
+`selective_state_update` and `causal_conv1d_fn`:
+x `[B, T, H, P]`, dt `[B, T, H]`, A `[H]` (negative), B/C `[B, T, G, N]`, state `[B, H, P, N]`.
+Head h reads group h // (H // G).
+
+- `ssd_chunk_scan`: the chunked algorithm of the paper's listing, memory O(T * chunk).
+- `ssd_recurrent_ref`: the same recurrence one token at a time, the ground truth for the above.
+- `causal_conv1d`: depthwise causal convolution over `[B, T, C]` with a carried window.
+- `mamba2_decode_step`: one token of conv + SSM, updating both states in place.
+"""
+
+import torch
+import torch.nn.functional as F
+
+DEFAULT_DT_LIMIT = (0.0, float("inf"))
+
+
+def process_dt(dt, dt_bias, dt_softplus, dt_limit):
+    """Raw dt `[..., H]` -> the step size: + dt_bias, softplus, clamp (as mamba-ssm, the clamp
+    applies only when dt_limit differs from the default (0, inf))."""
+    dt = dt.float()
+    if dt_bias is not None:
+        dt = dt + dt_bias.float()
+    if dt_softplus:
+        dt = F.softplus(dt)
+    if tuple(dt_limit) != DEFAULT_DT_LIMIT:
+        dt = dt.clamp(dt_limit[0], dt_limit[1])
+    return dt
+
+
+def segsum(a):
+    """a `[..., L]` -> `[..., L, L]` with out[i, j] = a[j+1] + ... + a[i] for j <= i, -inf above."""
+    L = a.shape[-1]
+    cs = torch.cumsum(a, dim=-1)
+    out = cs[..., :, None] - cs[..., None, :]
+    causal = torch.tril(torch.ones(L, L, dtype=torch.bool, device=a.device))
+    return out.masked_fill(~causal, float("-inf"))
+
+
+def _heads(t, H):
+    """`[B, T, G, N]` -> `[B, T, H, N]`: each group serves H // G consecutive heads."""
+    return t.float().repeat_interleave(H // t.shape[2], dim=2)
+
+
+def ssd_chunk_scan(x, dt, A, B, C, *, chunk_size, D=None, z=None, dt_bias=None, dt_softplus=False,
+                   dt_limit=DEFAULT_DT_LIMIT, initial_state=None):
+    """Chunked SSD scan. Returns y `[B, T, H, P]` (x's dtype) and the final state `[B, H, P, N]` fp32."""
+    Bsz, T, H, P = x.shape
+    L = chunk_size
+    dt = process_dt(dt, dt_bias, dt_softplus, dt_limit)
+    Bh, Ch = _heads(B, H), _heads(C, H)
+    # Zero padding to whole chunks: a padded token has dt = 0, so it neither decays nor adds to the state.
+    pad = (-T) % L
+    xs = F.pad(x.float(), (0, 0, 0, 0, 0, pad))
+    dt = F.pad(dt, (0, 0, 0, pad))
+    Bh = F.pad(Bh, (0, 0, 0, 0, 0, pad))
+    Ch = F.pad(Ch, (0, 0, 0, 0, 0, pad))
+    nc = (T + pad) // L
+    # [B, c, l, H, P], [B, c, l, H], [B, c, l, H, N]
+    X = (xs * dt[..., None]).reshape(Bsz, nc, L, H, P)
+    dA = (dt * A.float()).reshape(Bsz, nc, L, H).permute(0, 3, 1, 2)
+    Bc = Bh.reshape(Bsz, nc, L, H, -1)
+    Cc = Ch.reshape(Bsz, nc, L, H, -1)
+
+    # 1. Chunk-local cumulative decay: dA_cs[b, h, c, l] = sum of dt*A over chunk c up to token l.
+    dA_cs = torch.cumsum(dA, dim=-1)
+
+    # 2. Intra-chunk output (the diagonal blocks): y_l += sum_{s<=l} (C_l . B_s) exp(dA_cs_l - dA_cs_s) dt_s x_s.
+    decay = torch.exp(segsum(dA))
+    scores = torch.einsum("bclhn,bcshn->bhcls", Cc, Bc) * decay
+    y = torch.einsum("bhcls,bcshp->bclhp", scores, X)
+
+    # 3. Chunk states: what each chunk adds to the state by its end, from a zero start.
+    decay_to_end = torch.exp(dA_cs[..., -1:] - dA_cs)
+    states = torch.einsum("bclhn,bhcl,bclhp->bchpn", Bc, decay_to_end, X)
+
+    # 4. Inter-chunk recurrence: the state entering chunk c, passed across chunks one chunk at a time.
+    s = torch.zeros(Bsz, H, P, Bc.shape[-1], device=x.device) if initial_state is None else initial_state.float()
+    chunk_decay = torch.exp(dA_cs[..., -1])
+    entering = []
+    for c in range(nc):
+        entering.append(s)
+        s = chunk_decay[:, :, c, None, None] * s + states[:, c]
+    entering = torch.stack(entering, dim=1)
+
+    # 5. State to output: y_l += exp(dA_cs_l) C_l . state entering the chunk.
+    y = y + torch.einsum("bclhn,bchpn,bhcl->bclhp", Cc, entering, torch.exp(dA_cs))
+
+    y = y.reshape(Bsz, nc * L, H, P)[:, :T]
+    return _finish(y, x, D, z), s
+
+
+def _finish(y, x, D, z):
+    """Skip connection and gate: y + D * x, then * silu(z); cast to x's dtype."""
+    if D is not None:
+        y = y + D.float()[:, None] * x.float()
+    if z is not None:
+        y = y * F.silu(z.float())
+    return y.to(x.dtype)
+
+
+def ssd_recurrent_ref(x, dt, A, B, C, *, chunk_size=None, D=None, z=None, dt_bias=None, dt_softplus=False,
+                      dt_limit=DEFAULT_DT_LIMIT, initial_state=None):
+    """The SSM one token at a time: state = exp(dt A) state + dt x B^T, y = state C. Same signature as
+    `ssd_chunk_scan` (chunk_size is ignored)."""
+    Bsz, T, H, P = x.shape
+    dt = process_dt(dt, dt_bias, dt_softplus, dt_limit)
+    Bh, Ch = _heads(B, H), _heads(C, H)
+    s = torch.zeros(Bsz, H, P, Bh.shape[-1], device=x.device) if initial_state is None else initial_state.float()
+    ys = []
+    for t in range(T):
+        decay = torch.exp(dt[:, t] * A.float())
+        s = decay[..., None, None] * s + (dt[:, t, :, None] * x[:, t].float())[..., None] * Bh[:, t, :, None, :]
+        ys.append(torch.einsum("bhpn,bhn->bhp", s, Ch[:, t]))
+    return _finish(torch.stack(ys, dim=1), x, D, z), s
+
+
+def causal_conv1d(x, weight, bias=None, *, initial_state=None, activation="silu"):
+    """Depthwise causal conv: y[t, c] = act(bias[c] + sum_k weight[c, k] * x[t - W + 1 + k, c]).
+
+    x `[B, T, C]`, weight `[C, W]`, initial_state `[B, C, W-1]` (the inputs before x; zeros if None).
+    Returns y `[B, T, C]` (x's dtype) and the last W-1 inputs `[B, C, W-1]` (x's dtype).
+    """
+    Bsz, T, Cdim = x.shape
+    W = weight.shape[1]
+    if initial_state is None:
+        initial_state = torch.zeros(Bsz, Cdim, W - 1, device=x.device)
+    # [B, C, W-1+T]
+    window = torch.cat([initial_state.float(), x.float().transpose(1, 2)], dim=-1)
+    y = F.conv1d(window, weight.float()[:, None, :], None if bias is None else bias.float(), groups=Cdim)
+    if activation == "silu":
+        y = F.silu(y)
+    elif activation is not None:
+        raise ValueError(f"unknown activation {activation!r}: expected 'silu' or None")
+    return y.transpose(1, 2).to(x.dtype), window[..., window.shape[-1] - (W - 1):].to(x.dtype)
+
+
+def mamba2_decode_step(xBC, dt, conv_state, conv_weight, conv_bias, ssm_state, A, D, dt_bias, *, ngroups, headdim,
+                       dt_limit=DEFAULT_DT_LIMIT, z=None, out=None):
+    """One token: conv window shift + conv + SiLU, split into x/B/C, SSM update; both states in place.
+
+    xBC `[B, C]` with C = H*P + 2*G*N ordered [x, B, C]; conv_state `[B, C, W-1]`; ssm_state `[B, H, P, N]`
+    fp32; dt `[B, H]` raw (softplus(dt + dt_bias), clamped). Returns y `[B, H, P]` in xBC's dtype.
+    """
+    Bsz, Cdim = xBC.shape
+    H, P, G = dt.shape[1], headdim, ngroups
+    N = (Cdim - H * P) // (2 * G)
+    # 1. Shift the new input into the conv window and convolve (with bias), then SiLU.
+    window = torch.cat([conv_state.float(), xBC.float()[..., None]], dim=-1)
+    conv_state.copy_(window[..., 1:])
+    xbc = F.silu((window * conv_weight.float()).sum(-1) + (0 if conv_bias is None else conv_bias.float()))
+    # 2. Split into x [B, H, P], B and C [B, H, N] (a group's B and C serve H // G heads).
+    x = xbc[:, : H * P].reshape(Bsz, H, P)
+    Bm = xbc[:, H * P: H * P + G * N].reshape(Bsz, G, N).repeat_interleave(H // G, dim=1)
+    Cm = xbc[:, H * P + G * N:].reshape(Bsz, G, N).repeat_interleave(H // G, dim=1)
+    # 3. Step size and state update: state = exp(dt A) state + dt x B^T.
+    dt = process_dt(dt, dt_bias, True, dt_limit)
+    decay = torch.exp(dt * A.float())
+    state = decay[..., None, None] * ssm_state + (dt[..., None] * x)[..., None] * Bm[:, :, None, :]
+    ssm_state.copy_(state)
+    # 4. Output: y = state C + D x, gated by silu(z).
+    y = torch.einsum("bhpn,bhn->bhp", state, Cm) + D.float()[:, None] * x
+    if z is not None:
+        y = y * F.silu(z.float())
+    if out is None:
+        return y.to(xBC.dtype)
+    return out.copy_(y)

@@ -1,0 +1,526 @@
+"""Triton kernels for the Mamba-2 (SSD) ops; same signatures and semantics as ref.py.
+
+Chunked scan, four kernels (the split of mamba-ssm, with C @ B^T recomputed per head instead of
+stored, so there is no `[B, nc, G, L, L]` buffer):
+1. `_chunk_cumsum_kernel`: dt -> dt + bias, softplus, clamp; dA_cs = cumsum(dt * A) within each chunk.
+2. `_chunk_state_kernel`: each chunk's contribution to the state, x^T @ (decay * dt * B) via tl.dot.
+3. `_state_passing_kernel`: the state entering each chunk, a sequential pass over chunks.
+4. `_chunk_scan_kernel`: y = exp(dA_cs) C @ state_in + causal (C B^T * decay * dt) @ x, then D and gate.
+
+`_causal_conv1d_kernel`: depthwise causal conv over `[B, T, C]` with a carried window.
+`_decode_step_kernel`: one fused token step (conv window shift + conv + SiLU + SSM update + output).
+
+Base offsets are int64 (a 512k-token prompt times H*P overflows int32); in-tile offsets stay int32.
+"""
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.ssd.ref import DEFAULT_DT_LIMIT
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _configs(configs):
+    """Autotune candidates; the interpreter cannot autotune over several, so it gets the first."""
+    return configs[:1] if INTERPRET else configs
+
+
+def _dot_precision(dtype):
+    """fp32 inputs use exact fp32 products (tests compare at fp32 tolerance); bf16/fp16 are native."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def _softplus(x):
+    # log1p(exp(x)) without log1p: log(w) * u / (w - 1) keeps the digits that 1 + u rounds away.
+    u = tl.exp(tl.minimum(x, 20.0))
+    w = 1.0 + u
+    lp = tl.where(w == 1.0, u, tl.log(w) * u / (w - 1.0))
+    return tl.where(x > 20.0, x, lp)
+
+
+@triton.jit
+def _chunk_cumsum_kernel(
+    dt_ptr, A_ptr, bias_ptr, dt_out_ptr, cs_ptr,
+    T, nc, s_db, s_dt, s_dh, lim_lo, lim_hi,
+    H: tl.constexpr, L: tl.constexpr, BLOCK_H: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr,
+):
+    pid_bc = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    b = pid_bc // nc
+    c = pid_bc % nc
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_l = tl.arange(0, L)
+    mask = (offs_h[:, None] < H) & (offs_l[None, :] < T - c * L)
+    # [BLOCK_H, L]
+    dt_base = dt_ptr + b.to(tl.int64) * s_db + c.to(tl.int64) * L * s_dt
+    dt = tl.load(dt_base + offs_h[:, None] * s_dh + offs_l[None, :] * s_dt, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        dt += tl.load(bias_ptr + offs_h, mask=offs_h < H, other=0.0).to(tl.float32)[:, None]
+    if SOFTPLUS:
+        dt = _softplus(dt)
+    if HAS_LIMIT:
+        dt = tl.minimum(tl.maximum(dt, lim_lo), lim_hi)
+    # Tokens past T get dt = 0: no decay and no input, so the chunk's last dA_cs is the true total.
+    dt = tl.where(mask, dt, 0.0)
+    A = tl.load(A_ptr + offs_h, mask=offs_h < H, other=0.0).to(tl.float32)
+    cs = tl.cumsum(dt * A[:, None], axis=1)
+    # [B, H, nc, L]
+    out = ((b.to(tl.int64) * H + offs_h[:, None]) * nc + c) * L + offs_l[None, :]
+    hmask = offs_h[:, None] < H
+    tl.store(dt_out_ptr + out, dt, mask=hmask)
+    tl.store(cs_ptr + out, cs, mask=hmask)
+
+
+@triton.autotune(
+    configs=_configs([
+        triton.Config({"BLOCK_P": 64}, num_warps=4, num_stages=3),
+        triton.Config({"BLOCK_P": 64}, num_warps=4, num_stages=2),
+        triton.Config({"BLOCK_P": 64}, num_warps=8, num_stages=3),
+        triton.Config({"BLOCK_P": 32}, num_warps=4, num_stages=3),
+    ]),
+    key=["P", "N", "L", "BLOCK_N"],
+)
+@triton.jit
+def _chunk_state_kernel(
+    x_ptr, B_ptr, dt_ptr, cs_ptr, st_ptr,
+    T, nc,
+    s_xb, s_xt, s_xh, s_xp,
+    s_Bb, s_Bt, s_Bg, s_Bn,
+    H: tl.constexpr, P: tl.constexpr, N: tl.constexpr, G: tl.constexpr, L: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    pid_bch = tl.program_id(0)
+    pid_pn = tl.program_id(1)
+    h = pid_bch % H
+    c = (pid_bch // H) % nc
+    b = pid_bch // (H * nc)
+    g = h // (H // G)
+    n_nblk = tl.cdiv(N, BLOCK_N)
+    offs_p = (pid_pn // n_nblk) * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_n = (pid_pn % n_nblk) * BLOCK_N + tl.arange(0, BLOCK_N)
+    chunk_len = tl.minimum(L, T - c * L)
+    b64 = b.to(tl.int64)
+    t0 = c.to(tl.int64) * L
+    x_base = x_ptr + b64 * s_xb + t0 * s_xt + h * s_xh
+    B_base = B_ptr + b64 * s_Bb + t0 * s_Bt + g * s_Bg
+    dcs = ((b64 * H + h) * nc + c) * L
+    cs_last = tl.load(cs_ptr + dcs + L - 1)
+    acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+    for l0 in range(0, chunk_len, BLOCK_L):
+        offs_l = l0 + tl.arange(0, BLOCK_L)
+        l_mask = offs_l < chunk_len
+        # [BLOCK_P, BLOCK_L]
+        xT = tl.load(x_base + offs_p[:, None] * s_xp + offs_l[None, :] * s_xt,
+                     mask=(offs_p[:, None] < P) & l_mask[None, :], other=0.0)
+        # [BLOCK_L, BLOCK_N]
+        Bl = tl.load(B_base + offs_l[:, None] * s_Bt + offs_n[None, :] * s_Bn,
+                     mask=l_mask[:, None] & (offs_n[None, :] < N), other=0.0)
+        scale = tl.exp(cs_last - tl.load(cs_ptr + dcs + offs_l)) * tl.load(dt_ptr + dcs + offs_l)
+        acc += tl.dot(xT, (Bl * scale[:, None]).to(xT.dtype), input_precision=DOT_PREC)
+    # [B, nc, H, P, N]
+    st = st_ptr + ((b64 * nc + c) * H + h) * (P * N)
+    tl.store(st + offs_p[:, None] * N + offs_n[None, :], acc, mask=(offs_p[:, None] < P) & (offs_n[None, :] < N))
+
+
+@triton.jit
+def _state_passing_kernel(
+    st_ptr, out_ptr, final_ptr, init_ptr, cs_ptr, nc,
+    H: tl.constexpr, PN: tl.constexpr, L: tl.constexpr, BLOCK: tl.constexpr, HAS_INIT: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < PN
+    b64 = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
+    if HAS_INIT:
+        s = tl.load(init_ptr + pid_bh.to(tl.int64) * PN + offs, mask=mask, other=0.0).to(tl.float32)
+    else:
+        s = tl.zeros((BLOCK,), dtype=tl.float32)
+    # [B, nc, H, PN]: chunk c of (b, h) sits at ((b * nc + c) * H + h) * PN; step H * PN per chunk.
+    st = st_ptr + (b64 * nc * H + h) * PN + offs
+    out = out_ptr + (b64 * nc * H + h) * PN + offs
+    cs = cs_ptr + pid_bh.to(tl.int64) * nc * L + L - 1
+    for _ in range(nc):
+        tl.store(out, s.to(out_ptr.dtype.element_ty), mask=mask)
+        s = tl.exp(tl.load(cs)) * s + tl.load(st, mask=mask, other=0.0)
+        st += H * PN
+        out += H * PN
+        cs += L
+    tl.store(final_ptr + pid_bh.to(tl.int64) * PN + offs, s, mask=mask)
+
+
+@triton.autotune(
+    configs=_configs([
+        triton.Config({"BLOCK_P": 64}, num_warps=4, num_stages=2),
+        triton.Config({"BLOCK_P": 64}, num_warps=4, num_stages=3),
+        triton.Config({"BLOCK_P": 64}, num_warps=8, num_stages=2),
+        triton.Config({"BLOCK_P": 32}, num_warps=4, num_stages=2),
+    ]),
+    key=["P", "N", "L", "BLOCK_N", "HAS_Z", "HAS_D"],
+)
+@triton.jit
+def _chunk_scan_kernel(
+    y_ptr, x_ptr, z_ptr, D_ptr, B_ptr, C_ptr, dt_ptr, cs_ptr, st_ptr,
+    T, nc,
+    s_xb, s_xt, s_xh, s_xp,
+    s_zb, s_zt, s_zh, s_zp,
+    s_yb, s_yt, s_yh, s_yp,
+    s_Bb, s_Bt, s_Bg, s_Bn,
+    s_Cb, s_Ct, s_Cg, s_Cn,
+    H: tl.constexpr, P: tl.constexpr, N: tl.constexpr, G: tl.constexpr, L: tl.constexpr,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    pid_bch = tl.program_id(0)
+    pid_mp = tl.program_id(1)
+    h = pid_bch % H
+    c = (pid_bch // H) % nc
+    b = pid_bch // (H * nc)
+    g = h // (H // G)
+    n_pblk = tl.cdiv(P, BLOCK_P)
+    pid_m = pid_mp // n_pblk
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_p = (pid_mp % n_pblk) * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_n = tl.arange(0, BLOCK_N)
+    chunk_len = tl.minimum(L, T - c * L)
+    m_mask = offs_m < chunk_len
+    p_mask = offs_p < P
+    n_mask = offs_n < N
+    b64 = b.to(tl.int64)
+    t0 = c.to(tl.int64) * L
+    x_base = x_ptr + b64 * s_xb + t0 * s_xt + h * s_xh
+    B_base = B_ptr + b64 * s_Bb + t0 * s_Bt + g * s_Bg
+    C_base = C_ptr + b64 * s_Cb + t0 * s_Ct + g * s_Cg
+    dcs = ((b64 * H + h) * nc + c) * L
+    cs_m = tl.load(cs_ptr + dcs + offs_m)
+
+    # State to output: exp(dA_cs_m) * C_m @ state_in^T. [BLOCK_M, BLOCK_N] @ [BLOCK_N, BLOCK_P]
+    Cm = tl.load(C_base + offs_m[:, None] * s_Ct + offs_n[None, :] * s_Cn,
+                 mask=m_mask[:, None] & n_mask[None, :], other=0.0)
+    st = st_ptr + ((b64 * nc + c) * H + h) * (P * N)
+    stT = tl.load(st + offs_n[:, None] + offs_p[None, :] * N, mask=n_mask[:, None] & p_mask[None, :], other=0.0)
+    acc = tl.dot(Cm, stT, input_precision=DOT_PREC) * tl.exp(cs_m)[:, None]
+
+    # Intra-chunk causal part: only key blocks at or before this row block.
+    hi = tl.minimum((pid_m + 1) * BLOCK_M, chunk_len)
+    for k0 in range(0, hi, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < chunk_len
+        BT = tl.load(B_base + offs_n[:, None] * s_Bn + offs_k[None, :] * s_Bt,
+                     mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        cb = tl.dot(Cm, BT, input_precision=DOT_PREC)
+        cs_k = tl.load(cs_ptr + dcs + offs_k)
+        dt_k = tl.load(dt_ptr + dcs + offs_k)
+        # exp(-inf) = 0 above the diagonal, without ever forming exp of a positive difference.
+        causal = offs_m[:, None] >= offs_k[None, :]
+        cb = cb * tl.exp(tl.where(causal, cs_m[:, None] - cs_k[None, :], float("-inf"))) * dt_k[None, :]
+        xk = tl.load(x_base + offs_k[:, None] * s_xt + offs_p[None, :] * s_xp,
+                     mask=k_mask[:, None] & p_mask[None, :], other=0.0)
+        acc += tl.dot(cb.to(xk.dtype), xk, input_precision=DOT_PREC)
+
+    mp_mask = m_mask[:, None] & p_mask[None, :]
+    if HAS_D:
+        xm = tl.load(x_base + offs_m[:, None] * s_xt + offs_p[None, :] * s_xp, mask=mp_mask, other=0.0).to(tl.float32)
+        acc += tl.load(D_ptr + h).to(tl.float32) * xm
+    if HAS_Z:
+        z_base = z_ptr + b64 * s_zb + t0 * s_zt + h * s_zh
+        zm = tl.load(z_base + offs_m[:, None] * s_zt + offs_p[None, :] * s_zp, mask=mp_mask, other=0.0).to(tl.float32)
+        acc = acc * zm * tl.sigmoid(zm)
+    y_base = y_ptr + b64 * s_yb + t0 * s_yt + h * s_yh
+    tl.store(y_base + offs_m[:, None] * s_yt + offs_p[None, :] * s_yp, acc.to(y_ptr.dtype.element_ty), mask=mp_mask)
+
+
+def _check_scan_inputs(x, dt, A, B, C, chunk_size):
+    Bsz, T, H, P = x.shape
+    G, N = B.shape[2], B.shape[3]
+    if dt.shape != (Bsz, T, H) or B.shape != (Bsz, T, G, N) or C.shape != B.shape or A.shape != (H,):
+        raise ValueError(f"shape mismatch: x {tuple(x.shape)} dt {tuple(dt.shape)} A {tuple(A.shape)} "
+                         f"B {tuple(B.shape)} C {tuple(C.shape)}")
+    if H % G:
+        raise ValueError(f"heads {H} not a multiple of groups {G}")
+    if not (x.dtype == B.dtype == C.dtype):
+        raise ValueError(f"x, B, C must share a dtype, got {x.dtype}, {B.dtype}, {C.dtype}")
+    if chunk_size < 16 or chunk_size & (chunk_size - 1):
+        raise ValueError(f"chunk_size must be a power of two >= 16, got {chunk_size}")
+    if T < 1:
+        raise ValueError("empty sequence")
+
+
+def ssd_chunk_scan(x, dt, A, B, C, *, chunk_size, D=None, z=None, dt_bias=None, dt_softplus=False,
+                   dt_limit=DEFAULT_DT_LIMIT, initial_state=None):
+    """Chunked SSD scan (see ref.ssd_chunk_scan). Returns y `[B, T, H, P]` and final state `[B, H, P, N]` fp32."""
+    _check_scan_inputs(x, dt, A, B, C, chunk_size)
+    Bsz, T, H, P = x.shape
+    G, N = B.shape[2], B.shape[3]
+    L = chunk_size
+    nc = triton.cdiv(T, L)
+    dev = x.device
+    f32 = torch.float32
+    has_limit = tuple(dt_limit) != DEFAULT_DT_LIMIT
+
+    dt_out = torch.empty(Bsz, H, nc, L, device=dev, dtype=f32)
+    dA_cs = torch.empty(Bsz, H, nc, L, device=dev, dtype=f32)
+    block_h = min(8, triton.next_power_of_2(H))
+    _chunk_cumsum_kernel[(Bsz * nc, triton.cdiv(H, block_h))](
+        dt, A, dt_bias if dt_bias is not None else A, dt_out, dA_cs,
+        T, nc, dt.stride(0), dt.stride(1), dt.stride(2), float(dt_limit[0]), float(dt_limit[1]) if has_limit else 0.0,
+        H=H, L=L, BLOCK_H=block_h, HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus, HAS_LIMIT=has_limit,
+    )
+
+    block_n = max(16, triton.next_power_of_2(N))
+    prec = _dot_precision(x.dtype)
+    # [B, nc, H, P, N] fp32: what each chunk adds to the state.
+    states = torch.empty(Bsz, nc, H, P, N, device=dev, dtype=f32)
+    _chunk_state_kernel[lambda meta: (Bsz * nc * H, triton.cdiv(P, meta["BLOCK_P"]) * triton.cdiv(N, block_n))](
+        x, B, dt_out, dA_cs, states, T, nc,
+        *x.stride(), *B.stride(),
+        H=H, P=P, N=N, G=G, L=L, BLOCK_N=block_n, BLOCK_L=min(64, L), DOT_PREC=prec,
+    )
+
+    # [B, nc, H, P, N] in C's dtype (the tl.dot operand of the output kernel), and the final state fp32.
+    entering = torch.empty(Bsz, nc, H, P, N, device=dev, dtype=C.dtype)
+    final = torch.empty(Bsz, H, P, N, device=dev, dtype=f32)
+    init = initial_state.to(f32).contiguous() if initial_state is not None else final
+    block = min(512, triton.next_power_of_2(P * N))
+    _state_passing_kernel[(Bsz * H, triton.cdiv(P * N, block))](
+        states, entering, final, init, dA_cs, nc,
+        H=H, PN=P * N, L=L, BLOCK=block, HAS_INIT=initial_state is not None, num_warps=4,
+    )
+
+    y = torch.empty(Bsz, T, H, P, device=dev, dtype=x.dtype)
+    zz = z if z is not None else x
+    block_m = min(64, L)
+    _chunk_scan_kernel[lambda meta: (Bsz * nc * H, (L // block_m) * triton.cdiv(P, meta["BLOCK_P"]))](
+        y, x, zz, D if D is not None else A, B, C, dt_out, dA_cs, entering, T, nc,
+        *x.stride(), *zz.stride(), *y.stride(), *B.stride(), *C.stride(),
+        H=H, P=P, N=N, G=G, L=L, HAS_D=D is not None, HAS_Z=z is not None,
+        BLOCK_M=block_m, BLOCK_K=block_m, BLOCK_N=block_n, DOT_PREC=prec,
+    )
+    return y, final
+
+
+@triton.jit
+def _causal_conv1d_kernel(
+    x_ptr, w_ptr, bias_ptr, init_ptr, y_ptr, fin_ptr,
+    T, Cdim,
+    s_xb, s_xt, s_xc, s_wc, s_wk, s_ib, s_ic, s_ik, s_yb, s_yt, s_yc, s_fb, s_fc, s_fk,
+    W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, SILU: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    b64 = tl.program_id(2).to(tl.int64)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_mask = offs_c < Cdim
+    x_row = x_ptr + b64 * s_xb
+    i_row = init_ptr + b64 * s_ib
+    acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+    for k in tl.static_range(W):
+        # Input position t - (W-1) + k; negative positions come from the carried window.
+        pos = offs_t - (W - 1) + k
+        xv = tl.load(x_row + pos.to(tl.int64)[:, None] * s_xt + offs_c[None, :] * s_xc,
+                     mask=((pos >= 0) & (pos < T))[:, None] & c_mask[None, :], other=0.0).to(tl.float32)
+        if HAS_INIT:
+            xv += tl.load(i_row + offs_c[None, :] * s_ic + (pos + W - 1)[:, None] * s_ik,
+                          mask=((pos < 0) & (offs_t < T))[:, None] & c_mask[None, :], other=0.0).to(tl.float32)
+        wk = tl.load(w_ptr + offs_c * s_wc + k * s_wk, mask=c_mask, other=0.0).to(tl.float32)
+        acc += xv * wk[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_c, mask=c_mask, other=0.0).to(tl.float32)[None, :]
+    if SILU:
+        acc = acc * tl.sigmoid(acc)
+    y_row = y_ptr + b64 * s_yb
+    tl.store(y_row + offs_t.to(tl.int64)[:, None] * s_yt + offs_c[None, :] * s_yc, acc.to(y_ptr.dtype.element_ty),
+             mask=(offs_t < T)[:, None] & c_mask[None, :])
+    # The last W-1 inputs (from the carried window when T < W-1), written once per channel block.
+    if pid_t == 0:
+        offs_j = tl.arange(0, BLOCK_W)
+        pos = T - (W - 1) + offs_j
+        j_mask = offs_j < W - 1
+        fv = tl.load(x_row + pos.to(tl.int64)[None, :] * s_xt + offs_c[:, None] * s_xc,
+                     mask=((pos >= 0) & j_mask)[None, :] & c_mask[:, None], other=0.0).to(tl.float32)
+        if HAS_INIT:
+            fv += tl.load(i_row + offs_c[:, None] * s_ic + (pos + W - 1)[None, :] * s_ik,
+                          mask=((pos < 0) & j_mask)[None, :] & c_mask[:, None], other=0.0).to(tl.float32)
+        tl.store(fin_ptr + b64 * s_fb + offs_c[:, None] * s_fc + offs_j[None, :] * s_fk,
+                 fv.to(fin_ptr.dtype.element_ty), mask=j_mask[None, :] & c_mask[:, None])
+
+
+def causal_conv1d(x, weight, bias=None, *, initial_state=None, activation="silu"):
+    """Depthwise causal conv (see ref.causal_conv1d). Returns y `[B, T, C]` and the last W-1 inputs `[B, C, W-1]`."""
+    if activation not in ("silu", None):
+        raise ValueError(f"unknown activation {activation!r}: expected 'silu' or None")
+    Bsz, T, Cdim = x.shape
+    W = weight.shape[1]
+    if weight.shape != (Cdim, W) or W < 2 or (initial_state is not None and initial_state.shape != (Bsz, Cdim, W - 1)):
+        raise ValueError(f"shape mismatch: x {tuple(x.shape)} weight {tuple(weight.shape)} "
+                         f"initial_state {None if initial_state is None else tuple(initial_state.shape)}")
+    y = torch.empty(Bsz, T, Cdim, device=x.device, dtype=x.dtype)
+    final = torch.empty(Bsz, Cdim, W - 1, device=x.device, dtype=x.dtype)
+    init = initial_state if initial_state is not None else final
+    block_t, block_c = 64, 128
+    _causal_conv1d_kernel[(triton.cdiv(T, block_t), triton.cdiv(Cdim, block_c), Bsz)](
+        x, weight, bias if bias is not None else weight, init, y, final, T, Cdim,
+        *x.stride(), *weight.stride(), *init.stride(), *y.stride(), *final.stride(),
+        W=W, BLOCK_T=block_t, BLOCK_C=block_c, BLOCK_W=triton.next_power_of_2(W),
+        HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None, SILU=activation == "silu", num_warps=4,
+    )
+    return y, final
+
+
+@triton.jit
+def _conv_token(xbc_row, cst_row, w_ptr, cb_ptr, ch, ch_mask, s_xc, s_cc, s_ck, s_wc, s_wk,
+                W: tl.constexpr, BLOCK_W: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Conv + SiLU of one token for channels `ch`, and the shifted window [BLOCK_CH, BLOCK_W] to store."""
+    offs_w = tl.arange(0, BLOCK_W)
+    old = tl.load(cst_row + ch[:, None] * s_cc + offs_w[None, :] * s_ck,
+                  mask=ch_mask[:, None] & (offs_w[None, :] < W - 1), other=0.0)
+    new = tl.load(xbc_row + ch * s_xc, mask=ch_mask, other=0.0)
+    # [BLOCK_CH, BLOCK_W]: the W-1 carried inputs, then this token.
+    win = tl.where(offs_w[None, :] == W - 1, new[:, None], old).to(tl.float32)
+    w = tl.load(w_ptr + ch[:, None] * s_wc + offs_w[None, :] * s_wk,
+                mask=ch_mask[:, None] & (offs_w[None, :] < W), other=0.0).to(tl.float32)
+    acc = tl.sum(win * w, axis=1)
+    if HAS_BIAS:
+        acc += tl.load(cb_ptr + ch, mask=ch_mask, other=0.0).to(tl.float32)
+    # shifted[:, j] = win[:, j + 1], built from the loaded window so every store follows its load.
+    pick = (offs_w[:, None] + 1) == offs_w[None, :]
+    shifted = tl.sum(tl.where(pick[None, :, :], win[:, None, :], 0.0), axis=2)
+    return acc * tl.sigmoid(acc), shifted
+
+
+@triton.jit
+def _decode_step_kernel(
+    xbc_ptr, dt_ptr, cst_ptr, w_ptr, cb_ptr, st_ptr, A_ptr, D_ptr, dtb_ptr, z_ptr, y_ptr, sem_ptr,
+    s_xb, s_xc, s_db, s_dh, s_cb, s_cc, s_ck, s_wc, s_wk,
+    s_sb, s_sh, s_sp, s_sn, s_zb, s_zh, s_zp, s_yb, s_yh, s_yp,
+    lim_lo, lim_hi,
+    H: tl.constexpr, P: tl.constexpr, G: tl.constexpr, N: tl.constexpr, W: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_Z: tl.constexpr, HAS_LIMIT: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    pid_p = tl.program_id(2)
+    g = h // (H // G)
+    b64 = b.to(tl.int64)
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_n = tl.arange(0, BLOCK_N)
+    p_mask = offs_p < P
+    n_mask = offs_n < N
+    xbc_row = xbc_ptr + b64 * s_xb
+    cst_row = cst_ptr + b64 * s_cb
+    offs_w = tl.arange(0, BLOCK_W)
+    w_mask = offs_w[None, :] < W - 1
+
+    # 1. Conv + SiLU of this program's x channels and of its group's B and C channels.
+    ch_x = h * P + offs_p
+    ch_B = H * P + g * N + offs_n
+    ch_C = H * P + G * N + g * N + offs_n
+    x, x_win = _conv_token(xbc_row, cst_row, w_ptr, cb_ptr, ch_x, p_mask,
+                           s_xc, s_cc, s_ck, s_wc, s_wk, W, BLOCK_W, HAS_BIAS)
+    Bv, B_win = _conv_token(xbc_row, cst_row, w_ptr, cb_ptr, ch_B, n_mask,
+                            s_xc, s_cc, s_ck, s_wc, s_wk, W, BLOCK_W, HAS_BIAS)
+    Cv, C_win = _conv_token(xbc_row, cst_row, w_ptr, cb_ptr, ch_C, n_mask,
+                            s_xc, s_cc, s_ck, s_wc, s_wk, W, BLOCK_W, HAS_BIAS)
+    # The x channels belong to this program alone, so their window is shifted in place right away.
+    tl.store(cst_row + ch_x[:, None] * s_cc + offs_w[None, :] * s_ck, x_win.to(cst_ptr.dtype.element_ty),
+             mask=p_mask[:, None] & w_mask)
+
+    # 2. Step size and decay of head h.
+    dt = _softplus(tl.load(dt_ptr + b64 * s_db + h * s_dh).to(tl.float32) + tl.load(dtb_ptr + h).to(tl.float32))
+    if HAS_LIMIT:
+        dt = tl.minimum(tl.maximum(dt, lim_lo), lim_hi)
+    decay = tl.exp(dt * tl.load(A_ptr + h).to(tl.float32))
+
+    # 3. state = decay * state + dt * x B^T, in place. [BLOCK_P, BLOCK_N]
+    st = st_ptr + b64 * s_sb + h * s_sh + offs_p[:, None] * s_sp + offs_n[None, :] * s_sn
+    pn_mask = p_mask[:, None] & n_mask[None, :]
+    s = tl.load(st, mask=pn_mask, other=0.0)
+    s = s * decay + (dt * x)[:, None] * Bv[None, :]
+    tl.store(st, s, mask=pn_mask)
+
+    # 4. y = state C + D x, gated by silu(z).
+    y = tl.sum(s * Cv[None, :], axis=1) + tl.load(D_ptr + h).to(tl.float32) * x
+    if HAS_Z:
+        zv = tl.load(z_ptr + b64 * s_zb + h * s_zh + offs_p * s_zp, mask=p_mask, other=0.0).to(tl.float32)
+        y = y * zv * tl.sigmoid(zv)
+    tl.store(y_ptr + b64 * s_yb + h * s_yh + offs_p * s_yp, y.to(y_ptr.dtype.element_ty), mask=p_mask)
+
+    # 5. The group's B/C window is read by every program of (b, g): the last of them to finish
+    #    reading it (counted on a semaphore that it then resets) shifts it.
+    tl.debug_barrier()
+    counter = sem_ptr + b * G + g
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+    if arrived == (H // G) * tl.cdiv(P, BLOCK_P) - 1:
+        bc_mask = n_mask[:, None] & w_mask
+        cdt = cst_ptr.dtype.element_ty
+        tl.store(cst_row + ch_B[:, None] * s_cc + offs_w[None, :] * s_ck, B_win.to(cdt), mask=bc_mask)
+        tl.store(cst_row + ch_C[:, None] * s_cc + offs_w[None, :] * s_ck, C_win.to(cdt), mask=bc_mask)
+        tl.atomic_xchg(counter, 0, sem="acq_rel")
+
+
+# One int32 semaphore per (batch row, group), kept per device and size and never freed, so a
+# CUDA graph that captured a decode step keeps pointing at live memory. Every call leaves it zero.
+_SEMAPHORES = {}
+
+
+def _semaphore(device, n):
+    key = (str(device), n)
+    if key not in _SEMAPHORES:
+        _SEMAPHORES[key] = torch.zeros(n, dtype=torch.int32, device=device)
+    return _SEMAPHORES[key]
+
+
+def decode_block_p(batch, heads, headdim, sms=132):
+    """Rows of P per program: the largest that still gives >= 2 programs per SM (small batches need
+    many small programs to keep enough loads in flight)."""
+    for bp in (64, 32, 16):
+        if bp <= triton.next_power_of_2(headdim) and batch * heads * triton.cdiv(headdim, bp) >= 2 * sms:
+            return bp
+    return min(16, triton.next_power_of_2(headdim))
+
+
+def mamba2_decode_step(xBC, dt, conv_state, conv_weight, conv_bias, ssm_state, A, D, dt_bias, *, ngroups, headdim,
+                       dt_limit=DEFAULT_DT_LIMIT, z=None, out=None):
+    """One fused token step (see ref.mamba2_decode_step); conv_state and ssm_state are updated in place.
+
+    Launches one kernel and allocates nothing when `out` is given (after the first call for a given
+    batch size and device, which creates the small semaphore reused from then on).
+    """
+    Bsz, Cdim = xBC.shape
+    H, P, G = dt.shape[1], headdim, ngroups
+    N = ssm_state.shape[-1]
+    W = conv_weight.shape[1]
+    if (ssm_state.shape != (Bsz, H, P, N) or Cdim != H * P + 2 * G * N or H % G
+            or conv_state.shape != (Bsz, Cdim, W - 1) or conv_weight.shape != (Cdim, W)):
+        raise ValueError(f"shape mismatch: xBC {tuple(xBC.shape)} dt {tuple(dt.shape)} "
+                         f"conv_state {tuple(conv_state.shape)} "
+                         f"conv_weight {tuple(conv_weight.shape)} ssm_state {tuple(ssm_state.shape)} G={G} P={P}")
+    if ssm_state.dtype != torch.float32:
+        raise ValueError(f"ssm_state must be float32, got {ssm_state.dtype}")
+    if out is None:
+        out = torch.empty(Bsz, H, P, device=xBC.device, dtype=xBC.dtype)
+    zz = z if z is not None else out
+    has_limit = tuple(dt_limit) != DEFAULT_DT_LIMIT
+    block_p = decode_block_p(Bsz, H, P)
+    block_n = triton.next_power_of_2(N)
+    _decode_step_kernel[(Bsz, H, triton.cdiv(P, block_p))](
+        xBC, dt, conv_state, conv_weight, conv_bias if conv_bias is not None else conv_weight, ssm_state,
+        A, D, dt_bias, zz, out, _semaphore(xBC.device, Bsz * G),
+        *xBC.stride(), *dt.stride(), *conv_state.stride(), *conv_weight.stride(),
+        *ssm_state.stride(), *zz.stride(), *out.stride(),
+        float(dt_limit[0]), float(dt_limit[1]) if has_limit else 0.0,
+        H=H, P=P, G=G, N=N, W=W, BLOCK_P=block_p, BLOCK_N=block_n, BLOCK_W=triton.next_power_of_2(W),
+        HAS_BIAS=conv_bias is not None, HAS_Z=z is not None, HAS_LIMIT=has_limit,
+        num_warps=4 if block_p * block_n <= 4096 else 8,
+    )
+    return out

@@ -1,0 +1,160 @@
+"""Mamba-2 model and checkpoints: logits parity with transformers' `Mamba2ForCausalLM` (its PyTorch
+path), the state-spaces `mamba2-*` layout, the lab's own format, and one-line errors for bad folders."""
+
+import json
+
+import pytest
+import torch
+
+import decoders
+from arch import mamba2
+from arch.checkpoint import CONFIG_DIR, CheckpointError, read_json
+from decoders.mamba2 import Mamba2Decoder
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def hf_model(ngroups: int, tie: bool, seed: int = 0):
+    """A small HF Mamba2ForCausalLM in float32 with every parameter (norms, D, dt_bias too) randomised."""
+    from transformers import Mamba2Config, Mamba2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Mamba2Config(
+        vocab_size=100, hidden_size=64, num_hidden_layers=2, state_size=16, head_dim=16, num_heads=8, n_groups=ngroups,
+        expand=2, chunk_size=16, tie_word_embeddings=tie, bos_token_id=0, eos_token_id=1, pad_token_id=1,
+    )
+    model = Mamba2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("norm_f.weight") or name.endswith(".D"):
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+            elif name.endswith("conv1d.bias") or name.endswith("dt_bias"):
+                p.add_(0.3 * torch.randn_like(p))
+    return model
+
+
+def load_ref(folder):
+    return decoders.load(folder, device="cpu", dtype="float32", impl="ref")
+
+
+@pytest.mark.parametrize("ngroups,tie", [(1, True), (2, False)])
+def test_hf_checkpoint_logits_match_transformers_ref(tmp_path, ngroups, tie):
+    model = hf_model(ngroups, tie)
+    model.save_pretrained(tmp_path)
+    dec = load_ref(tmp_path)
+    assert isinstance(dec, Mamba2Decoder) and dec.config.ngroups == ngroups and dec.config.tie_embeddings == tie
+    # 37 tokens: two whole chunks of 16 and a partial one.
+    tokens = torch.randint(0, 100, (2, 37), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = model(tokens).logits
+    assert rel(dec.logits(tokens), expected) < 1e-5
+
+
+def state_spaces_folder(model, folder, multiple=16):
+    """The mamba-ssm layout of an HF model (tied): renamed tensors in pytorch_model.bin, the embedding
+    padded to a multiple of `multiple` rows, and a `MambaConfig`-style config.json."""
+    c = model.config
+    tensors = {}
+    for name, t in model.state_dict().items():
+        tensors[name.replace("backbone.embeddings.", "backbone.embedding.")] = t.clone()
+    emb = tensors["backbone.embedding.weight"]
+    padded = -(-c.vocab_size // multiple) * multiple
+    tensors["backbone.embedding.weight"] = torch.cat([emb, torch.randn(padded - emb.shape[0], emb.shape[1])])
+    tensors["lm_head.weight"] = tensors["backbone.embedding.weight"]
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.save(tensors, folder / "pytorch_model.bin")
+    config = {
+        "d_model": c.hidden_size, "d_intermediate": 0, "n_layer": c.num_hidden_layers, "vocab_size": c.vocab_size,
+        "ssm_cfg": {"layer": "Mamba2", "d_state": c.state_size, "d_conv": c.conv_kernel, "expand": c.expand,
+                    "headdim": c.head_dim, "ngroups": c.n_groups, "chunk_size": c.chunk_size},
+        "attn_layer_idx": [], "attn_cfg": {}, "rms_norm": True, "residual_in_fp32": True, "fused_add_norm": True,
+        "pad_vocab_size_multiple": multiple, "tie_embeddings": True,
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize("ngroups", [1, 2])
+def test_state_spaces_layout_matches_transformers_ref(tmp_path, ngroups):
+    model = hf_model(ngroups, tie=True, seed=2)
+    folder = state_spaces_folder(model, tmp_path / "ss")
+    dec = load_ref(folder)
+    assert dec.config.vocab_size == 112 and dec.config.ngroups == ngroups
+    tokens = torch.randint(0, 100, (2, 21), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = model(tokens).logits
+    logits = dec.logits(tokens)
+    assert logits.shape == (2, 21, 112)
+    assert rel(logits[..., :100], expected) < 1e-5
+
+
+def test_detects_both_layouts_and_nothing_else(tmp_path):
+    model = hf_model(1, tie=True)
+    model.save_pretrained(tmp_path / "hf")
+    state_spaces_folder(model, tmp_path / "ss")
+    assert Mamba2Decoder.detects(json.loads((tmp_path / "hf" / "config.json").read_text()))
+    assert Mamba2Decoder.detects(json.loads((tmp_path / "ss" / "config.json").read_text()))
+    assert not Mamba2Decoder.detects({"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+    assert not Mamba2Decoder.detects({"d_model": 64, "n_layer": 2, "ssm_cfg": {}})
+
+
+def corrupt(folder, edit):
+    path = folder / "pytorch_model.bin"
+    tensors = torch.load(path, weights_only=True)
+    edit(tensors)
+    torch.save(tensors, path)
+
+
+def test_missing_tensor_is_one_line_error(tmp_path):
+    folder = state_spaces_folder(hf_model(1, tie=True), tmp_path / "ss")
+    corrupt(folder, lambda t: t.pop("backbone.layers.1.mixer.A_log"))
+    with pytest.raises(CheckpointError, match=r"missing tensor backbone\.layers\.1\.mixer\.A_log") as e:
+        load_ref(folder)
+    assert "\n" not in str(e.value)
+
+
+def test_misshaped_tensor_is_one_line_error(tmp_path):
+    model = hf_model(1, tie=True)
+    model.save_pretrained(tmp_path / "hf")
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "hf" / "model.safetensors"
+    tensors = load_file(str(path))
+    tensors["backbone.layers.0.mixer.conv1d.weight"] = torch.randn(160, 1, 3)
+    save_file(tensors, str(path))
+    with pytest.raises(CheckpointError, match=r"conv1d\.weight has shape \[160, 1, 3\], expected \[160, 1, 4\]") as e:
+        load_ref(tmp_path / "hf")
+    assert "\n" not in str(e.value)
+
+
+def test_unsupported_ssm_option_is_refused(tmp_path):
+    folder = state_spaces_folder(hf_model(1, tie=True), tmp_path / "ss")
+    config = json.loads((folder / "config.json").read_text())
+    config["ssm_cfg"]["norm_before_gate"] = True
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="norm_before_gate"):
+        load_ref(folder)
+
+
+def test_lab_format_round_trip(tmp_path):
+    dec = decoders.load("mamba2-tiny", device="cpu", dtype="float32", impl="ref", seed=5)
+    dec.save(tmp_path / "lab")
+    assert json.loads((tmp_path / "lab" / "config.json").read_text())["declab_family"] == "mamba2"
+    again = load_ref(tmp_path / "lab")
+    assert again.config == dec.config
+    tokens = torch.randint(0, 512, (1, 19), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(again.logits(tokens), dec.logits(tokens))
+
+
+def test_presets_have_the_stated_shapes():
+    for name, (d, L, vocab) in {"mamba2-130m": (768, 24, 50288), "mamba2-1.3b": (2048, 48, 50288)}.items():
+        c = mamba2.preset_config(read_json(CONFIG_DIR / f"{name}.json"), name)
+        assert (c.d_model, c.n_layer, c.vocab_size, c.d_state, c.headdim, c.expand, c.ngroups, c.d_conv) == (d, L, vocab, 128, 64, 2, 1, 4)
+        assert c.nheads == 2 * d // 64 and c.conv_dim == 2 * d + 2 * 128
+    # About 130M parameters: the embedding plus, per layer, in_proj, out_proj, conv and the small vectors.
+    with torch.device("meta"):
+        model = mamba2.Mamba2LM(mamba2.preset_config(read_json(CONFIG_DIR / "mamba2-130m.json"), "mamba2-130m"))
+    params = sum(p.numel() for p in model.parameters())
+    assert 125e6 < params < 135e6
