@@ -1,0 +1,47 @@
+"""WKV-7 (RWKV-7 time mixing): chunked prefill and one-token decode step.
+
+    S_t = diag(exp(w_t)) S_{t-1} + b_t (a_t^T S_{t-1}) + k_t v_t^T,    o_t = scale * S_t^T r_t
+
+Layouts follow flash-linear-attention's `chunk_rwkv7`: r, w (log-decay), k, a, b `[B, T, H, K]`,
+v `[B, T, H, V]`, state `[B, H, K, V]` float32. `impl` is "triton" or "ref" (already resolved by
+`kernels.resolve_impl`); there is no fallback from one to the other.
+"""
+
+from kernels.wkv7.ref import wkv7_chunk_ref, wkv7_recurrent_ref, wkv7_step_ref
+
+__all__ = ["wkv7_chunk", "wkv7_step", "wkv7_chunk_ref", "wkv7_recurrent_ref", "wkv7_step_ref"]
+
+
+def _check_impl(impl):
+    if impl not in ("triton", "ref"):
+        raise ValueError(f"impl must be 'triton' or 'ref' (resolve 'auto' with kernels.resolve_impl), got {impl!r}")
+
+
+def wkv7_chunk(r, w, k, v, a, b, *, scale=1.0, initial_state=None, chunk_size=16, impl):
+    """Prefill over T tokens from `initial_state` (zeros when None).
+
+    Returns (o `[B, T, H, V]` in r's dtype, final state `[B, H, K, V]` float32). Any T; calling
+    on [0:t] then [t:T] with the state handed over equals one call on [0:T].
+    """
+    _check_impl(impl)
+    if impl == "ref":
+        return wkv7_chunk_ref(r, w, k, v, a, b, scale=scale, initial_state=initial_state, chunk_size=chunk_size)
+    from kernels.wkv7.triton import wkv7_chunk_triton
+
+    return wkv7_chunk_triton(r, w, k, v, a, b, scale=scale, initial_state=initial_state, chunk_size=chunk_size)
+
+
+def wkv7_step(r, w, k, v, a, b, state, *, scale=1.0, impl, out=None):
+    """One token: r, w, k, a, b `[B, H, K]`, v `[B, H, V]`; `state` `[B, H, K, V]` float32 is
+    updated in place. Returns o `[B, H, V]` in r's dtype (written into `out` when given; the
+    Triton path then allocates nothing and can be captured in a CUDA graph)."""
+    _check_impl(impl)
+    if impl == "ref":
+        o = wkv7_step_ref(r, w, k, v, a, b, state, scale=scale)
+        if out is None:
+            return o
+        out.copy_(o)
+        return out
+    from kernels.wkv7.triton import wkv7_step_triton
+
+    return wkv7_step_triton(r, w, k, v, a, b, state, scale=scale, out=out)

@@ -1,0 +1,222 @@
+"""WKV-7 benchmark on one GPU: decode-step latency and chunked-prefill throughput, beside fla.
+
+    python -m kernels.wkv7.bench --out results/wkv7.jsonl
+
+Shape: rwkv7-1.5b (H=32, K=V=64, one layer). Measures, in one run:
+1. the copy-bandwidth ceiling;
+2. self-checks of every kernel variant against the float32 reference (a kernel that fails is not
+   timed, and the run exits non-zero);
+3. step latency at batch 1, 16, 128: a CUDA graph of 24 layer-steps over distinct state buffers,
+   reported as µs per layer-step, achieved GB/s and fraction of copy bandwidth;
+4. prefill tokens/s per layer at 4k, 32k, 128k tokens, batch 1, for several (chunk, precision);
+5. the same for fla's `fused_recurrent_rwkv7` and `chunk_rwkv7` when `import fla` works (when it
+   does not, a record says why).
+Every point is appended to `--out` as one JSON line with `kernels.benchtools.environment`. A
+table is printed at the end, then one JSON line summarising the run.
+"""
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from kernels.benchtools import append_jsonl, copy_bandwidth, environment, time_ms
+from kernels.wkv7.ref import rwkv7_inputs, wkv7_chunk_ref, wkv7_step_ref
+from kernels.wkv7.triton import wkv7_chunk_triton, wkv7_step_triton
+
+H, K, V = 32, 64, 64
+LAYERS = 24
+STEP_BATCHES = (1, 16, 128)
+PREFILL_T = (4096, 32768, 131072)
+# (chunk_size, tl.dot input precision); the first is the default of wkv7_chunk
+PREFILL_VARIANTS = ((16, "tf32x3"), (32, "tf32x3"), (64, "tf32x3"), (16, "ieee"), (32, "ieee"), (16, "tf32"))
+CHECK_T = 1000
+TIME_BUDGET_S = 210
+
+
+def rel(x, y):
+    x, y = x.float(), y.float()
+    return ((x - y).norm() / y.norm()).item()
+
+
+def inputs(B, T, device, seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    return rwkv7_inputs(B, T, H, K, V, dtype=torch.bfloat16, device=device, generator=g)
+
+
+def load_fla():
+    """(chunk_rwkv7, fused_recurrent_rwkv7, None) or (None, None, reason)."""
+    try:
+        import fla
+        from fla.ops.rwkv7 import chunk_rwkv7, fused_recurrent_rwkv7
+    except Exception as e:  # any import failure is recorded as the reason the peer is missing
+        return None, None, f"{type(e).__name__}: {e}"
+    return chunk_rwkv7, fused_recurrent_rwkv7, getattr(fla, "__version__", "unknown")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="JSON-lines file the records are appended to")
+    ap.add_argument("--no-peers", action="store_true", help="skip fla")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("kernels.wkv7.bench needs a CUDA GPU")
+    device = torch.device("cuda")
+    start = time.monotonic()
+    env = environment(device)
+    rows, failures = [], []
+
+    def emit(rec, row=None):
+        rec = {"bench": "wkv7", **rec, "env": env}
+        append_jsonl(args.out, rec)
+        if row:
+            rows.append(row)
+
+    def over_budget(what):
+        if time.monotonic() - start < TIME_BUDGET_S:
+            return False
+        emit({"kind": "skipped", "what": what, "reason": f"time budget {TIME_BUDGET_S}s spent"})
+        rows.append(("skipped", what, "", "", "time budget"))
+        return True
+
+    bw = copy_bandwidth(device)
+    emit({"kind": "ceiling", "copy_bytes_per_s": bw}, ("ceiling", "copy", "", "", f"{bw / 1e12:.2f} TB/s"))
+
+    if args.no_peers:
+        fla_chunk, fla_rec, fla_info = None, None, "skipped by --no-peers"
+    else:
+        fla_chunk, fla_rec, fla_info = load_fla()
+    if fla_chunk is None:
+        emit({"kind": "peer_unavailable", "peer": "fla", "reason": fla_info}, ("peer", "fla", "", "", f"unavailable: {fla_info}"))
+    else:
+        emit({"kind": "peer", "peer": "fla", "version": fla_info})
+
+    # step: self-check, then a graph of LAYERS steps over distinct states
+    for B in STEP_BATCHES:
+        x = [y[:, 0] for y in inputs(B, 1, device, seed=B)]
+        h0 = 0.3 * torch.randn(B, H, K, V, device=device)
+        s_tri, s_ref = h0.clone(), h0.clone()
+        o_tri = wkv7_step_triton(*x, s_tri)
+        o_ref = wkv7_step_ref(*(y.float() for y in x), s_ref)
+        err_o, err_s = rel(o_tri, o_ref), rel(s_tri, s_ref)
+        ok = err_o < 1e-2 and err_s < 1e-5
+        emit({"kind": "selfcheck", "op": "step", "batch": B, "rel_err_o": err_o, "rel_err_state": err_s, "ok": ok})
+        if not ok:
+            failures.append(f"step B={B}")
+            rows.append(("selfcheck FAIL", "step", f"B={B}", "", f"o {err_o:.1e} state {err_s:.1e}"))
+            continue
+        states = [h0.clone() for _ in range(LAYERS)]
+        outs = [torch.empty(B, H, V, device=device, dtype=torch.bfloat16) for _ in range(LAYERS)]
+        nbytes = 2 * B * H * K * V * 4 + (5 * B * H * K + 2 * B * H * V) * 2
+        candidates = {None} | {bv for bv in (8, 16, 32, 64) if bv <= V}
+        for bv in sorted(candidates, key=lambda c: -1 if c is None else c):
+            if over_budget(f"step B={B} block_v={bv}"):
+                break
+            s_bv = h0.clone()
+            err_bv = rel(wkv7_step_triton(*x, s_bv, block_v=bv), o_ref), rel(s_bv, s_ref)
+            if not (err_bv[0] < 1e-2 and err_bv[1] < 1e-5):
+                failures.append(f"step B={B} block_v={bv}")
+                emit({"kind": "selfcheck", "op": "step", "batch": B, "block_v": bv, "rel_err_o": err_bv[0], "rel_err_state": err_bv[1], "ok": False},
+                     ("selfcheck FAIL", f"step bv={bv}", f"B={B}", "", f"o {err_bv[0]:.1e} state {err_bv[1]:.1e}"))
+                continue
+
+            def layers(bv=bv):
+                for s, o in zip(states, outs):
+                    wkv7_step_triton(*x, s, out=o, block_v=bv)
+
+            us = time_ms(layers, graph=True, warmup=20, iters=200) * 1e3 / LAYERS
+            gbs = nbytes / (us * 1e-6) / 1e9
+            emit({"kind": "step", "impl": "triton", "batch": B, "block_v": bv or "auto", "layers": LAYERS,
+                  "us_per_layer": us, "bytes_per_layer": nbytes, "gb_per_s": gbs, "frac_copy_bw": gbs * 1e9 / bw},
+                 ("step", "triton" + ("" if bv is None else f" bv={bv}"), f"B={B}", f"{us:.2f} us", f"{gbs:.0f} GB/s ({gbs * 1e9 / bw:.0%})"))
+        if fla_rec is not None and not over_budget(f"fla step B={B}"):
+            try:
+                xt = [y[:, None] for y in x]
+                o_f, s_f = fla_rec(r=xt[0], w=xt[1], k=xt[2], v=xt[3], a=xt[4], b=xt[5], scale=1.0,
+                                   initial_state=h0.clone(), output_final_state=True)
+                err = rel(s_f, s_ref)
+
+                def fla_layers():
+                    for s in states:
+                        fla_rec(r=xt[0], w=xt[1], k=xt[2], v=xt[3], a=xt[4], b=xt[5], scale=1.0,
+                                initial_state=s, output_final_state=True)
+
+                us = time_ms(fla_layers, graph=True, warmup=20, iters=200) * 1e3 / LAYERS
+                gbs = nbytes / (us * 1e-6) / 1e9
+                emit({"kind": "step", "impl": "fla.fused_recurrent_rwkv7", "batch": B, "layers": LAYERS,
+                      "us_per_layer": us, "bytes_per_layer": nbytes, "gb_per_s": gbs, "frac_copy_bw": gbs * 1e9 / bw,
+                      "rel_err_state_vs_ref": err, "rel_err_o_vs_ref": rel(o_f[:, 0], o_ref)},
+                     ("step", "fla fused_recurrent", f"B={B}", f"{us:.2f} us", f"{gbs:.0f} GB/s (state err {err:.1e})"))
+            except Exception as e:  # the peer's failure is recorded, never hidden
+                emit({"kind": "peer_error", "peer": "fla.fused_recurrent_rwkv7", "op": "step", "batch": B, "reason": f"{type(e).__name__}: {e}"},
+                     ("step", "fla fused_recurrent", f"B={B}", "", f"error: {type(e).__name__}"))
+
+    # prefill: self-check on a prefix, then tokens/s per layer
+    xc = inputs(1, CHECK_T, device, seed=1)
+    h0c = 0.3 * torch.randn(1, H, K, V, device=device)
+    o_ref, s_ref = wkv7_chunk_ref(*(y.float() for y in xc), initial_state=h0c)
+    ok_variants = []
+    for C, prec in PREFILL_VARIANTS:
+        o, s = wkv7_chunk_triton(*xc, initial_state=h0c, chunk_size=C, precision=prec)
+        err_o, err_s = rel(o, o_ref), rel(s, s_ref)
+        ok = err_o < 1e-2 and err_s < (1e-4 if prec != "tf32" else 1e-2)
+        emit({"kind": "selfcheck", "op": "chunk", "chunk_size": C, "precision": prec, "T": CHECK_T,
+              "rel_err_o": err_o, "rel_err_state": err_s, "ok": ok},
+             ("selfcheck", f"chunk C={C} {prec}", f"T={CHECK_T}", "ok" if ok else "FAIL", f"o {err_o:.1e} state {err_s:.1e}"))
+        if ok:
+            ok_variants.append((C, prec))
+        else:
+            failures.append(f"chunk C={C} {prec}")
+    peers = []
+    if fla_chunk is not None:
+        for name, fn in (("fla.chunk_rwkv7", fla_chunk), ("fla.fused_recurrent_rwkv7", fla_rec)):
+            try:
+                o, s = fn(r=xc[0], w=xc[1], k=xc[2], v=xc[3], a=xc[4], b=xc[5], scale=1.0,
+                          initial_state=h0c.clone(), output_final_state=True)
+                err_o, err_s = rel(o, o_ref), rel(s, s_ref)
+                emit({"kind": "selfcheck", "op": "chunk", "impl": name, "T": CHECK_T, "rel_err_o": err_o, "rel_err_state": err_s})
+                rows.append(("selfcheck", name, f"T={CHECK_T}", "", f"o {err_o:.1e} state {err_s:.1e}"))
+                peers.append((name, fn))
+            except Exception as e:  # the peer's failure is recorded, never hidden
+                emit({"kind": "peer_error", "peer": name, "op": "chunk", "reason": f"{type(e).__name__}: {e}"},
+                     ("prefill", name, "", "", f"error: {type(e).__name__}"))
+    for T in PREFILL_T:
+        x = inputs(1, T, device, seed=T)
+        nbytes = T * H * (5 * K + 2 * V) * 2
+        for C, prec in ok_variants:
+            if over_budget(f"prefill T={T} C={C} {prec}"):
+                break
+            ms = time_ms(lambda: wkv7_chunk_triton(*x, chunk_size=C, precision=prec), warmup=3, iters=10)
+            tps = T / (ms * 1e-3)
+            emit({"kind": "prefill", "impl": "triton", "T": T, "batch": 1, "chunk_size": C, "precision": prec,
+                  "ms": ms, "tokens_per_s": tps, "io_bytes": nbytes},
+                 ("prefill", f"triton C={C} {prec}", f"T={T}", f"{ms:.2f} ms", f"{tps / 1e6:.2f} M tok/s"))
+        for name, fn in peers:
+            if over_budget(f"prefill T={T} {name}"):
+                break
+            try:
+                ms = time_ms(lambda: fn(r=x[0], w=x[1], k=x[2], v=x[3], a=x[4], b=x[5], scale=1.0, output_final_state=True),
+                             warmup=2, iters=5)
+                tps = T / (ms * 1e-3)
+                emit({"kind": "prefill", "impl": name, "T": T, "batch": 1, "ms": ms, "tokens_per_s": tps, "io_bytes": nbytes},
+                     ("prefill", name, f"T={T}", f"{ms:.2f} ms", f"{tps / 1e6:.2f} M tok/s"))
+            except Exception as e:  # the peer's failure is recorded, never hidden
+                emit({"kind": "peer_error", "peer": name, "op": "prefill", "T": T, "reason": f"{type(e).__name__}: {e}"},
+                     ("prefill", name, f"T={T}", "", f"error: {type(e).__name__}"))
+        del x
+        torch.cuda.empty_cache()
+
+    print(f"\nWKV-7 on {env['device']}  (H={H}, K=V={K}, one layer)")
+    print(f"{'what':<16}{'impl':<28}{'shape':<12}{'time':<14}result")
+    for kind, impl, shape, t, result in rows:
+        print(f"{kind:<16}{impl:<28}{shape:<12}{t:<14}{result}")
+    summary = {"bench": "wkv7", "out": args.out, "failures": failures, "seconds": round(time.monotonic() - start, 1)}
+    print(json.dumps(summary))
+    if failures:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
