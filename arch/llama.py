@@ -299,6 +299,9 @@ def config_from_hf(hf: dict, source: str) -> LlamaConfig:
 
 
 def is_hf_llama(hf: dict) -> bool:
+    # A Llama-shaped masked-diffusion model (LLaDA style) is bidirectional: not this family.
+    if hf.get("mask_token_id") is not None or hf.get("is_causal") is False:
+        return False
     archs = hf.get("architectures") or []
     return any(a in HF_ARCHITECTURES for a in archs) or hf.get("model_type") in ("llama", "qwen2", "mistral")
 

@@ -86,7 +86,7 @@ class Decoder(ABC):
 
     family: str = ""
 
-    def __init__(self, model, config, *, device, dtype, impl, source, tokenizer=None, max_context=None):
+    def __init__(self, model, config, *, device, dtype, impl, source, tokenizer=None, max_context=None, cuda_graphs=None):
         self.model = model.to(device=device, dtype=dtype).eval()
         self.config = config
         self.device = torch.device(device)
@@ -95,11 +95,20 @@ class Decoder(ABC):
         self.source = source
         self.tokenizer = tokenizer
         self.max_context = max_context
+        # Decode steps replay a CUDA graph on the Triton path (the reference path synchronises).
+        self.cuda_graphs = (self.device.type == "cuda" and impl == "triton") if cuda_graphs is None else cuda_graphs
 
     def describe(self) -> dict:
         """What a result record says about this decoder."""
         config = asdict(self.config) if is_dataclass(self.config) else dict(self.config)
-        return {"family": self.family, "model": self.source, "impl": self.impl, "dtype": str(self.dtype).removeprefix("torch."), "config": config}
+        return {
+            "family": self.family,
+            "model": self.source,
+            "impl": self.impl,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "cuda_graphs": self.cuda_graphs,
+            "config": config,
+        }
 
     @property
     def eos_token_id(self) -> int | None:
@@ -155,8 +164,9 @@ class Decoder(ABC):
         """New tokens per sequence, from the state and the step outputs `generate` collected."""
 
     @abstractmethod
-    def memory(self, batch: int, ctx: int) -> Memory:
-        """Bytes for `batch` sequences at context `ctx` (prompt + generated)."""
+    def memory(self, batch: int, ctx: int, *, new_tokens: int = 1) -> Memory:
+        """Bytes for `batch` sequences at context `ctx` (prompt + generated); `new_tokens` is how many
+        tokens are being generated (Mask-Predict's canvas; the autoregressive families ignore it)."""
 
     @torch.inference_mode()
     def generate(self, prompts, max_new_tokens: int, sampling: Sampling = GREEDY, *, stop_at_eos: bool = False) -> Generation:
@@ -214,6 +224,9 @@ class ARState:
     generator: torch.Generator | None
     steps_left: int
     prompt_lens: list[int]
+    ones: torch.Tensor  # [B] int32, tokens committed per step
+    graph: "torch.cuda.CUDAGraph | None" = None  # the captured step, replayed from the second step on
+    graph_logits: torch.Tensor | None = None  # [B, V] the graph's static output
 
 
 class AutoregressiveDecoder(Decoder):
@@ -252,16 +265,39 @@ class AutoregressiveDecoder(Decoder):
             generator=generator,
             steps_left=max_new_tokens - 1,
             prompt_lens=lens,
+            ones=torch.ones(len(lens), dtype=torch.int32, device=self.device),
         )
 
-    @torch.inference_mode()
-    def step(self, state: ARState) -> StepOut:
+    def forward_and_sample(self, state: ARState) -> torch.Tensor:
+        """One decode forward and on-device sampling, updating the state's buffers: what a graph captures."""
         logits = self.decode_forward(state.cache, state.next_tokens, state.positions)
         state.next_tokens.copy_(sample(logits, state.sampling, state.generator))
         state.positions.add_(1)
+        return logits
+
+    @torch.inference_mode()
+    def step(self, state: ARState) -> StepOut:
+        """The first step runs eagerly (compiling and autotuning every kernel), then, with CUDA graphs
+        on, the same step is captured once and later steps replay it."""
+        if state.graph is not None:
+            state.graph.replay()
+            logits = state.graph_logits
+        else:
+            logits = self.forward_and_sample(state)
+            if self.cuda_graphs and state.steps_left > 1:
+                state.graph, state.graph_logits = self.capture(state)
         state.steps_left -= 1
-        committed = torch.ones_like(state.next_tokens, dtype=torch.int32)
-        return StepOut(tokens=state.next_tokens.unsqueeze(1), committed=committed, logits=logits)
+        return StepOut(tokens=state.next_tokens.unsqueeze(1), committed=state.ones, logits=logits)
+
+    def capture(self, state: ARState):
+        """Record one step into a CUDA graph (recording runs nothing, so the state is not advanced)."""
+        graph = torch.cuda.CUDAGraph()
+        if state.generator is not None:
+            graph.register_generator_state(state.generator)
+        torch.cuda.synchronize(self.device)
+        with torch.cuda.graph(graph):
+            logits = self.forward_and_sample(state)
+        return graph, logits
 
     def finished(self, state: ARState) -> bool:
         return state.steps_left <= 0

@@ -163,7 +163,7 @@ def run(args) -> int:
             record = {"model": model, "iterations": it, **dec.describe(), "ceilings": ceiling, "correctness": gate, **env, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
             if not gate["ok"]:
                 record.update(status="refused", reason=f"{dec.impl} disagrees with the reference (rel. RMS {gate['rel_rms']:.2e} > {gate['tolerance']:.0e})", ctx=ctx, batch=batch)
-            elif (why := harness.fits(dec, batch, ctx)) is not None:
+            elif (why := harness.fits(dec, batch, ctx, args.new_tokens)) is not None:
                 record.update(status="skipped", reason=why, ctx=ctx, batch=batch)
             else:
                 try:

@@ -70,11 +70,11 @@ def check_against_reference(decoder: Decoder, *, tokens: int = 48, steps: int = 
     return {"ok": err <= tolerance, "rel_rms": err, "tolerance": tolerance}
 
 
-def fits(decoder: Decoder, batch: int, ctx: int) -> str | None:
+def fits(decoder: Decoder, batch: int, ctx: int, new_tokens: int) -> str | None:
     """Why a point cannot fit in device memory, or None when it may."""
     if decoder.device.type != "cuda":
         return None
-    need = decoder.memory(batch, ctx).state_bytes
+    need = decoder.memory(batch, ctx, new_tokens=new_tokens).state_bytes
     free, _ = torch.cuda.mem_get_info(decoder.device)
     if need > 0.9 * free:
         return f"needs {need / 1e9:.1f} GB of state/KV, {free / 1e9:.1f} GB free"
@@ -98,7 +98,7 @@ def measure(decoder: Decoder, *, ctx: int, batch: int, new_tokens: int, ceiling:
         torch.cuda.reset_peak_memory_stats(decoder.device)
     gen = decoder.generate(prompts, max_new_tokens=new_tokens)
 
-    mem = decoder.memory(batch, ctx)
+    mem = decoder.memory(batch, ctx, new_tokens=new_tokens)
     steps = gen.step_s
     record = {
         "ctx": ctx,

@@ -100,7 +100,7 @@ class Mamba2Decoder(AutoregressiveDecoder):
         # The state already encodes each sequence's position: `positions` is not needed.
         return self.model.step(tokens, cache.conv, cache.ssm, self.impl)
 
-    def memory(self, batch: int, ctx: int) -> Memory:
+    def memory(self, batch: int, ctx: int, *, new_tokens: int = 1) -> Memory:
         c = self.config
         elt = torch.tensor([], dtype=self.dtype).element_size()
         state = batch * c.n_layer * (c.conv_dim * (c.d_conv - 1) * elt + c.nheads * c.headdim * c.d_state * 4)

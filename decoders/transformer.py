@@ -134,7 +134,7 @@ class TransformerDecoder(AutoregressiveDecoder):
         )
         return self.model.forward_paged(tokens, positions, batch)
 
-    def memory(self, batch: int, ctx: int) -> Memory:
+    def memory(self, batch: int, ctx: int, *, new_tokens: int = 1) -> Memory:
         c = self.config
         elt = torch.tensor([], dtype=self.dtype).element_size()
         kv_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * elt

@@ -1,0 +1,118 @@
+"""The RWKV-7 family: an RWKV-7 "Goose" model (`arch.rwkv7`) decoding with a constant-size state.
+
+A sequence's whole past is its state: per layer, the last normalised input of time mixing and of
+channel mixing (token shift, `[C]` each) and the WKV matrix `[H, K, V]` in float32. The cache holds
+them for the batch, preallocated once: `shift [L, 2, B, C]`, `wkv [L, B, H, K, V]`.
+
+Prefill runs the prompts in chunks of `prefill_chunk` tokens per sequence (right-padded where the
+prompts differ in length; padded positions leave the state untouched), carrying the state from
+chunk to chunk, so a 128k prompt never materialises more than one chunk's activations and never a
+per-token copy of the state. It continues from whatever state the cache holds, so a saved state
+can be resumed. A decode step updates the cache in place (token-shift copies, the WKV-7 step
+kernel): no allocation beyond temporaries, no host synchronisation, capturable in a CUDA graph.
+"""
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from arch import rwkv7
+from arch.checkpoint import load_tokenizer
+from decoders.base import AutoregressiveDecoder, Memory, UsageError
+
+log = logging.getLogger("declab.decoders.rwkv7")
+
+
+@dataclass
+class RWKV7Cache:
+    shift: torch.Tensor  # [L, 2, B, C] model dtype: last input of time mixing (0) and channel mixing (1)
+    wkv: torch.Tensor  # [L, B, H, K, V] float32
+
+    def clone(self) -> "RWKV7Cache":
+        return RWKV7Cache(self.shift.clone(), self.wkv.clone())
+
+
+class RWKV7Decoder(AutoregressiveDecoder):
+    family = "rwkv7"
+
+    def __init__(self, model, config, *, prefill_chunk: int = 8192, **kwargs):
+        # RWKV has no position limit: the state is the same size at any context.
+        super().__init__(model, config, max_context=None, **kwargs)
+        if prefill_chunk < 1:
+            raise UsageError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        self.prefill_chunk = prefill_chunk
+        self.model.impl = self.impl
+
+    @classmethod
+    def detects(cls, hf_config: dict) -> bool:
+        return rwkv7.is_fla_rwkv7(hf_config)
+
+    @classmethod
+    def from_preset(cls, values: dict, name: str, *, seed: int = 0, **kwargs):
+        config = rwkv7.preset_config(values, name)
+        return cls(rwkv7.build(config, None, name, seed=seed), config, source=name, **kwargs)
+
+    @classmethod
+    def from_checkpoint(cls, folder: Path, **kwargs):
+        config, tensors = rwkv7.load(folder)
+        model = rwkv7.build(config, tensors, str(folder))
+        try:
+            tokenizer = load_tokenizer(folder)
+        except (ValueError, OSError) as e:
+            # fla-hub folders ship the RWKV world tokenizer as remote code, which the lab never runs:
+            # the model still decodes token ids.
+            log.warning("%s: tokenizer not loaded (%s); pass token ids", folder, str(e).splitlines()[0])
+            tokenizer = None
+        return cls(model, config, source=str(folder), tokenizer=tokenizer, **kwargs)
+
+    def save(self, folder: Path) -> None:
+        """Write the model in the lab's checkpoint format (loads back with `decoders.load(folder)`)."""
+        rwkv7.save(self.model, folder)
+
+    def new_cache(self, prompt_lens: list[int], max_len: int) -> RWKV7Cache:
+        shift, wkv = self.model.new_state(len(prompt_lens), device=self.device, dtype=self.dtype)
+        return RWKV7Cache(shift, wkv)
+
+    def prefill_forward(self, cache: RWKV7Cache, prompts: list[list[int]]) -> torch.Tensor:
+        """Consume the prompts into the cache from the state it holds; logits [B, V] of each last token."""
+        chunk = self.prefill_chunk
+        last_logits = [None] * len(prompts)
+        for t0 in range(0, max(map(len, prompts)), chunk):
+            rows = [i for i, p in enumerate(prompts) if len(p) > t0]
+            pieces = [prompts[i][t0 : t0 + chunk] for i in rows]
+            lengths = [len(p) for p in pieces]
+            width = max(lengths)
+            tokens = torch.tensor([p + [0] * (width - len(p)) for p in pieces], device=self.device)
+            if len(rows) == len(prompts):
+                logits = self.model.forward_chunk(tokens, lengths, cache.shift, cache.wkv, impl=self.impl)
+            else:
+                # Sequences already consumed sit out; their state rows are gathered and put back.
+                index = torch.tensor(rows, device=self.device)
+                shift, wkv = cache.shift.index_select(2, index), cache.wkv.index_select(1, index)
+                logits = self.model.forward_chunk(tokens, lengths, shift, wkv, impl=self.impl)
+                cache.shift.index_copy_(2, index, shift)
+                cache.wkv.index_copy_(1, index, wkv)
+            for j, i in enumerate(rows):
+                if t0 + lengths[j] == len(prompts[i]):
+                    last_logits[i] = logits[j]
+        return torch.stack(last_logits)
+
+    def decode_forward(self, cache: RWKV7Cache, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model.forward_step(tokens, cache.shift, cache.wkv, impl=self.impl)
+
+    def state_bytes_per_sequence(self) -> int:
+        c = self.config
+        elt = torch.tensor([], dtype=self.dtype).element_size()
+        shift = 2 * c.hidden_size * elt
+        wkv = c.num_heads * c.head_dim * c.head_dim * 4
+        return c.num_hidden_layers * (shift + wkv)
+
+    def memory(self, batch: int, ctx: int) -> Memory:
+        weights = self.weight_bytes()
+        # A step reads one embedding row, not the table; a tied table is still read whole as the head.
+        embed = self.model.model.embeddings.weight
+        weights_read = weights - (0 if self.config.tie_word_embeddings else embed.numel() * embed.element_size())
+        state = batch * self.state_bytes_per_sequence()
+        return Memory(weight_bytes=weights, state_bytes=state, step_read_bytes=weights_read + state, step_write_bytes=state)
