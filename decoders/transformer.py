@@ -80,7 +80,8 @@ class TransformerDecoder(AutoregressiveDecoder):
         if self.prefill_chunk:
             return self.prefill_chunk
         if self.impl == "ref":
-            return max(64, min(8192, (1 << 30) // (4 * self.config.num_attention_heads * max_len)))
+            budget = (8 << 30) if self.device.type == "cuda" else (1 << 30)
+            return max(64, min(8192, budget // (4 * self.config.num_attention_heads * max_len)))
         return 8192
 
     def prefill_forward(self, cache: TransformerCache, prompts: list[list[int]]) -> torch.Tensor:

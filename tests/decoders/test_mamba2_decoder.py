@@ -14,7 +14,7 @@ from decoders.mamba2 import Mamba2Cache, Mamba2Decoder
 from decoders.sampling import Sampling
 
 TRITON_SSD = Path(__file__).resolve().parents[2] / "kernels" / "ssd" / "triton.py"
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+gpu = pytest.mark.gpu
 
 
 def rel(a, b):

@@ -15,7 +15,7 @@ from decoders.maskpredict import MaskPredictDecoder
 from decoders.sampling import Sampling
 
 GPU = torch.cuda.is_available()
-gpu_only = pytest.mark.skipif(not GPU, reason="needs a GPU")
+gpu_only = pytest.mark.gpu
 V, M = 16, 15  # oracle vocabulary and its mask token
 ORACLE_CONFIG = dict(vocab_size=V, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1,
                      max_position_embeddings=64, mask_token_id=M, eos_token_id=2)

@@ -9,9 +9,7 @@ import torch
 
 from kernels import ssd
 
-def GPU(test):
-    """Mark a test as needing a CUDA device (and skip it without one)."""
-    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")(test))
+GPU = pytest.mark.gpu
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 

@@ -12,7 +12,7 @@ from kernels.wkv7.ref import rwkv7_inputs, wkv7_chunk_ref, wkv7_recurrent_ref, w
 from kernels.wkv7.triton import wkv7_chunk_triton, wkv7_step_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+gpu = pytest.mark.gpu
 
 
 def rel(x, y):

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# One call on a CUDA machine: the GPU tests, the kernel benchmarks and the compare sweeps, each stage
+# bounded in time, results and logs written under OUT_DIR (JSON lines, one file per stage).
+#
+#   scripts/gpu_suite.sh OUT_DIR tests kernels compare-triton compare-ref
+#
+# Peers (flash-linear-attention, mamba-ssm) are used when importable; put wheels in WHEEL_DIR
+# (default .whl) to have them installed into a scratch folder first.
+set -uo pipefail
+out=${1:?usage: scripts/gpu_suite.sh OUT_DIR STAGE...}
+shift
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+wheels=${WHEEL_DIR:-.whl}
+if compgen -G "$wheels/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/declab-peers "$wheels"/*.whl \
+    && export PYTHONPATH="/tmp/declab-peers:${PYTHONPATH:-}"
+fi
+export PYTHONPATH="$PWD:${PYTHONPATH:-}"
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
+
+stage() {  # stage NAME SECONDS COMMAND...: run, log, never stop the suite
+  local name=$1 limit=$2
+  shift 2
+  echo "=== $name ($(date +%T), limit ${limit}s)"
+  timeout "$limit" "$@" >"$out/$name.log" 2>&1
+  local rc=$?
+  echo "=== $name rc=$rc"
+  tail -n 25 "$out/$name.log"
+}
+
+for s in "$@"; do
+  case $s in
+    tests) stage tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 150 tests ;;
+    kernels)
+      stage paged_attention 200 python3 -m kernels.paged_attention.bench --out "$out/paged_attention.jsonl"
+      stage ssd 170 python3 -m kernels.ssd.bench --out "$out/ssd.jsonl"
+      stage wkv7 170 python3 -m kernels.wkv7.bench --out "$out/wkv7.jsonl" ;;
+    compare-triton) stage compare_triton 330 python3 -m decoders.compare --no-progress --impl triton \
+        --models llama-1b,mamba2-1.3b,rwkv7-1.5b --ctx 4k..128k --batch 1 --out "$out/compare_triton.jsonl" --plot "$out/scaling.png" ;;
+    compare-ref) stage compare_ref 300 python3 -m decoders.compare --no-progress --impl ref \
+        --models llama-1b,mamba2-1.3b,rwkv7-1.5b --ctx 4k..128k --batch 1 --new-tokens 16 --out "$out/compare_ref.jsonl" ;;
+    *) echo "unknown stage $s" ;;
+  esac
+done
