@@ -43,7 +43,6 @@ class RWKV7Decoder(AutoregressiveDecoder):
         if prefill_chunk < 1:
             raise UsageError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.prefill_chunk = prefill_chunk
-        self.model.impl = self.impl
 
     @classmethod
     def detects(cls, hf_config: dict) -> bool:
@@ -66,6 +65,12 @@ class RWKV7Decoder(AutoregressiveDecoder):
             log.warning("%s: tokenizer not loaded (%s); pass token ids", folder, str(e).splitlines()[0])
             tokenizer = None
         return cls(model, config, source=str(folder), tokenizer=tokenizer, **kwargs)
+
+    @torch.inference_mode()
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        tokens = torch.as_tensor(tokens, device=self.device)
+        self.check_context(tokens.shape[-1])
+        return self.model(tokens, impl=self.impl)
 
     def save(self, folder: Path) -> None:
         """Write the model in the lab's checkpoint format (loads back with `decoders.load(folder)`)."""
@@ -109,7 +114,7 @@ class RWKV7Decoder(AutoregressiveDecoder):
         wkv = c.num_heads * c.head_dim * c.head_dim * 4
         return c.num_hidden_layers * (shift + wkv)
 
-    def memory(self, batch: int, ctx: int) -> Memory:
+    def memory(self, batch: int, ctx: int, *, new_tokens: int = 1) -> Memory:
         weights = self.weight_bytes()
         # A step reads one embedding row, not the table; a tied table is still read whole as the head.
         embed = self.model.model.embeddings.weight
