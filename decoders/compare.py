@@ -157,7 +157,7 @@ def run(args) -> int:
                     options.update(iterations=it, block_length=args.block)
                 dec = decoders.load(model, device=device, dtype=args.dtype, impl=args.impl, seed=args.seed, **options)
                 dec.check_context(max(ctxs))
-                gate = harness.check_against_reference(dec, seed=args.seed)
+                gate = harness.check_against_reference(dec, new_tokens=args.new_tokens, seed=args.seed)
                 loaded[key] = (dec, gate)
             dec, gate = loaded[key]
             record = {"model": model, "iterations": it, **dec.describe(), "ceilings": ceiling, "correctness": gate, **env, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}

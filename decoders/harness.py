@@ -45,28 +45,33 @@ def relative_rms(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def reference_outputs(decoder: Decoder, prompt: torch.Tensor, steps: int) -> torch.Tensor:
-    """Logits a short generation produces: prefill's last logits and each step's (or, for a family
-    whose steps return no logits, the parallel forward's)."""
-    state = decoder.prefill(prompt, max_new_tokens=steps + 1)
-    logits = [state.first_logits] if hasattr(state, "first_logits") else []
-    for _ in range(steps):
-        out = decoder.step(state)
-        if out.logits is not None:
-            logits.append(out.logits)
+def gate_logits(decoder: Decoder, prompt: torch.Tensor, forced: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """Logits of prefill and a few teacher-forced steps (the same tokens fed to every implementation,
+    so a near-tie cannot send two implementations down different paths); for a family without a
+    next token to force (Mask-Predict), the first refinement pass."""
+    state = decoder.prefill(prompt, max_new_tokens=new_tokens)
+    forcing = hasattr(state, "next_tokens")
+    logits = [state.first_logits] if forcing else []
+    for i in range(forced.shape[1] if forcing else 1):
+        if forcing:
+            state.next_tokens.copy_(forced[:, i])
+        logits.append(decoder.step(state).logits)
     decoder.release(state)
-    return torch.stack(logits) if logits else decoder.logits(prompt)
+    return torch.cat([t.float().reshape(-1) for t in logits])
 
 
-def check_against_reference(decoder: Decoder, *, tokens: int = 48, steps: int = 4, seed: int = 0) -> dict:
+def check_against_reference(decoder: Decoder, *, new_tokens: int, tokens: int = 48, seed: int = 0) -> dict:
     """Compare `decoder`'s logits with its reference path's on a random sequence (the correctness gate)."""
     if decoder.impl == "ref":
         return {"ok": True, "rel_rms": 0.0, "tolerance": 0.0}
     tolerance = 1e-3 if decoder.dtype == torch.float32 else 3e-2
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, decoder.vocab_size, (1, tokens), generator=g)
+    forced = torch.randint(0, decoder.vocab_size, (1, min(4, new_tokens - 1)), generator=g).to(decoder.device)
     with torch.inference_mode():
-        err = relative_rms(reference_outputs(decoder, prompt, steps), reference_outputs(with_impl(decoder, "ref"), prompt, steps))
+        ours = gate_logits(decoder, prompt, forced, new_tokens)
+        reference = gate_logits(with_impl(decoder, "ref"), prompt, forced, new_tokens)
+    err = relative_rms(ours, reference)
     return {"ok": err <= tolerance, "rel_rms": err, "tolerance": tolerance}
 
 
@@ -81,7 +86,7 @@ def fits(decoder: Decoder, batch: int, ctx: int, new_tokens: int) -> str | None:
     return None
 
 
-def measure(decoder: Decoder, *, ctx: int, batch: int, new_tokens: int, ceiling: dict, seed: int = 0, warmup_tokens: int = 4) -> dict:
+def measure(decoder: Decoder, *, ctx: int, batch: int, new_tokens: int, ceiling: dict, seed: int = 0) -> dict:
     """Measure one point; returns the record (without environment fields)."""
     prompt_len = ctx - new_tokens
     if prompt_len < 1:
@@ -91,7 +96,7 @@ def measure(decoder: Decoder, *, ctx: int, batch: int, new_tokens: int, ceiling:
     cuda = decoder.device.type == "cuda"
 
     t0 = time.perf_counter()
-    decoder.generate(prompts[:, : min(prompt_len, 64)], max_new_tokens=min(new_tokens, warmup_tokens))
+    decoder.generate(prompts[:, : min(prompt_len, 64)], max_new_tokens=new_tokens)
     warmup_s = time.perf_counter() - t0
     if cuda:
         torch.cuda.synchronize()
