@@ -1,0 +1,444 @@
+"""Paged attention in Triton: KV write, flash-decoding split-K decode, and varlen flash prefill.
+
+Layouts (see README.md): `k_cache`, `v_cache` `[num_blocks, block_size, Hkv, D]` (last dim
+contiguous); `block_tables` `[B, max_blocks]`; `seq_lens` `[B]`; token at position p of sequence b
+lives at page `block_tables[b, p // block_size]`, row `p % block_size`. Every kernel gathers K/V
+rows through that formula, so any power-of-two page size works.
+
+Decode is CUDA-graph safe: the grid depends only on host integers (batch, heads, and the split
+count fixed in a `DecodeWorkspace`), the per-sequence split length is computed on the device from
+`seq_lens`, and no call reads a device value on the host.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+MAX_SPLITS = 256
+MIN_SPLIT_TOKENS = 128
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tile sizes and launch parameters of one kernel."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def decode_config(head_dim: int) -> KernelConfig:
+    """Decode tiles: 16 KB of K and 16 KB of V per tile, 4 warps.
+
+    With 3 stages the pipeliner loads the block-table entries two tiles ahead and the K/V tile one
+    tile ahead (cp.async into ~39 KB of shared memory on sm_90).
+    """
+    d_pad = _pad_dim(head_dim)
+    return KernelConfig(block_m=0, block_n=max(16, 8192 // d_pad), num_warps=4, num_stages=3)
+
+
+def prefill_config(head_dim: int) -> KernelConfig:
+    """Prefill tiles: 128 queries x 64 keys, as the Triton flash-attention forward uses on Hopper."""
+    d_pad = _pad_dim(head_dim)
+    if d_pad <= 64:
+        return KernelConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
+    if d_pad <= 128:
+        return KernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+    return KernelConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
+
+
+def _pad_dim(head_dim: int) -> int:
+    # tl.dot needs every dimension >= 16 and tiles must be powers of two.
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    # The interpreter has no SMs; a small number keeps several splits in the CPU tests.
+    return 4
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """Splits of the sequence per (sequence, kv head) for a batch whose lengths are <= max_seq_len."""
+    # About four programs per SM, each with a 32 KB K/V tile in flight: several times the bytes
+    # HBM latency needs, and all resident at once (~39 KB of shared memory each).
+    wanted = triton.cdiv(4 * num_sms, batch * num_kv_heads)
+    # At least MIN_SPLIT_TOKENS per split: shorter runs spend more on the partials than they save.
+    return max(1, min(wanted, triton.cdiv(max(max_seq_len, 1), MIN_SPLIT_TOKENS), MAX_SPLITS))
+
+
+@dataclass
+class DecodeWorkspace:
+    """Partial results of split-K decode, allocated once per (batch capacity, max_seq_len)."""
+
+    num_splits: int
+    # [B, Hq, S] log2-sum-exp of each split's scores
+    lse: torch.Tensor
+    # [B, Hq, S, D_pad] each split's softmax-normalised output
+    partial: torch.Tensor
+
+
+def decode_workspace(batch, num_q_heads, num_kv_heads, head_dim, max_seq_len, device, *, num_splits=None):
+    """Buffers for `paged_decode_attention` on up to `batch` sequences of length <= `max_seq_len`."""
+    device = torch.device(device)
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, num_kv_heads, max_seq_len, _num_sms(device))
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
+    lse = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32, device=device)
+    partial = torch.empty(batch, num_q_heads, num_splits, _pad_dim(head_dim), dtype=torch.float32, device=device)
+    return DecodeWorkspace(num_splits, lse, partial)
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
+    stride_kn, stride_kh, stride_vn, stride_vh,
+    stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
+    H: tl.constexpr, D: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
+):
+    n = tl.program_id(0)
+    slot = tl.load(slot_ptr + n).to(tl.int64)
+    if slot >= 0:
+        page = slot // PAGE
+        row = slot % PAGE
+        h = tl.arange(0, H_PAD)[:, None]
+        d = tl.arange(0, D_PAD)[None, :]
+        mask = (h < H) & (d < D)
+        k = tl.load(k_ptr + n * stride_kn + h * stride_kh + d, mask=mask)
+        v = tl.load(v_ptr + n * stride_vn + h * stride_vh + d, mask=mask)
+        kc = kc_ptr + page * stride_kcb + row * stride_kct + h * stride_kch + d
+        vc = vc_ptr + page * stride_vcb + row * stride_vct + h * stride_vch + d
+        tl.store(kc, k.to(kc_ptr.dtype.element_ty), mask=mask)
+        tl.store(vc, v.to(vc_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv(k, v, k_cache, v_cache, slot_mapping):
+    """k, v `[N, Hkv, D]` into the caches at flat slots `slot_mapping` `[N]`; negative slots skipped."""
+    n, num_heads, head_dim = k.shape
+    _check_cache(k_cache, v_cache)
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("write_kv: k and v need a contiguous last dimension")
+    if n == 0:
+        return
+    _write_kv_kernel[(n,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        H=num_heads, D=head_dim, H_PAD=triton.next_power_of_2(num_heads), D_PAD=_pad_dim(head_dim),
+        PAGE=k_cache.shape[1], num_warps=4,
+    )
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, lse_ptr, part_ptr, out_ptr,
+    qk_scale,
+    stride_qb, stride_qh,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_btb,
+    stride_lb, stride_lh,
+    stride_pb, stride_ph, stride_ps,
+    stride_ob, stride_oh,
+    num_splits,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
+):
+    split = tl.program_id(0)
+    hk = tl.program_id(1)
+    b = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    # Every sequence is cut into num_splits equal runs of whole tiles, computed here from its own
+    # length, so short sequences still spread over all splits and the grid stays fixed.
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits)
+    start = split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+    if start < end:
+        g = tl.arange(0, G_PAD)
+        d = tl.arange(0, D_PAD)
+        heads = hk * G + g
+        if D == D_PAD:
+            qmask = g[:, None] < G
+        else:
+            qmask = (g[:, None] < G) & (d[None, :] < D)
+        # [G_PAD, D_PAD]: the G query heads sharing kv head hk are the M rows of both dots.
+        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=qmask, other=0.0)
+        m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([G_PAD], dtype=tl.float32)
+        acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
+        bt_row = bt_ptr + b.to(tl.int64) * stride_btb
+        for n0 in range(start, end, BLOCK_N):
+            pos = n0 + tl.arange(0, BLOCK_N)
+            valid = pos < end
+            page = tl.load(bt_row + pos // PAGE, mask=valid, other=0).to(tl.int64)
+            if D == D_PAD:
+                kvmask = valid[:, None]
+            else:
+                kvmask = valid[:, None] & (d[None, :] < D)
+            k_off = page * stride_kb + (pos % PAGE) * stride_kt + hk * stride_kh
+            # [BLOCK_N, D_PAD]
+            k = tl.load(k_ptr + k_off[:, None] + d[None, :], mask=kvmask, other=0.0)
+            # [G_PAD, BLOCK_N] scores in log2 units
+            qk = tl.dot(q, tl.trans(k)) * qk_scale
+            qk = tl.where(valid[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v_off = page * stride_vb + (pos % PAGE) * stride_vt + hk * stride_vh
+            v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=kvmask, other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        if SINGLE_SPLIT:
+            # One split: its result is final, the reduce kernel is not launched.
+            out = acc / l_i[:, None]
+            o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
+            tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=qmask)
+        else:
+            gmask = g < G
+            tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, m_i + tl.log2(l_i), mask=gmask)
+            p_ptrs = part_ptr + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps + d[None, :]
+            tl.store(p_ptrs, acc / l_i[:, None], mask=gmask[:, None])
+    elif SINGLE_SPLIT:
+        # Empty sequence (padding slot): defined as a zero output.
+        zg = tl.arange(0, G_PAD)
+        zd = tl.arange(0, D_PAD)
+        zero_ptrs = out_ptr + b * stride_ob + (hk * G + zg)[:, None] * stride_oh + zd[None, :]
+        zero_mask = (zg[:, None] < G) & (zd[None, :] < D)
+        tl.store(zero_ptrs, tl.zeros([G_PAD, D_PAD], dtype=out_ptr.dtype.element_ty), mask=zero_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    lse_ptr, part_ptr, seq_lens_ptr, out_ptr,
+    stride_lb, stride_lh, stride_pb, stride_ph, stride_ps, stride_ob, stride_oh,
+    num_splits,
+    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    S_PAD: tl.constexpr, CHUNK: tl.constexpr,
+):
+    h = tl.program_id(0)
+    b = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + b)
+    # Same split arithmetic as the split kernel: splits past the sequence's end wrote nothing.
+    n_tiles = tl.cdiv(seq_len, BLOCK_N)
+    tiles_per_split = tl.maximum(tl.cdiv(n_tiles, num_splits), 1)
+    n_valid = tl.cdiv(n_tiles, tiles_per_split)
+    lse_row = lse_ptr + b * stride_lb + h * stride_lh
+    part_row = part_ptr + b * stride_pb + h * stride_ph
+    s = tl.arange(0, S_PAD)
+    lse = tl.load(lse_row + s, mask=s < n_valid, other=float("-inf"))
+    # An empty sequence has no valid split; a zero max keeps the arithmetic finite (output 0).
+    m = tl.where(n_valid > 0, tl.max(lse, 0), 0.0)
+    denom = tl.sum(tl.exp2(lse - m), 0)
+    d = tl.arange(0, D_PAD)
+    acc = tl.zeros([D_PAD], dtype=tl.float32)
+    for c in range(0, n_valid, CHUNK):
+        rows = c + tl.arange(0, CHUNK)
+        rmask = rows < n_valid
+        w = tl.exp2(tl.load(lse_row + rows, mask=rmask, other=float("-inf")) - m)
+        part = tl.load(part_row + rows[:, None] * stride_ps + d[None, :], mask=rmask[:, None], other=0.0)
+        acc += tl.sum(w[:, None] * part, 0)
+    out = tl.where(denom > 0, acc / denom, 0.0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *, out=None, workspace=None,
+                           config=None):
+    """Flash-decoding over the paged cache: q `[B, Hq, D]` -> `[B, Hq, D]` in q's dtype.
+
+    Without a workspace one is allocated for max_seq_len = block_tables.shape[1] * block_size (a
+    host bound, no sync); pass one made by `decode_workspace` to capture the call in a CUDA graph.
+    `config` overrides `decode_config(D)` (used by the benchmark's tile sweep).
+    """
+    batch, num_q_heads, head_dim = q.shape
+    _check_cache(k_cache, v_cache)
+    num_kv_heads = k_cache.shape[2]
+    if num_q_heads % num_kv_heads != 0:
+        raise ValueError(f"Hq={num_q_heads} is not a multiple of Hkv={num_kv_heads}")
+    if q.stride(-1) != 1:
+        raise ValueError("paged_decode_attention: q needs a contiguous last dimension")
+    group = num_q_heads // num_kv_heads
+    page = k_cache.shape[1]
+    if workspace is None:
+        workspace = decode_workspace(batch, num_q_heads, num_kv_heads, head_dim, block_tables.shape[1] * page, q.device)
+    ws_batch, ws_heads, _, ws_dim = workspace.partial.shape
+    if ws_batch < batch or ws_heads != num_q_heads or ws_dim != _pad_dim(head_dim):
+        raise ValueError("decode workspace does not match (batch capacity, Hq, D) of this call")
+    if out is None:
+        out = torch.empty_like(q)
+    if out.stride(-1) != 1 or out.shape != q.shape:
+        raise ValueError("paged_decode_attention: out must be [B, Hq, D] with a contiguous last dimension")
+    cfg = config or decode_config(head_dim)
+    splits = workspace.num_splits
+    lse, part = workspace.lse, workspace.partial
+    _decode_split_kernel[(splits, num_kv_heads, batch)](
+        q, k_cache, v_cache, block_tables, seq_lens, lse, part, out,
+        scale * LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        lse.stride(0), lse.stride(1),
+        part.stride(0), part.stride(1), part.stride(2),
+        out.stride(0), out.stride(1),
+        splits,
+        G=group, G_PAD=max(16, triton.next_power_of_2(group)), D=head_dim, D_PAD=_pad_dim(head_dim),
+        PAGE=page, BLOCK_N=cfg.block_n, SINGLE_SPLIT=splits == 1,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if splits > 1:
+        _decode_reduce_kernel[(num_q_heads, batch)](
+            lse, part, seq_lens, out,
+            lse.stride(0), lse.stride(1), part.stride(0), part.stride(1), part.stride(2),
+            out.stride(0), out.stride(1),
+            splits,
+            D=head_dim, D_PAD=_pad_dim(head_dim), BLOCK_N=cfg.block_n,
+            S_PAD=triton.next_power_of_2(splits), CHUNK=16, num_warps=4,
+        )
+    return out
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, cu_ptr, out_ptr,
+    qk_scale,
+    stride_qt, stride_qh,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_btb,
+    stride_ot, stride_oh,
+    G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+):
+    # Query tiles in reverse so the longest causal tiles start first and the tail is short.
+    m_block = tl.num_programs(0) - 1 - tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    hk = h // G
+    q_first = tl.load(cu_ptr + b)
+    q_len = tl.load(cu_ptr + b + 1) - q_first
+    m_start = m_block * BLOCK_M
+    if m_start < q_len:
+        seq_len = tl.load(seq_lens_ptr + b)
+        # The queries are the last q_len positions; the first seq_len - q_len are cached prefix.
+        prefix = seq_len - q_len
+        offs_m = m_start + tl.arange(0, BLOCK_M)
+        q_pos = prefix + offs_m
+        d = tl.arange(0, D_PAD)
+        if D == D_PAD:
+            qmask = offs_m[:, None] < q_len
+        else:
+            qmask = (offs_m[:, None] < q_len) & (d[None, :] < D)
+        q_rows = (q_first + offs_m).to(tl.int64)
+        q = tl.load(q_ptr + q_rows[:, None] * stride_qt + h * stride_qh + d[None, :], mask=qmask, other=0.0)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+        bt_row = bt_ptr + b.to(tl.int64) * stride_btb
+        if CAUSAL:
+            # Tiles wholly at or before the tile's first query position need no mask.
+            full_end = (prefix + m_start + 1) // BLOCK_N * BLOCK_N
+            end = tl.minimum(seq_len, prefix + m_start + BLOCK_M)
+        else:
+            full_end = seq_len // BLOCK_N * BLOCK_N
+            end = seq_len
+        for n0 in range(0, full_end, BLOCK_N):
+            pos = n0 + tl.arange(0, BLOCK_N)
+            page = tl.load(bt_row + pos // PAGE).to(tl.int64)
+            k_off = page * stride_kb + (pos % PAGE) * stride_kt + hk * stride_kh
+            v_off = page * stride_vb + (pos % PAGE) * stride_vt + hk * stride_vh
+            if D == D_PAD:
+                k = tl.load(k_ptr + k_off[:, None] + d[None, :])
+                v = tl.load(v_ptr + v_off[:, None] + d[None, :])
+            else:
+                k = tl.load(k_ptr + k_off[:, None] + d[None, :], mask=d[None, :] < D, other=0.0)
+                v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=d[None, :] < D, other=0.0)
+            qk = tl.dot(q, tl.trans(k)) * qk_scale
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        # Diagonal tiles (causal) and the partly filled last tile: masked.
+        for n0 in range(full_end, end, BLOCK_N):
+            pos = n0 + tl.arange(0, BLOCK_N)
+            valid = pos < seq_len
+            page = tl.load(bt_row + pos // PAGE, mask=valid, other=0).to(tl.int64)
+            k_off = page * stride_kb + (pos % PAGE) * stride_kt + hk * stride_kh
+            v_off = page * stride_vb + (pos % PAGE) * stride_vt + hk * stride_vh
+            if D == D_PAD:
+                kvmask = valid[:, None]
+            else:
+                kvmask = valid[:, None] & (d[None, :] < D)
+            k = tl.load(k_ptr + k_off[:, None] + d[None, :], mask=kvmask, other=0.0)
+            v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=kvmask, other=0.0)
+            qk = tl.dot(q, tl.trans(k)) * qk_scale
+            if CAUSAL:
+                visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
+            else:
+                visible = valid[None, :]
+            qk = tl.where(visible, qk, float("-inf"))
+            # Position 0 is visible to every row and comes first, so m_new is always finite here.
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        out = acc / l_i[:, None]
+        o_ptrs = out_ptr + q_rows[:, None] * stride_ot + h * stride_oh + d[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=qmask)
+
+
+def paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, *, causal,
+                            max_seqlen_q=None, config=None):
+    """Varlen flash attention over the paged cache: q `[total_q, Hq, D]` -> `[total_q, Hq, D]`.
+
+    `max_seqlen_q` (host int) sizes the grid; when None it is read from `cu_seqlens_q` (a sync).
+    `config` overrides `prefill_config(D)` (used by the benchmark's tile sweep).
+    """
+    total_q, num_q_heads, head_dim = q.shape
+    _check_cache(k_cache, v_cache)
+    num_kv_heads = k_cache.shape[2]
+    if num_q_heads % num_kv_heads != 0:
+        raise ValueError(f"Hq={num_q_heads} is not a multiple of Hkv={num_kv_heads}")
+    if q.stride(-1) != 1:
+        raise ValueError("paged_prefill_attention: q needs a contiguous last dimension")
+    batch = cu_seqlens_q.shape[0] - 1
+    out = torch.empty_like(q)
+    if total_q == 0 or batch == 0:
+        return out
+    if max_seqlen_q is None:
+        max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    cfg = config or prefill_config(head_dim)
+    grid = (triton.cdiv(max(max_seqlen_q, 1), cfg.block_m), num_q_heads, batch)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out,
+        scale * LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        G=num_q_heads // num_kv_heads, D=head_dim, D_PAD=_pad_dim(head_dim), PAGE=k_cache.shape[1],
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def _check_cache(k_cache, v_cache):
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"caches must both be [num_blocks, block_size, Hkv, D], "
+                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    block_size = k_cache.shape[1]
+    if block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two, got {block_size}")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("caches need a contiguous last dimension")

@@ -1,0 +1,270 @@
+"""Paged attention: Triton kernels against the float32 reference (write_kv, decode, prefill).
+
+On the CPU these run under the Triton interpreter in float32 with small sizes; on a GPU the same
+tests run in bfloat16, plus bigger GPU-only cases (long and odd lengths, head dim 80, CUDA graphs).
+Cache slots no sequence owns are filled with NaN, so a kernel that reads past a sequence fails.
+"""
+
+import pytest
+import torch
+
+from kernels import paged_attention as pa
+
+GPU = torch.cuda.is_available()
+DEVICE = "cuda" if GPU else "cpu"
+# The interpreter computes tl.dot wrongly on bf16 inputs, so CPU tests use float32.
+DTYPE = torch.bfloat16 if GPU else torch.float32
+TOL = 2e-2 if GPU else 1e-4
+
+
+def gpu_only(test):
+    """Marks a test `gpu` and skips it without a CUDA device."""
+    return pytest.mark.gpu(pytest.mark.skipif(not GPU, reason="needs a GPU")(test))
+
+
+# The Triton interpreter warns on every loop bound it reads from a loaded scalar.
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+
+
+def rel_rms(a, b):
+    """||a - b|| / ||b|| in float32."""
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def make_cache(seq_lens, page, num_kv_heads, head_dim, *, shuffle=True, dtype=DTYPE, seed=0):
+    """Random paged caches holding `seq_lens` positions, their block tables, and NaN everywhere else.
+
+    Pages are handed out in a random order when `shuffle`; unused block-table entries point at
+    random pages (whose unused rows are NaN), as a real allocator may leave them.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    pages_per_seq = [-(-n // page) for n in seq_lens]
+    max_blocks = max(pages_per_seq) + 1
+    num_blocks = sum(pages_per_seq) + 3
+    order = torch.randperm(num_blocks, generator=gen) if shuffle else torch.arange(num_blocks)
+    block_tables = torch.randint(0, num_blocks, (len(seq_lens), max_blocks), generator=gen, dtype=torch.int32)
+    shape = (num_blocks, page, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"))
+    v_cache = torch.full(shape, float("nan"))
+    next_page = 0
+    for b, (n, count) in enumerate(zip(seq_lens, pages_per_seq)):
+        ids = order[next_page : next_page + count]
+        next_page += count
+        block_tables[b, :count] = ids
+        pos = torch.arange(n)
+        k_cache[ids[pos // page], pos % page] = torch.randn(n, num_kv_heads, head_dim, generator=gen)
+        v_cache[ids[pos // page], pos % page] = torch.randn(n, num_kv_heads, head_dim, generator=gen)
+    seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
+    return (k_cache.to(DEVICE, dtype), v_cache.to(DEVICE, dtype), block_tables.to(DEVICE), seq_lens.to(DEVICE))
+
+
+def run_decode(seq_lens, page, group, num_kv_heads, head_dim, *, shuffle=True, num_splits=None, tol=TOL):
+    k_cache, v_cache, block_tables, lens = make_cache(seq_lens, page, num_kv_heads, head_dim, shuffle=shuffle)
+    q = torch.randn(len(seq_lens), group * num_kv_heads, head_dim, device=DEVICE).to(DTYPE)
+    scale = head_dim**-0.5
+    want = pa.paged_decode_attention(q, k_cache, v_cache, block_tables, lens, scale, impl="ref")
+    workspace = None
+    if num_splits is not None:
+        workspace = pa.decode_workspace(len(seq_lens), q.shape[1], num_kv_heads, head_dim, max(seq_lens), DEVICE,
+                                        num_splits=num_splits)
+    out = torch.full_like(q, float("nan"))
+    got = pa.paged_decode_attention(q, k_cache, v_cache, block_tables, lens, scale, impl="triton", out=out,
+                                    workspace=workspace)
+    assert got.data_ptr() == out.data_ptr()
+    assert not torch.isnan(got).any()
+    assert got.dtype == q.dtype
+    assert rel_rms(got, want) < tol
+
+
+def run_prefill(q_lens, seq_lens, page, group, num_kv_heads, head_dim, causal, *, tol=TOL):
+    k_cache, v_cache, block_tables, lens = make_cache(seq_lens, page, num_kv_heads, head_dim)
+    cu = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32).to(DEVICE)
+    q = torch.randn(sum(q_lens), group * num_kv_heads, head_dim, device=DEVICE).to(DTYPE)
+    scale = head_dim**-0.5
+    want = pa.paged_prefill_attention(q, k_cache, v_cache, block_tables, lens, cu, scale, causal=causal, impl="ref")
+    got = pa.paged_prefill_attention(q, k_cache, v_cache, block_tables, lens, cu, scale, causal=causal,
+                                     impl="triton", max_seqlen_q=max(q_lens))
+    assert not torch.isnan(got).any()
+    assert got.dtype == q.dtype
+    assert rel_rms(got, want) < tol
+
+
+def test_write_kv_ref_vs_triton():
+    page, num_kv_heads, head_dim, num_blocks = 16, 2, 64, 5
+    k_cache = torch.randn(num_blocks, page, num_kv_heads, head_dim, device=DEVICE).to(DTYPE)
+    v_cache = torch.randn_like(k_cache)
+    before = k_cache.clone()
+    slots = torch.randperm(num_blocks * page)[:9].to(DEVICE)
+    # A negative slot is a padding token and must be skipped.
+    slots[4] = -1
+    k = torch.randn(9, num_kv_heads, head_dim, device=DEVICE).to(DTYPE)
+    v = torch.randn_like(k)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    pa.write_kv(k, v, k_ref, v_ref, slots, impl="ref")
+    pa.write_kv(k, v, k_cache, v_cache, slots, impl="triton")
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    written = slots >= 0
+    assert torch.equal(k_cache.flatten(0, 1)[slots[written]], k[written])
+    assert torch.equal(v_cache.flatten(0, 1)[slots[written]], v[written])
+    untouched = torch.ones(num_blocks * page, dtype=torch.bool, device=DEVICE)
+    untouched[slots[written]] = False
+    assert torch.equal(k_cache.flatten(0, 1)[untouched], before.flatten(0, 1)[untouched])
+
+
+@pytest.mark.parametrize(
+    "seq_lens,page,group,num_kv_heads,head_dim",
+    [
+        ([17, 1, 300], 16, 1, 2, 64),
+        ([300, 17, 1], 64, 4, 2, 128),
+        ([1, 300, 17], 256, 8, 1, 64),
+        ([33, 5], 16, 2, 2, 80),
+    ],
+)
+def test_decode_ref_vs_triton(seq_lens, page, group, num_kv_heads, head_dim):
+    run_decode(seq_lens, page, group, num_kv_heads, head_dim)
+
+
+@pytest.mark.parametrize("num_splits", [1, 7])
+def test_decode_ref_vs_triton_fixed_splits(num_splits):
+    # 7 splits over lengths 1..300: most splits of the short sequences are empty and exit early.
+    run_decode([300, 1, 17], 16, 4, 1, 64, num_splits=num_splits)
+
+
+def test_decode_ref_vs_triton_contiguous_vs_shuffled_pages():
+    run_decode([150, 40], 16, 4, 2, 64, shuffle=False)
+    run_decode([150, 40], 16, 4, 2, 64, shuffle=True)
+
+
+@pytest.mark.parametrize("num_splits", [None, 1])
+def test_decode_ref_vs_triton_empty_sequence_gives_zero(num_splits):
+    k_cache, v_cache, block_tables, _ = make_cache([20, 5], 16, 1, 64)
+    lens = torch.tensor([20, 0], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(2, 4, 64, device=DEVICE).to(DTYPE)
+    workspace = pa.decode_workspace(2, 4, 1, 64, 32, DEVICE, num_splits=num_splits)
+    out = torch.full_like(q, float("nan"))
+    pa.paged_decode_attention(q, k_cache, v_cache, block_tables, lens, 0.125, impl="triton", out=out,
+                              workspace=workspace)
+    want = pa.paged_decode_attention(q, k_cache, v_cache, block_tables, lens, 0.125, impl="ref")
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert rel_rms(out, want) < TOL
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize(
+    "q_lens,seq_lens,page,group,num_kv_heads,head_dim",
+    [
+        # one-shot prefill of mixed lengths
+        ([17, 1, 300], [17, 1, 300], 16, 1, 2, 64),
+        # chunked prefill / Mask-Predict canvas after a cached prefix
+        ([5, 130, 1], [300, 147, 17], 64, 4, 1, 128),
+        ([40, 17], [300, 17], 256, 8, 1, 64),
+        ([20], [90], 16, 2, 1, 80),
+        # prefix 62: the first query's own position is the last of the first 64-key tile
+        ([200], [262], 16, 2, 1, 64),
+    ],
+)
+def test_prefill_ref_vs_triton(q_lens, seq_lens, page, group, num_kv_heads, head_dim, causal):
+    run_prefill(q_lens, seq_lens, page, group, num_kv_heads, head_dim, causal)
+
+
+def test_prefill_triton_chunked_equals_one_shot():
+    # Writing a sequence's K/V in two chunks, attending after each, matches one causal pass.
+    page, num_kv_heads, group, head_dim, n, split = 16, 2, 2, 64, 150, 61
+    num_blocks = 12
+    k_cache = torch.full((num_blocks, page, num_kv_heads, head_dim), float("nan"), device=DEVICE).to(DTYPE)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    block_tables = torch.randperm(num_blocks)[None, : -(-n // page)].to(torch.int32).to(DEVICE)
+    pos = torch.arange(n, device=DEVICE)
+    slots = block_tables[0].long()[pos // page] * page + pos % page
+    q = torch.randn(n, group * num_kv_heads, head_dim, device=DEVICE).to(DTYPE)
+    k = torch.randn(n, num_kv_heads, head_dim, device=DEVICE).to(DTYPE)
+    v = torch.randn_like(k)
+    scale = head_dim**-0.5
+    chunks = []
+    for lo, hi in ((0, split), (split, n)):
+        pa.write_kv(k[lo:hi], v[lo:hi], k_cache, v_cache, slots[lo:hi], impl="triton")
+        lens = torch.tensor([hi], dtype=torch.int32, device=DEVICE)
+        cu = torch.tensor([0, hi - lo], dtype=torch.int32, device=DEVICE)
+        chunks.append(pa.paged_prefill_attention(q[lo:hi], k_cache, v_cache, block_tables, lens, cu, scale,
+                                                 causal=True, impl="triton", max_seqlen_q=hi - lo))
+    lens = torch.tensor([n], dtype=torch.int32, device=DEVICE)
+    cu = torch.tensor([0, n], dtype=torch.int32, device=DEVICE)
+    whole = pa.paged_prefill_attention(q, k_cache, v_cache, block_tables, lens, cu, scale, causal=True, impl="ref")
+    assert rel_rms(torch.cat(chunks), whole) < TOL
+
+
+def test_decode_triton_matches_last_prefill_row():
+    # The decode query at position L-1 sees exactly what the last causal prefill query sees.
+    k_cache, v_cache, block_tables, lens = make_cache([77], 16, 2, 64)
+    q = torch.randn(1, 8, 64, device=DEVICE).to(DTYPE)
+    cu = torch.tensor([0, 1], dtype=torch.int32, device=DEVICE)
+    dec = pa.paged_decode_attention(q, k_cache, v_cache, block_tables, lens, 0.125, impl="triton")
+    pre = pa.paged_prefill_attention(q, k_cache, v_cache, block_tables, lens, cu, 0.125, causal=True,
+                                     impl="triton", max_seqlen_q=1)
+    assert rel_rms(dec, pre) < TOL
+
+
+def test_bad_impl_is_an_error():
+    k_cache, v_cache, block_tables, lens = make_cache([3], 16, 1, 64)
+    q = torch.randn(1, 1, 64, device=DEVICE).to(DTYPE)
+    with pytest.raises(ValueError):
+        pa.paged_decode_attention(q, k_cache, v_cache, block_tables, lens, 0.125, impl="auto")
+
+
+@gpu_only
+@pytest.mark.parametrize(
+    "seq_lens,page,group,num_kv_heads,head_dim",
+    [
+        ([1, 17, 1000, 4097], 16, 1, 4, 64),
+        ([4097, 1000, 17, 1], 64, 4, 2, 128),
+        ([1000, 4097, 1, 17], 256, 8, 1, 128),
+        ([4097, 17, 1000, 1], 16, 16, 1, 64),
+        ([17, 4097, 1, 1000], 128, 4, 2, 80),
+        ([32768], 16, 4, 8, 128),
+    ],
+)
+def test_gpu_decode_ref_vs_triton(seq_lens, page, group, num_kv_heads, head_dim):
+    run_decode(seq_lens, page, group, num_kv_heads, head_dim)
+
+
+@gpu_only
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize(
+    "q_lens,seq_lens,page,group,num_kv_heads,head_dim",
+    [
+        ([4097, 1, 17, 1000], [4097, 1, 17, 1000], 16, 4, 2, 128),
+        ([300, 1, 1000], [4097, 17, 1000], 64, 8, 1, 64),
+        ([64, 1000], [1000, 4097], 256, 1, 4, 128),
+        ([999, 17], [4097, 17], 128, 4, 2, 80),
+    ],
+)
+def test_gpu_prefill_ref_vs_triton(q_lens, seq_lens, page, group, num_kv_heads, head_dim, causal):
+    run_prefill(q_lens, seq_lens, page, group, num_kv_heads, head_dim, causal)
+
+
+@gpu_only
+def test_gpu_decode_triton_cuda_graph_replay():
+    # Captured once, replayed after the lengths and queries change in place: no host sync inside.
+    k_cache, v_cache, block_tables, _ = make_cache([4000, 4000, 2500, 2500], 16, 4, 128)
+    lens = torch.tensor([4000, 1, 2500, 17], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(4, 16, 128, device=DEVICE).to(DTYPE)
+    out = torch.empty_like(q)
+    workspace = pa.decode_workspace(4, 16, 4, 128, 4096, DEVICE)
+
+    def step():
+        pa.paged_decode_attention(q, k_cache, v_cache, block_tables, lens, 128**-0.5, impl="triton", out=out,
+                                  workspace=workspace)
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    lens.copy_(torch.tensor([17, 4000, 1, 2500], dtype=torch.int32))
+    q.copy_(torch.randn_like(q))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    want = pa.paged_decode_attention(q, k_cache, v_cache, block_tables, lens, 128**-0.5, impl="ref")
+    assert not torch.isnan(out).any()
+    assert rel_rms(out, want) < TOL
