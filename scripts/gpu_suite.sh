@@ -31,11 +31,11 @@ stage() {  # stage NAME SECONDS COMMAND...: run, log, never stop the suite
 
 for s in "$@"; do
   case $s in
-    tests) stage tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 150 tests ;;
+    tests) stage tests 180 python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 120 -rf tests ;;
     kernels)
-      stage paged_attention 200 python3 -m kernels.paged_attention.bench --out "$out/paged_attention.jsonl"
-      stage ssd 170 python3 -m kernels.ssd.bench --out "$out/ssd.jsonl"
-      stage wkv7 170 python3 -m kernels.wkv7.bench --out "$out/wkv7.jsonl" ;;
+      stage paged_attention 170 python3 -m kernels.paged_attention.bench --budget-s 120 --flex-budget-s 80 --out "$out/paged_attention.jsonl"
+      stage ssd 120 python3 -m kernels.ssd.bench --out "$out/ssd.jsonl"
+      stage wkv7 120 python3 -m kernels.wkv7.bench --out "$out/wkv7.jsonl" ;;
     compare-triton) stage compare_triton 330 python3 -m decoders.compare --no-progress --impl triton \
         --models llama-1b,mamba2-1.3b,rwkv7-1.5b --ctx 4k..128k --batch 1 --out "$out/compare_triton.jsonl" --plot "$out/scaling.png" ;;
     compare-ref) stage compare_ref 300 python3 -m decoders.compare --no-progress --impl ref \

@@ -83,3 +83,36 @@ def test_memory_counts_weights_and_kv(dec):
     assert mem.state_bytes == 2 * 112 * kv_token
     assert mem.step_write_bytes == 2 * kv_token
     assert mem.step_read_bytes == dec.weight_bytes() + 2 * 100 * kv_token
+
+
+def test_triton_path_equals_the_reference():
+    ref = decoders.load("llama-tiny", device="cpu", dtype="float32", impl="ref", seed=1)
+    tri = decoders.load("llama-tiny", device="cpu", dtype="float32", impl="triton", seed=1)
+    prompts = [list(range(3, 40)), [7, 8, 9]]
+    a, b = ref.prefill(prompts, max_new_tokens=2), tri.prefill(prompts, max_new_tokens=2)
+    torch.testing.assert_close(b.first_logits, a.first_logits, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(tri.step(b).logits, ref.step(a).logits, rtol=1e-4, atol=1e-5)
+    assert tri.generate(prompts, 6).tokens == ref.generate(prompts, 6).tokens
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["llama-tiny", "llama-1b"])
+def test_triton_bf16_with_cuda_graphs_matches_the_reference_on_gpu(preset):
+    tri = decoders.load(preset, device="cuda", dtype="bfloat16", impl="triton", seed=1)
+    ref = decoders.load(preset, device="cuda", dtype="bfloat16", impl="ref", seed=1)
+    assert tri.cuda_graphs
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, tri.vocab_size, (3, 700), generator=g)
+    forced = torch.randint(0, tri.vocab_size, (3, 6), generator=g).cuda()
+    logits = {}
+    for name, dec in (("tri", tri), ("ref", ref)):
+        state = dec.prefill(prompts, max_new_tokens=8)
+        out = [state.first_logits.float()]
+        with torch.inference_mode():
+            for i in range(6):
+                state.next_tokens.copy_(forced[:, i])
+                out.append(dec.step(state).logits.float())
+        logits[name] = torch.stack(out)
+        dec.release(state)
+    err = (logits["tri"] - logits["ref"]).norm() / logits["ref"].norm()
+    assert err < 2e-2, err
