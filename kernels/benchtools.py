@@ -9,6 +9,7 @@
 """
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -95,6 +96,9 @@ def environment(device) -> dict:
     """What every result record carries about where it was measured."""
     device = torch.device(device)
     sha, dirty = git_state()
+    if sha == "unknown":
+        # A copy of the tree without its .git (e.g. shipped to a GPU machine) names its commit here.
+        sha, dirty = os.environ.get("DECLAB_GIT_SHA", sha), os.environ.get("DECLAB_GIT_DIRTY", "0") == "1"
     try:
         import triton
 
@@ -130,13 +134,17 @@ def import_mamba_ssm():
     module lets that import succeed, and calling anything that needs the extension still fails.
     Raises ImportError when mamba-ssm is not installed.
     """
+    import importlib.machinery
     import importlib.util
     import types
 
     if importlib.util.find_spec("mamba_ssm") is None:
         raise ImportError("mamba-ssm is not installed (pip install -e '.[peers]', see the README)")
-    if importlib.util.find_spec("selective_scan_cuda") is None and "selective_scan_cuda" not in sys.modules:
-        sys.modules["selective_scan_cuda"] = types.ModuleType("selective_scan_cuda")
+    if "selective_scan_cuda" not in sys.modules and importlib.util.find_spec("selective_scan_cuda") is None:
+        stand_in = types.ModuleType("selective_scan_cuda")
+        # Importers that look the module up again (find_spec) need a spec on it.
+        stand_in.__spec__ = importlib.machinery.ModuleSpec("selective_scan_cuda", None)
+        sys.modules["selective_scan_cuda"] = stand_in
     import mamba_ssm
 
     return mamba_ssm

@@ -31,7 +31,10 @@ stage() {  # stage NAME SECONDS COMMAND...: run, log, never stop the suite
 
 for s in "$@"; do
   case $s in
-    tests) stage tests 180 python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 120 -rf tests ;;
+    tests)
+      for f in $(grep -l "mark.gpu\|mark\.gpu\|@gpu\|GPU\b" -r tests --include "test_*.py" | sort); do
+        stage "tests_$(basename "$f" .py)" "${TEST_LIMIT:-60}" python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short -rf "$f"
+      done ;;
     kernels)
       stage paged_attention 170 python3 -m kernels.paged_attention.bench --budget-s 120 --flex-budget-s 80 --out "$out/paged_attention.jsonl"
       stage ssd 120 python3 -m kernels.ssd.bench --out "$out/ssd.jsonl"

@@ -343,13 +343,13 @@ def _causal_conv1d_kernel(
     # The last W-1 inputs (from the carried window when T < W-1), written once per channel block.
     if pid_t == 0:
         offs_j = tl.arange(0, BLOCK_W)
-        pos = T - (W - 1) + offs_j
+        tail = T - (W - 1) + offs_j
         j_mask = offs_j < W - 1
-        fv = tl.load(x_row + pos.to(tl.int64)[None, :] * s_xt + offs_c[:, None] * s_xc,
-                     mask=((pos >= 0) & j_mask)[None, :] & c_mask[:, None], other=0.0).to(tl.float32)
+        fv = tl.load(x_row + tail.to(tl.int64)[None, :] * s_xt + offs_c[:, None] * s_xc,
+                     mask=((tail >= 0) & j_mask)[None, :] & c_mask[:, None], other=0.0).to(tl.float32)
         if HAS_INIT:
-            fv += tl.load(i_row + offs_c[:, None] * s_ic + (pos + W - 1)[None, :] * s_ik,
-                          mask=((pos < 0) & j_mask)[None, :] & c_mask[:, None], other=0.0).to(tl.float32)
+            fv += tl.load(i_row + offs_c[:, None] * s_ic + (tail + W - 1)[None, :] * s_ik,
+                          mask=((tail < 0) & j_mask)[None, :] & c_mask[:, None], other=0.0).to(tl.float32)
         tl.store(fin_ptr + b64 * s_fb + offs_c[:, None] * s_fc + offs_j[None, :] * s_fk,
                  fv.to(fin_ptr.dtype.element_ty), mask=j_mask[None, :] & c_mask[:, None])
 
