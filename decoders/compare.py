@@ -101,6 +101,11 @@ def plan_points(models, ctxs, batches, iterations):
                     yield model, family, it, batch, ctx
 
 
+def first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
+
+
 def format_table(records: list[dict]) -> str:
     cols = [
         ("model", "{}"), ("T", "{}"), ("batch", "{}"), ("ctx", "{}"), ("status", "{}"), ("ttft ms", "{:.1f}"),
@@ -152,17 +157,24 @@ def run(args) -> int:
             key = (model, it)
             if key not in loaded:
                 loaded.clear()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
                 options = {"page_size": args.page_size} if family in ("transformer", "maskpredict") else {}
                 if family == "maskpredict":
                     options.update(iterations=it, block_length=args.block)
                 dec = decoders.load(model, device=device, dtype=args.dtype, impl=args.impl, seed=args.seed, **options)
                 dec.check_context(max(ctxs))
-                gate = harness.check_against_reference(dec, new_tokens=args.new_tokens, seed=args.seed)
+                try:
+                    gate = harness.check_against_reference(dec, new_tokens=args.new_tokens, seed=args.seed)
+                except RuntimeError as e:
+                    gate = {"ok": False, "rel_rms": None, "tolerance": None, "error": first_line(e)}
                 loaded[key] = (dec, gate)
             dec, gate = loaded[key]
             record = {"model": model, "iterations": it, **dec.describe(), "ceilings": ceiling, "correctness": gate, **env, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
-            if not gate["ok"]:
-                record.update(status="refused", reason=f"{dec.impl} disagrees with the reference (rel. RMS {gate['rel_rms']:.2e} > {gate['tolerance']:.0e})", ctx=ctx, batch=batch)
+            if "error" in gate:
+                record.update(status="error", reason=f"correctness check failed to run: {gate['error']}", ctx=ctx, batch=batch)
+            elif not gate["ok"]:
+                record.update(status="refused", reason=f"{dec.impl} disagrees with the reference (rel. RMS {gate['rel_rms']:.2e} > {gate['tolerance']:.2e})", ctx=ctx, batch=batch)
             elif (why := harness.fits(dec, batch, ctx, args.new_tokens)) is not None:
                 record.update(status="skipped", reason=why, ctx=ctx, batch=batch)
             else:
@@ -170,7 +182,10 @@ def run(args) -> int:
                     record.update(status="ok", **harness.measure(dec, ctx=ctx, batch=batch, new_tokens=args.new_tokens, ceiling=ceiling, seed=args.seed))
                 except torch.cuda.OutOfMemoryError as e:
                     torch.cuda.empty_cache()
-                    record.update(status="skipped", reason=f"out of memory: {str(e).splitlines()[0]}", ctx=ctx, batch=batch)
+                    record.update(status="skipped", reason=f"out of memory: {first_line(e)}", ctx=ctx, batch=batch)
+                except RuntimeError as e:
+                    # Recorded, not raised: one failing point must not cost the sweep its other points.
+                    record.update(status="error", reason=first_line(e), ctx=ctx, batch=batch)
             if record.get("decode_tok_s_per_seq"):
                 base = base_tok_s.setdefault((model, it, batch), record["decode_tok_s_per_seq"])
                 record["decay"] = record["decode_tok_s_per_seq"] / base

@@ -33,10 +33,15 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[index]
 
 
-def with_impl(decoder: Decoder, impl: str) -> Decoder:
-    """The same decoder (shared weights) running on another kernel implementation."""
+def with_impl(decoder: Decoder, impl: str, dtype: torch.dtype | None = None) -> Decoder:
+    """The same decoder on another kernel implementation (weights shared), or with a copy of its
+    weights in another dtype. CUDA graphs stay on only for the Triton path."""
     other = copy.copy(decoder)
     other.impl = impl
+    other.cuda_graphs = decoder.cuda_graphs and impl == "triton"
+    if dtype is not None and dtype != decoder.dtype:
+        other.model = copy.deepcopy(decoder.model).to(dtype)
+        other.dtype = dtype
     return other
 
 
@@ -61,17 +66,28 @@ def gate_logits(decoder: Decoder, prompt: torch.Tensor, forced: torch.Tensor, ne
 
 
 def check_against_reference(decoder: Decoder, *, new_tokens: int, tokens: int = 48, seed: int = 0) -> dict:
-    """Compare `decoder`'s logits with its reference path's on a random sequence (the correctness gate)."""
+    """The correctness gate: `decoder`'s logits against the reference path run in float32.
+
+    In float32 the kernels must agree with the reference to 1e-3 (relative RMS). In bf16/fp16 the
+    reference path in the same dtype has rounding error of its own; the kernels pass when their error
+    against the float32 reference is at most 1.5x the reference path's own (plus 1e-3), so a kernel
+    bug cannot hide behind a loose fixed tolerance and random-weight rounding cannot fail a good one.
+    """
     if decoder.impl == "ref":
         return {"ok": True, "rel_rms": 0.0, "tolerance": 0.0}
-    tolerance = 1e-3 if decoder.dtype == torch.float32 else 3e-2
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, decoder.vocab_size, (1, tokens), generator=g)
     forced = torch.randint(0, decoder.vocab_size, (1, min(4, new_tokens - 1)), generator=g).to(decoder.device)
     with torch.inference_mode():
         ours = gate_logits(decoder, prompt, forced, new_tokens)
-        reference = gate_logits(with_impl(decoder, "ref"), prompt, forced, new_tokens)
-    err = relative_rms(ours, reference)
+        truth_decoder = with_impl(decoder, "ref", torch.float32)
+        truth = gate_logits(truth_decoder, prompt, forced, new_tokens)
+        del truth_decoder
+        err = relative_rms(ours, truth)
+        if decoder.dtype == torch.float32:
+            tolerance = 1e-3
+        else:
+            tolerance = 1.5 * relative_rms(gate_logits(with_impl(decoder, "ref"), prompt, forced, new_tokens), truth) + 1e-3
     return {"ok": err <= tolerance, "rel_rms": err, "tolerance": tolerance}
 
 

@@ -6,6 +6,9 @@ Measures the copy-bandwidth ceiling, then write_kv (Triton vs index_copy_), deco
 32k, 128k x batch 1, 16, 64 x head dim 64 and 128, Hq=32, Hkv=8, pages 16 and 128; SDPA and
 compiled FlexAttention over contiguous K/V as peers) and causal prefill (4k, 16k, 32k tokens,
 batch 1, D=128, beside SDPA's flash backend), then small tile/split sweeps while time remains.
+write_kv and decode are timed per call inside a CUDA graph of 16 calls (one per simulated layer)
+over distinct caches, so graph launch is amortised as in a decode step and small caches are not
+served from L2; the method is recorded in each record. Finishes in about 2 minutes.
 Every point is checked against a float32 computation (on a sub-sample of sequences or query rows)
 before it is timed; a mismatch is recorded with ok=false and not timed. One JSON record per point
 is appended to --out as soon as it finishes; a table is printed at the end, then one JSON line.
@@ -32,6 +35,12 @@ PREFILL_T = (4096, 16384, 32768)
 PREFILL_D = 128
 WRITE_N = (64, 16384)
 TUNE_CTX = (4096, 32768)
+# Decode is timed as one model step would run it: a CUDA graph of LAYERS calls, each over its own
+# cache, so graph-launch cost is shared as in the decoder and caches smaller than L2 are not
+# re-read from L2. Distinct caches rotate until the graph touches ROTATE_BYTES (> 4x the 60 MB L2).
+LAYERS = 16
+ROTATE_BYTES = 256 << 20
+MAX_BUFFERS = 64
 
 
 class Bench:
@@ -62,13 +71,34 @@ def rel_rms(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def timed(fn):
-    """(ms, graph) timing `fn` replayed from a CUDA graph, or launched eagerly if capture fails."""
+def num_buffers(nbytes):
+    """Distinct caches to rotate through so one timed graph reads >= ROTATE_BYTES (at least 2)."""
+    return min(MAX_BUFFERS, max(2, -(-ROTATE_BYTES // nbytes)))
+
+
+def timed_layers(calls, est_ms):
+    """(ms per call, record fields): one CUDA graph of max(LAYERS, len(calls)) calls cycling `calls`.
+
+    `calls[i]` runs the op over distinct buffers i; `est_ms` (a guess of one call) sizes the
+    iteration count so big points stay short. Falls back to eager launches if capture fails.
+    """
+    n = max(LAYERS, len(calls))
+
+    def step():
+        for i in range(n):
+            calls[i % len(calls)]()
+
+    iters = max(3, min(30, int(300 / (n * est_ms))))
+    method = {"timing": f"graph of {n} calls over {len(calls)} distinct buffers, ms per call", "graph_calls": n,
+              "buffers": len(calls)}
     try:
-        return benchtools.time_ms(fn, graph=True), True
+        ms = benchtools.time_ms(step, graph=True, warmup=3, iters=iters)
+        graph = True
     except Exception:
         torch.cuda.synchronize()
-        return benchtools.time_ms(fn), False
+        ms = benchtools.time_ms(step, warmup=3, iters=iters)
+        graph = False
+    return ms / n, {**method, "graph": graph}
 
 
 def decode_bytes(batch, ctx, head_dim, elem=2):
@@ -108,18 +138,21 @@ def bench_write_kv(bench):
             "index_copy": lambda: (k_flat.index_copy_(0, slots, k), v_flat.index_copy_(0, slots, v)),
         }
         for name, fn in impls.items():
-            ms, graph = timed(fn) if ok else (None, None)
+            ms, method = timed_layers([fn], nbytes / bench.copy_bps * 1e3) if ok else (None, {})
             gbps = nbytes / ms / 1e6 if ms else None
-            bench.emit(op="write_kv", impl=name, N=n, Hkv=HKV, D=head_dim, page=page, ms=ms, graph=graph, GBps=gbps,
-                       frac=gbps / (bench.copy_bps / 1e9) if gbps else None, ceiling="copy", ok=ok)
+            bench.emit(op="write_kv", impl=name, N=n, Hkv=HKV, D=head_dim, page=page, ms=ms, GBps=gbps,
+                       frac=gbps / (bench.copy_bps / 1e9) if gbps else None, ceiling="copy", ok=ok, **method)
 
 
 def bench_decode_point(bench, head_dim, ctx, batch, flex):
     dev = bench.device
     scale = head_dim**-0.5
     nbytes = decode_bytes(batch, ctx, head_dim)
-    k_flat = torch.randn(batch * ctx, HKV, head_dim, device=dev, dtype=torch.bfloat16)
-    v_flat = torch.randn_like(k_flat)
+    est_ms = nbytes / bench.copy_bps * 1e3
+    n_buf = num_buffers(nbytes)
+    # One K and one V pool per simulated layer; buffer 0 is the one checked against float32.
+    kv = [(torch.randn(batch * ctx, HKV, head_dim, device=dev, dtype=torch.bfloat16),
+           torch.randn(batch * ctx, HKV, head_dim, device=dev, dtype=torch.bfloat16)) for _ in range(n_buf)]
     q = torch.randn(batch, HQ, head_dim, device=dev, dtype=torch.bfloat16)
     samples = sorted({0, batch - 1})
     common = dict(op="decode", B=batch, ctx=ctx, D=head_dim, Hq=HQ, Hkv=HKV, ceiling="copy")
@@ -131,95 +164,109 @@ def bench_decode_point(bench, head_dim, ctx, batch, flex):
 
     for page in PAGES:
         num_blocks = batch * ctx // page
-        k_cache = k_flat.view(num_blocks, page, HKV, head_dim)
-        v_cache = v_flat.view(num_blocks, page, HKV, head_dim)
+        caches = [(k.view(num_blocks, page, HKV, head_dim), v.view(num_blocks, page, HKV, head_dim)) for k, v in kv]
         # Pages in a random order, as a long-running allocator leaves them.
         block_tables = torch.randperm(num_blocks, device=dev).view(batch, ctx // page).to(torch.int32)
         lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
+        # One workspace for all layers, as the decoder shares one per batch bucket.
         workspace = pa.decode_workspace(batch, HQ, HKV, head_dim, ctx, dev)
         out = torch.full_like(q, float("nan"))
-
-        def run():
-            pa.paged_decode_attention(q, k_cache, v_cache, block_tables, lens, scale, impl="triton", out=out,
-                                      workspace=workspace)
-
-        run()
-        err = max(rel_rms(out[b], decode_ref(q[b], gather(k_cache, block_tables[b], ctx),
-                                             gather(v_cache, block_tables[b], ctx), scale)) for b in samples)
+        calls = [lambda kc=kc, vc=vc: pa.paged_decode_attention(q, kc, vc, block_tables, lens, scale, impl="triton",
+                                                                 out=out, workspace=workspace)
+                 for kc, vc in caches]
+        calls[0]()
+        k0, v0 = caches[0]
+        err = max(rel_rms(out[b], decode_ref(q[b], gather(k0, block_tables[b], ctx), gather(v0, block_tables[b], ctx),
+                                             scale)) for b in samples)
         ok = err < TOL and not torch.isnan(out).any().item()
-        ms, graph = timed(run) if ok else (None, None)
-        emit("triton", ms, ok, page=page, rel_rms=err, num_splits=workspace.num_splits, graph=graph)
+        ms, method = timed_layers(calls, est_ms) if ok else (None, {})
+        emit("triton", ms, ok, page=page, rel_rms=err, num_splits=workspace.num_splits, **method)
 
-    # Peers read contiguous [B, Hkv, ctx, D] K/V (no paging), the layout they are fastest on.
-    kc = k_flat.view(batch, ctx, HKV, head_dim).transpose(1, 2).contiguous()
-    vc = v_flat.view(batch, ctx, HKV, head_dim).transpose(1, 2).contiguous()
-    del k_flat, v_flat
+    # Peers read contiguous [B, Hkv, ctx, D] K/V (no paging), the layout they are fastest on. Built
+    # one buffer at a time, freeing the paged one (no view of it may stay alive), so the largest
+    # point never holds more than three caches.
+    del caches, calls, k0, v0
+    contiguous = []
+    while kv:
+        k, v = kv.pop(0)
+        contiguous.append(tuple(x.view(batch, ctx, HKV, head_dim).transpose(1, 2).contiguous() for x in (k, v)))
+        del k, v
     q4 = q.view(batch, HQ, 1, head_dim)
-    peers = {"sdpa": lambda: F.scaled_dot_product_attention(q4, kc, vc, scale=scale, enable_gqa=True)}
+    peers = {"sdpa": lambda kc, vc: F.scaled_dot_product_attention(q4, kc, vc, scale=scale, enable_gqa=True)}
     if flex is not None and bench.elapsed() < bench.flex_budget_s:
-        peers["flex"] = lambda: flex(q4, kc, vc, scale=scale, enable_gqa=True)
+        peers["flex"] = lambda kc, vc: flex(q4, kc, vc, scale=scale, enable_gqa=True)
+    kc0, vc0 = contiguous[0]
     for name, fn in peers.items():
         try:
-            got = fn()
-            err = max(rel_rms(got[b, :, 0], decode_ref(q[b], kc[b].transpose(0, 1), vc[b].transpose(0, 1), scale))
+            got = fn(kc0, vc0)
+            err = max(rel_rms(got[b, :, 0], decode_ref(q[b], kc0[b].transpose(0, 1), vc0[b].transpose(0, 1), scale))
                       for b in samples)
             ok = err < TOL
-            ms, graph = timed(fn) if ok else (None, None)
-            emit(name, ms, ok, rel_rms=err, graph=graph)
+            calls = [lambda kc=kc, vc=vc, fn=fn: fn(kc, vc) for kc, vc in contiguous]
+            ms, method = timed_layers(calls, est_ms) if ok else (None, {})
+            emit(name, ms, ok, rel_rms=err, **method)
         except Exception as exc:
             torch.cuda.synchronize()
             emit(name, None, None, skipped=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
     if flex is not None and "flex" not in peers:
         emit("flex", None, None, skipped="benchmark time budget for FlexAttention compilation spent")
-    del kc, vc
+    del contiguous, kc0, vc0
+    torch.cuda.empty_cache()
+
+
+def tune_decode_case(bench, head_dim, ctx, batch, configs, split_counts):
+    """Time the Triton decode at one shape for each (tile config, split count); one record each."""
+    dev = bench.device
+    page = 16
+    scale = head_dim**-0.5
+    nbytes = decode_bytes(batch, ctx, head_dim)
+    num_blocks = batch * ctx // page
+    caches = [tuple(torch.randn(num_blocks, page, HKV, head_dim, device=dev, dtype=torch.bfloat16) for _ in "kv")
+              for _ in range(num_buffers(nbytes))]
+    block_tables = torch.randperm(num_blocks, device=dev).view(batch, -1).to(torch.int32)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
+    q = torch.randn(batch, HQ, head_dim, device=dev, dtype=torch.bfloat16)
+    k0, v0 = caches[0]
+    want = decode_ref(q[0], gather(k0, block_tables[0], ctx), gather(v0, block_tables[0], ctx), scale)
+    for cfg in configs:
+        for splits in split_counts:
+            if bench.elapsed() > bench.budget_s:
+                return
+            workspace = pa.decode_workspace(batch, HQ, HKV, head_dim, ctx, dev, num_splits=splits)
+            out = torch.full_like(q, float("nan"))
+            calls = [lambda kc=kc, vc=vc: tri.paged_decode_attention(q, kc, vc, block_tables, lens, scale, out=out,
+                                                                      workspace=workspace, config=cfg)
+                     for kc, vc in caches]
+            record = dict(op="decode_tuning", impl="triton", B=batch, ctx=ctx, D=head_dim, Hq=HQ, Hkv=HKV,
+                          page=page, num_splits=splits, block_n=cfg.block_n, num_warps=cfg.num_warps,
+                          num_stages=cfg.num_stages, ceiling="copy")
+            try:
+                calls[0]()
+            except Exception as exc:
+                bench.emit(ms=None, ok=None, skipped=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}",
+                           **record)
+                break
+            ok = rel_rms(out[0], want) < TOL
+            ms, method = timed_layers(calls, nbytes / bench.copy_bps * 1e3) if ok else (None, {})
+            gbps = nbytes / ms / 1e6 if ms else None
+            bench.emit(ms=ms, GBps=gbps, frac=gbps / (bench.copy_bps / 1e9) if gbps else None, ok=ok, **record,
+                       **method)
+    del caches
     torch.cuda.empty_cache()
 
 
 def bench_decode_tuning(bench):
-    """Split counts and tile configs at batch 1, where the choice matters most."""
-    dev = bench.device
-    page = 16
-    for head_dim in (128, 64):
+    """Splits and pipeline depth at batch 1 (where they matter most), and splits at batch 16.
+
+    Beside the default tiles: twice the tile rows (same depth), and the default tile with 3 stages
+    (one K/V buffer: the previous version's pipelining).
+    """
+    for head_dim in DECODE_DIMS:
+        default = tri.decode_config(head_dim)
+        configs = [default, tri.KernelConfig(0, 2 * default.block_n, 4, 5), tri.KernelConfig(0, default.block_n, 4, 3)]
         for ctx in TUNE_CTX:
-            if bench.elapsed() > bench.budget_s:
-                return
-            scale = head_dim**-0.5
-            k_cache = torch.randn(ctx // page, page, HKV, head_dim, device=dev, dtype=torch.bfloat16)
-            v_cache = torch.randn_like(k_cache)
-            block_tables = torch.randperm(ctx // page, device=dev).view(1, -1).to(torch.int32)
-            lens = torch.full((1,), ctx, dtype=torch.int32, device=dev)
-            q = torch.randn(1, HQ, head_dim, device=dev, dtype=torch.bfloat16)
-            want = decode_ref(q[0], gather(k_cache, block_tables[0], ctx), gather(v_cache, block_tables[0], ctx), scale)
-            default = tri.decode_config(head_dim)
-            configs = [default] + [tri.KernelConfig(0, bn, w, st) for bn, w, st in
-                                   ((32, 4, 3), (64, 4, 4), (128, 4, 2), (128, 8, 3), (256, 8, 2))
-                                   if (bn, w, st) != (default.block_n, default.num_warps, default.num_stages)]
-            for cfg in configs:
-                for splits in (4, 8, 16, 32, 64, 128):
-                    if splits > max(1, ctx // cfg.block_n):
-                        continue
-                    workspace = pa.decode_workspace(1, HQ, HKV, head_dim, ctx, dev, num_splits=splits)
-                    out = torch.full_like(q, float("nan"))
-
-                    def run():
-                        tri.paged_decode_attention(q, k_cache, v_cache, block_tables, lens, scale, out=out,
-                                                   workspace=workspace, config=cfg)
-
-                    record = dict(op="decode_tuning", impl="triton", B=1, ctx=ctx, D=head_dim, Hq=HQ, Hkv=HKV,
-                                  page=page, num_splits=splits, block_n=cfg.block_n, num_warps=cfg.num_warps,
-                                  num_stages=cfg.num_stages, ceiling="copy")
-                    try:
-                        run()
-                    except Exception as exc:
-                        bench.emit(ms=None, ok=None, skipped=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}",
-                                   **record)
-                        break
-                    ok = rel_rms(out[0], want) < TOL
-                    ms, graph = timed(run) if ok else (None, None)
-                    gbps = decode_bytes(1, ctx, head_dim) / ms / 1e6 if ms else None
-                    bench.emit(ms=ms, GBps=gbps, graph=graph, frac=gbps / (bench.copy_bps / 1e9) if gbps else None,
-                               ok=ok, **record)
-            del k_cache, v_cache
+            tune_decode_case(bench, head_dim, ctx, 1, configs, (8, 16, 32, 64, 128))
+    tune_decode_case(bench, 128, 32768, 16, [tri.decode_config(128)], (2, 3, 4, 5, 8, 16))
 
 
 def prefill_ref_rows(q, k, v, rows, scale):
@@ -378,8 +425,8 @@ def targets(records):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="JSON-lines file to append records to")
-    parser.add_argument("--budget-s", type=float, default=200.0, help="stop starting optional sweeps after this")
-    parser.add_argument("--flex-budget-s", type=float, default=130.0, help="stop compiling FlexAttention after this")
+    parser.add_argument("--budget-s", type=float, default=110.0, help="stop starting optional sweeps after this")
+    parser.add_argument("--flex-budget-s", type=float, default=60.0, help="stop compiling FlexAttention after this")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a GPU")

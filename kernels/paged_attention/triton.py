@@ -19,6 +19,11 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 256
 MIN_SPLIT_TOKENS = 128
+# Programs per SM the split choice plans for: the decode tiles fit 5 per SM at D <= 128 (registers
+# and shared memory), so a grid of 4 per SM runs as one wave with room to spare.
+PROGRAMS_PER_SM = 4
+# fp32 elements of partials the merging program holds per chunk (32 registers a thread at 4 warps).
+REDUCE_ELEMS = 4096
 
 
 @dataclass(frozen=True)
@@ -32,13 +37,15 @@ class KernelConfig:
 
 
 def decode_config(head_dim: int) -> KernelConfig:
-    """Decode tiles: 16 KB of K and 16 KB of V per tile, 4 warps.
+    """Decode tiles: 8 KB of K and 8 KB of V per tile, 4 warps, 5 stages.
 
-    With 3 stages the pipeliner loads the block-table entries two tiles ahead and the K/V tile one
-    tile ahead (cp.async into ~39 KB of shared memory on sm_90).
+    The block-table load takes one pipeline stage before the K/V loads that index with it; with 3
+    or 4 stages the pipeliner keeps one K/V buffer (the loop waits for each tile as it starts), with
+    5 it double-buffers K and V in shared memory (cp.async, ~38 KB on sm_90 at D=128, 89
+    registers), so two tiles are in flight per program and five programs fit on an SM.
     """
     d_pad = _pad_dim(head_dim)
-    return KernelConfig(block_m=0, block_n=max(16, 8192 // d_pad), num_warps=4, num_stages=3)
+    return KernelConfig(block_m=0, block_n=max(16, 4096 // d_pad), num_warps=4, num_stages=5)
 
 
 def prefill_config(head_dim: int) -> KernelConfig:
@@ -65,9 +72,9 @@ def _num_sms(device: torch.device) -> int:
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
     """Splits of the sequence per (sequence, kv head) for a batch whose lengths are <= max_seq_len."""
-    # About four programs per SM, each with a 32 KB K/V tile in flight: several times the bytes
-    # HBM latency needs, and all resident at once (~39 KB of shared memory each).
-    wanted = triton.cdiv(4 * num_sms, batch * num_kv_heads)
+    # About PROGRAMS_PER_SM programs per SM, rounded down so the grid stays one wave: rounding up
+    # (16 x 8 x 5 = 640 programs where 528 fit) left a second, nearly empty wave of slow programs.
+    wanted = max(1, PROGRAMS_PER_SM * num_sms // (batch * num_kv_heads))
     # At least MIN_SPLIT_TOKENS per split: shorter runs spend more on the partials than they save.
     return max(1, min(wanted, triton.cdiv(max(max_seq_len, 1), MIN_SPLIT_TOKENS), MAX_SPLITS))
 
@@ -81,6 +88,9 @@ class DecodeWorkspace:
     lse: torch.Tensor
     # [B, Hq, S, D_pad] each split's softmax-normalised output
     partial: torch.Tensor
+    # [B, Hkv] int32 splits of (b, kv head) finished in the running call; the last one to finish
+    # merges the partials and sets its counter back to 0, so every call starts from zeros.
+    counters: torch.Tensor
 
 
 def decode_workspace(batch, num_q_heads, num_kv_heads, head_dim, max_seq_len, device, *, num_splits=None):
@@ -92,7 +102,8 @@ def decode_workspace(batch, num_q_heads, num_kv_heads, head_dim, max_seq_len, de
         raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
     lse = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32, device=device)
     partial = torch.empty(batch, num_q_heads, num_splits, _pad_dim(head_dim), dtype=torch.float32, device=device)
-    return DecodeWorkspace(num_splits, lse, partial)
+    counters = torch.zeros(batch, num_kv_heads, dtype=torch.int32, device=device)
+    return DecodeWorkspace(num_splits, lse, partial, counters)
 
 
 @triton.jit
@@ -138,17 +149,18 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping):
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, lse_ptr, part_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, lse_ptr, part_ptr, cnt_ptr, out_ptr,
     qk_scale,
     stride_qb, stride_qh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_btb,
     stride_lb, stride_lh,
     stride_pb, stride_ph, stride_ps,
+    stride_cb,
     stride_ob, stride_oh,
     num_splits,
-    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_N: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
+    G: tl.constexpr, G_PAD: tl.constexpr, G_R: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
 ):
     split = tl.program_id(0)
     hk = tl.program_id(1)
@@ -156,17 +168,21 @@ def _decode_split_kernel(
     seq_len = tl.load(seq_lens_ptr + b)
     # Every sequence is cut into num_splits equal runs of whole tiles, computed here from its own
     # length, so short sequences still spread over all splits and the grid stays fixed.
-    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits)
+    n_tiles = tl.cdiv(seq_len, BLOCK_N)
+    tiles_per_split = tl.maximum(tl.cdiv(n_tiles, num_splits), 1)
+    # Splits that hold data; the ones after them exit at once.
+    n_valid = tl.cdiv(n_tiles, tiles_per_split)
     start = split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, D_PAD)
+    heads = hk * G + g
+    if D == D_PAD:
+        qmask = g[:, None] < G
+    else:
+        qmask = (g[:, None] < G) & (d[None, :] < D)
+    o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
     if start < end:
-        g = tl.arange(0, G_PAD)
-        d = tl.arange(0, D_PAD)
-        heads = hk * G + g
-        if D == D_PAD:
-            qmask = g[:, None] < G
-        else:
-            qmask = (g[:, None] < G) & (d[None, :] < D)
         # [G_PAD, D_PAD]: the G query heads sharing kv head hk are the M rows of both dots.
         q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=qmask, other=0.0)
         m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
@@ -195,57 +211,54 @@ def _decode_split_kernel(
             v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=kvmask, other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
-        if SINGLE_SPLIT:
-            # One split: its result is final, the reduce kernel is not launched.
-            out = acc / l_i[:, None]
-            o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
-            tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=qmask)
+        if n_valid == 1:
+            # The only split with data: its result is final.
+            tl.store(o_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=qmask)
         else:
             gmask = g < G
-            tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, m_i + tl.log2(l_i), mask=gmask)
-            p_ptrs = part_ptr + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps + d[None, :]
-            tl.store(p_ptrs, acc / l_i[:, None], mask=gmask[:, None])
-    elif SINGLE_SPLIT:
-        # Empty sequence (padding slot): defined as a zero output.
-        zg = tl.arange(0, G_PAD)
-        zd = tl.arange(0, D_PAD)
-        zero_ptrs = out_ptr + b * stride_ob + (hk * G + zg)[:, None] * stride_oh + zd[None, :]
-        zero_mask = (zg[:, None] < G) & (zd[None, :] < D)
-        tl.store(zero_ptrs, tl.zeros([G_PAD, D_PAD], dtype=out_ptr.dtype.element_ty), mask=zero_mask)
-
-
-@triton.jit
-def _decode_reduce_kernel(
-    lse_ptr, part_ptr, seq_lens_ptr, out_ptr,
-    stride_lb, stride_lh, stride_pb, stride_ph, stride_ps, stride_ob, stride_oh,
-    num_splits,
-    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    S_PAD: tl.constexpr, CHUNK: tl.constexpr,
-):
-    h = tl.program_id(0)
-    b = tl.program_id(1)
-    seq_len = tl.load(seq_lens_ptr + b)
-    # Same split arithmetic as the split kernel: splits past the sequence's end wrote nothing.
-    n_tiles = tl.cdiv(seq_len, BLOCK_N)
-    tiles_per_split = tl.maximum(tl.cdiv(n_tiles, num_splits), 1)
-    n_valid = tl.cdiv(n_tiles, tiles_per_split)
-    lse_row = lse_ptr + b * stride_lb + h * stride_lh
-    part_row = part_ptr + b * stride_pb + h * stride_ph
-    s = tl.arange(0, S_PAD)
-    lse = tl.load(lse_row + s, mask=s < n_valid, other=float("-inf"))
-    # An empty sequence has no valid split; a zero max keeps the arithmetic finite (output 0).
-    m = tl.where(n_valid > 0, tl.max(lse, 0), 0.0)
-    denom = tl.sum(tl.exp2(lse - m), 0)
-    d = tl.arange(0, D_PAD)
-    acc = tl.zeros([D_PAD], dtype=tl.float32)
-    for c in range(0, n_valid, CHUNK):
-        rows = c + tl.arange(0, CHUNK)
-        rmask = rows < n_valid
-        w = tl.exp2(tl.load(lse_row + rows, mask=rmask, other=float("-inf")) - m)
-        part = tl.load(part_row + rows[:, None] * stride_ps + d[None, :], mask=rmask[:, None], other=0.0)
-        acc += tl.sum(w[:, None] * part, 0)
-    out = tl.where(denom > 0, acc / denom, 0.0)
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
+            lse_head = lse_ptr + b * stride_lb + hk * G * stride_lh
+            part_head = part_ptr + b * stride_pb + hk * G * stride_ph
+            tl.store(lse_head + g * stride_lh + split, m_i + tl.log2(l_i), mask=gmask)
+            tl.store(part_head + g[:, None] * stride_ph + split * stride_ps + d[None, :], acc / l_i[:, None],
+                     mask=gmask[:, None])
+            # Every thread's partial stores are issued before one thread takes a ticket; acq_rel
+            # publishes them to, and acquires the others' for, the program that takes the last one.
+            tl.debug_barrier()
+            cnt = cnt_ptr + b * stride_cb + hk
+            ticket = tl.atomic_add(cnt, 1, sem="acq_rel")
+            if ticket == n_valid - 1:
+                # The last split of (b, hk) to finish merges all n_valid partials:
+                # out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M), online over chunks of splits.
+                tl.store(cnt, 0)
+                gr = tl.arange(0, G_R)
+                sc = tl.arange(0, CHUNK)
+                gr_ok = gr < G
+                m_run = tl.full([G_R], float("-inf"), dtype=tl.float32)
+                den = tl.zeros([G_R], dtype=tl.float32)
+                red = tl.zeros([G_R, D_PAD], dtype=tl.float32)
+                for c in range(0, n_valid, CHUNK):
+                    s = c + sc
+                    smask = gr_ok[:, None] & (s[None, :] < n_valid)
+                    # [G_R, CHUNK]; .cg reads from L2, where the other programs' stores landed.
+                    lse = tl.load(lse_head + gr[:, None] * stride_lh + s[None, :], mask=smask,
+                                  other=float("-inf"), cache_modifier=".cg")
+                    # Padding head rows get weight 1 on zero partials instead of NaN from -inf - -inf.
+                    lse = tl.where(gr_ok[:, None], lse, 0.0)
+                    m_new = tl.maximum(m_run, tl.max(lse, 1))
+                    alpha = tl.exp2(m_run - m_new)
+                    w = tl.exp2(lse - m_new[:, None])
+                    # [G_R, CHUNK, D_PAD]
+                    part = tl.load(part_head + gr[:, None, None] * stride_ph + s[None, :, None] * stride_ps
+                                   + d[None, None, :], mask=smask[:, :, None], other=0.0, cache_modifier=".cg")
+                    den = den * alpha + tl.sum(w, 1)
+                    red = red * alpha[:, None] + tl.sum(w[:, :, None] * part, 1)
+                    m_run = m_new
+                red_ptrs = out_ptr + b * stride_ob + (hk * G + gr)[:, None] * stride_oh + d[None, :]
+                red_mask = gr_ok[:, None] & (d[None, :] < D)
+                tl.store(red_ptrs, (red / den[:, None]).to(out_ptr.dtype.element_ty), mask=red_mask)
+    elif split == 0:
+        # Only an empty sequence (padding slot) has no data in split 0: defined as a zero output.
+        tl.store(o_ptrs, tl.zeros([G_PAD, D_PAD], dtype=out_ptr.dtype.element_ty), mask=qmask)
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *, out=None, workspace=None,
@@ -268,7 +281,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *
     if workspace is None:
         workspace = decode_workspace(batch, num_q_heads, num_kv_heads, head_dim, block_tables.shape[1] * page, q.device)
     ws_batch, ws_heads, _, ws_dim = workspace.partial.shape
-    if ws_batch < batch or ws_heads != num_q_heads or ws_dim != _pad_dim(head_dim):
+    if (ws_batch < batch or ws_heads != num_q_heads or ws_dim != _pad_dim(head_dim)
+            or workspace.counters.shape[1] != num_kv_heads):
         raise ValueError("decode workspace does not match (batch capacity, Hq, D) of this call")
     if out is None:
         out = torch.empty_like(q)
@@ -276,9 +290,11 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *
         raise ValueError("paged_decode_attention: out must be [B, Hq, D] with a contiguous last dimension")
     cfg = config or decode_config(head_dim)
     splits = workspace.num_splits
-    lse, part = workspace.lse, workspace.partial
+    lse, part, cnt = workspace.lse, workspace.partial, workspace.counters
+    g_r = triton.next_power_of_2(group)
+    d_pad = _pad_dim(head_dim)
     _decode_split_kernel[(splits, num_kv_heads, batch)](
-        q, k_cache, v_cache, block_tables, seq_lens, lse, part, out,
+        q, k_cache, v_cache, block_tables, seq_lens, lse, part, cnt, out,
         scale * LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -286,21 +302,13 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *
         block_tables.stride(0),
         lse.stride(0), lse.stride(1),
         part.stride(0), part.stride(1), part.stride(2),
+        cnt.stride(0),
         out.stride(0), out.stride(1),
         splits,
-        G=group, G_PAD=max(16, triton.next_power_of_2(group)), D=head_dim, D_PAD=_pad_dim(head_dim),
-        PAGE=page, BLOCK_N=cfg.block_n, SINGLE_SPLIT=splits == 1,
+        G=group, G_PAD=max(16, g_r), G_R=g_r, D=head_dim, D_PAD=d_pad, PAGE=page, BLOCK_N=cfg.block_n,
+        CHUNK=max(1, REDUCE_ELEMS // (g_r * d_pad)),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if splits > 1:
-        _decode_reduce_kernel[(num_q_heads, batch)](
-            lse, part, seq_lens, out,
-            lse.stride(0), lse.stride(1), part.stride(0), part.stride(1), part.stride(2),
-            out.stride(0), out.stride(1),
-            splits,
-            D=head_dim, D_PAD=_pad_dim(head_dim), BLOCK_N=cfg.block_n,
-            S_PAD=triton.next_power_of_2(splits), CHUNK=16, num_warps=4,
-        )
     return out
 
 

@@ -3,8 +3,9 @@
     python -m kernels.ssd.bench --out results/ssd.jsonl
 
 Measures the copy-bandwidth ceiling; the decode step per layer at batch 1/16/64/128 (a CUDA graph of
-20 layer-steps over 20 separate state buffers, so L2 does not hold the state); prefill tokens/s of
-ssd_chunk_scan and of causal_conv1d at 4k/32k/128k, batch 1. Every kernel is checked against the
+20 layer-steps over 20 separate state buffers, so L2 does not hold the state), with the default rows
+per program and a sweep of the others; prefill tokens/s of ssd_chunk_scan (with its per-kernel
+times) and of causal_conv1d at 4k/32k/128k, batch 1. Every kernel is checked against the
 reference before it is timed and is not timed on a mismatch. One JSON line per point goes to --out;
 a table is printed at the end, then one JSON document.
 """
@@ -16,12 +17,14 @@ import torch
 import torch.nn.functional as F
 
 from kernels import ssd
+from kernels.ssd import triton as ssd_triton
 from kernels.benchtools import append_jsonl, copy_bandwidth, environment, import_mamba_ssm, time_ms
 
 SHAPE = dict(H=64, P=64, G=1, N=128, W=4)
 CONV_DIM = SHAPE["H"] * SHAPE["P"] + 2 * SHAPE["G"] * SHAPE["N"]
 LAYERS = 20
 CHUNK = 256
+BLOCK_P_SWEEP = (8, 16, 32, 64)
 
 
 def rel(a, b):
@@ -96,23 +99,28 @@ def bench_decode(b, batch, copy_bps):
     outs = [torch.empty(batch, H, P, device=dev, dtype=torch.bfloat16) for _ in range(LAYERS)]
     point = dict(op="decode_step", batch=batch, **SHAPE, layers_in_graph=LAYERS, bytes=decode_bytes(batch))
 
-    # Self-check on copies of layer 0: output and both in-place states.
-    got, want = ({k: v.clone() for k, v in layers[0].items()} for _ in range(2))
-    y = ssd.mamba2_decode_step(xBC, dt, **got, ngroups=G, headdim=P, impl="triton")
+    # Layer 0 as created: the timed runs below update the layers' states in place.
+    pristine = {k: v.clone() for k, v in layers[0].items()}
+    want = {k: v.clone() for k, v in pristine.items()}
     y_ref = ssd.mamba2_decode_step(xBC, dt, **want, ngroups=G, headdim=P, impl="ref")
-    err = dict(y=rel(y, y_ref), ssm_state=rel(got["ssm_state"], want["ssm_state"]),
-               conv_state=rel(got["conv_state"], want["conv_state"]))
-    ok = err["y"] < 1e-2 and err["ssm_state"] < 1e-3 and err["conv_state"] == 0.0
-    if not ok:
-        b.record(dict(point, impl="triton", status="mismatch", errors=err))
-    else:
-        def step():
+    default_bp = ssd_triton.decode_block_p(batch, H, P)
+    for bp in (default_bp,) + tuple(v for v in BLOCK_P_SWEEP if v != default_bp):
+        impl = "triton" if bp == default_bp else f"triton[block_p={bp}]"
+        got = {k: v.clone() for k, v in pristine.items()}
+        y = ssd_triton.mamba2_decode_step(xBC, dt, **got, ngroups=G, headdim=P, block_p=bp)
+        err = dict(y=rel(y, y_ref), ssm_state=rel(got["ssm_state"], want["ssm_state"]),
+                   conv_state=rel(got["conv_state"], want["conv_state"]))
+        if not (err["y"] < 1e-2 and err["ssm_state"] < 1e-3 and err["conv_state"] == 0.0):
+            b.record(dict(point, impl=impl, block_p=bp, status="mismatch", errors=err))
+            continue
+
+        def step(bp=bp):
             for layer, out in zip(layers, outs):
-                ssd.mamba2_decode_step(xBC, dt, **layer, ngroups=G, headdim=P, impl="triton", out=out)
+                ssd_triton.mamba2_decode_step(xBC, dt, **layer, ngroups=G, headdim=P, out=out, block_p=bp)
 
         us = time_ms(step, graph=True, warmup=5, iters=30) * 1e3 / LAYERS
         gbps = point["bytes"] / (us * 1e-6) / 1e9
-        b.record(dict(point, impl="triton", status="ok", errors=err, us_per_layer=us, gb_per_s=gbps,
+        b.record(dict(point, impl=impl, block_p=bp, status="ok", errors=err, us_per_layer=us, gb_per_s=gbps,
                       frac_copy=gbps * 1e9 / copy_bps))
 
     # mamba-ssm: causal_conv1d_update + selective_state_update (its Mamba2.step without projections).
@@ -149,7 +157,9 @@ def bench_decode(b, batch, copy_bps):
         out.copy_(y)
 
     peers = [peer_layer(layer) for layer in layers]
-    check = {k: v.clone() for k, v in peers[0].items()}
+    # From layer 0 as created, expanded after the copy so the stride-0 views (mamba-ssm's TIE_HDIM
+    # path, the one timed) survive.
+    check = peer_layer({k: v.clone() for k, v in pristine.items()})
     peer_out = torch.empty_like(outs[0])
     peer_step(check, peer_out)
     err = dict(y=rel(peer_out, y_ref), ssm_state=rel(check["ssm_state"], want["ssm_state"]))
@@ -165,6 +175,16 @@ def bench_decode(b, batch, copy_bps):
     gbps = point["bytes"] / (us * 1e-6) / 1e9
     b.record(dict(point, impl=name, status="ok", errors=err, us_per_layer=us, gb_per_s=gbps,
                   frac_copy=gbps * 1e9 / copy_bps))
+
+
+def kernel_times_us(fn):
+    """Device microseconds per kernel name of one `fn()` call, from the PyTorch profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.key: e.device_time_total for e in prof.key_averages() if e.device_time_total > 0}
 
 
 def bench_prefill(b, T):
@@ -189,8 +209,12 @@ def bench_prefill(b, T):
     y, s = ssd.ssd_chunk_scan(x, dt, A, Bm, Cm, impl="triton", **kw)
     err = dict(y=rel(y, y_ref), final_state=rel(s, s_ref))
     if err["y"] < 2e-2 and err["final_state"] < 1e-2:
-        ms = time_ms(lambda: ssd.ssd_chunk_scan(x, dt, A, Bm, Cm, impl="triton", **kw), warmup=3, iters=10)
-        b.record(dict(point, impl="triton", status="ok", errors=err, ms=ms, tokens_per_s=T / (ms * 1e-3)))
+        def run():
+            return ssd.ssd_chunk_scan(x, dt, A, Bm, Cm, impl="triton", **kw)
+
+        ms = time_ms(run, warmup=3, iters=10)
+        b.record(dict(point, impl="triton", status="ok", errors=err, ms=ms, tokens_per_s=T / (ms * 1e-3),
+                      kernel_us=kernel_times_us(run)))
     else:
         b.record(dict(point, impl="triton", status="mismatch", errors=err))
 

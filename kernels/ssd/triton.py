@@ -379,22 +379,21 @@ def causal_conv1d(x, weight, bias=None, *, initial_state=None, activation="silu"
 @triton.jit
 def _conv_token(xbc_row, cst_row, w_ptr, cb_ptr, ch, ch_mask, s_xc, s_cc, s_ck, s_wc, s_wk,
                 W: tl.constexpr, BLOCK_W: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """Conv + SiLU of one token for channels `ch`, and the shifted window [BLOCK_CH, BLOCK_W] to store."""
-    offs_w = tl.arange(0, BLOCK_W)
-    old = tl.load(cst_row + ch[:, None] * s_cc + offs_w[None, :] * s_ck,
-                  mask=ch_mask[:, None] & (offs_w[None, :] < W - 1), other=0.0)
-    new = tl.load(xbc_row + ch * s_xc, mask=ch_mask, other=0.0)
+    """Loads for one token's conv of channels `ch`: returns the conv + SiLU `[BLOCK_CH]` and the shifted
+    window `[BLOCK_CH, BLOCK_W]` to store (columns 0..W-2), both computed only from loads."""
+    offs_w = tl.arange(0, BLOCK_W)[None, :]
+    win_ptr = cst_row + ch[:, None] * s_cc
+    old = tl.load(win_ptr + offs_w * s_ck, mask=ch_mask[:, None] & (offs_w < W - 1), other=0.0)
+    # The shifted window is loaded one column over rather than moved across lanes.
+    nxt = tl.load(win_ptr + (offs_w + 1) * s_ck, mask=ch_mask[:, None] & (offs_w < W - 2), other=0.0)
+    new = tl.load(xbc_row + ch * s_xc, mask=ch_mask, other=0.0)[:, None]
+    w = tl.load(w_ptr + ch[:, None] * s_wc + offs_w * s_wk, mask=ch_mask[:, None] & (offs_w < W), other=0.0)
     # [BLOCK_CH, BLOCK_W]: the W-1 carried inputs, then this token.
-    win = tl.where(offs_w[None, :] == W - 1, new[:, None], old).to(tl.float32)
-    w = tl.load(w_ptr + ch[:, None] * s_wc + offs_w[None, :] * s_wk,
-                mask=ch_mask[:, None] & (offs_w[None, :] < W), other=0.0).to(tl.float32)
-    acc = tl.sum(win * w, axis=1)
+    win = tl.where(offs_w == W - 1, new, old).to(tl.float32)
+    acc = tl.sum(win * w.to(tl.float32), axis=1)
     if HAS_BIAS:
         acc += tl.load(cb_ptr + ch, mask=ch_mask, other=0.0).to(tl.float32)
-    # shifted[:, j] = win[:, j + 1], built from the loaded window so every store follows its load.
-    pick = (offs_w[:, None] + 1) == offs_w[None, :]
-    shifted = tl.sum(tl.where(pick[None, :, :], win[:, None, :], 0.0), axis=2)
-    return acc * tl.sigmoid(acc), shifted
+    return acc * tl.sigmoid(acc), tl.where(offs_w == W - 2, new, nxt)
 
 
 @triton.jit
@@ -421,7 +420,17 @@ def _decode_step_kernel(
     offs_w = tl.arange(0, BLOCK_W)
     w_mask = offs_w[None, :] < W - 1
 
-    # 1. Conv + SiLU of this program's x channels and of its group's B and C channels.
+    # 1. Every load first, the state tile [BLOCK_P, BLOCK_N] (most of the bytes) leading, so one memory
+    #    round trip covers all of them.
+    st = st_ptr + b64 * s_sb + h * s_sh + offs_p[:, None] * s_sp + offs_n[None, :] * s_sn
+    pn_mask = p_mask[:, None] & n_mask[None, :]
+    s = tl.load(st, mask=pn_mask, other=0.0)
+    dt = tl.load(dt_ptr + b64 * s_db + h * s_dh).to(tl.float32) + tl.load(dtb_ptr + h).to(tl.float32)
+    A = tl.load(A_ptr + h).to(tl.float32)
+    Dh = tl.load(D_ptr + h).to(tl.float32)
+    if HAS_Z:
+        zv = tl.load(z_ptr + b64 * s_zb + h * s_zh + offs_p * s_zp, mask=p_mask, other=0.0).to(tl.float32)
+    # Conv + SiLU of this program's x channels and of its group's B and C channels.
     ch_x = h * P + offs_p
     ch_B = H * P + g * N + offs_n
     ch_C = H * P + G * N + g * N + offs_n
@@ -431,41 +440,37 @@ def _decode_step_kernel(
                             s_xc, s_cc, s_ck, s_wc, s_wk, W, BLOCK_W, HAS_BIAS)
     Cv, C_win = _conv_token(xbc_row, cst_row, w_ptr, cb_ptr, ch_C, n_mask,
                             s_xc, s_cc, s_ck, s_wc, s_wk, W, BLOCK_W, HAS_BIAS)
-    # The x channels belong to this program alone, so their window is shifted in place right away.
-    tl.store(cst_row + ch_x[:, None] * s_cc + offs_w[None, :] * s_ck, x_win.to(cst_ptr.dtype.element_ty),
-             mask=p_mask[:, None] & w_mask)
 
-    # 2. Step size and decay of head h.
-    dt = _softplus(tl.load(dt_ptr + b64 * s_db + h * s_dh).to(tl.float32) + tl.load(dtb_ptr + h).to(tl.float32))
-    if HAS_LIMIT:
-        dt = tl.minimum(tl.maximum(dt, lim_lo), lim_hi)
-    decay = tl.exp(dt * tl.load(A_ptr + h).to(tl.float32))
-
-    # 3. state = decay * state + dt * x B^T, in place. [BLOCK_P, BLOCK_N]
-    st = st_ptr + b64 * s_sb + h * s_sh + offs_p[:, None] * s_sp + offs_n[None, :] * s_sn
-    pn_mask = p_mask[:, None] & n_mask[None, :]
-    s = tl.load(st, mask=pn_mask, other=0.0)
-    s = s * decay + (dt * x)[:, None] * Bv[None, :]
-    tl.store(st, s, mask=pn_mask)
-
-    # 4. y = state C + D x, gated by silu(z).
-    y = tl.sum(s * Cv[None, :], axis=1) + tl.load(D_ptr + h).to(tl.float32) * x
-    if HAS_Z:
-        zv = tl.load(z_ptr + b64 * s_zb + h * s_zh + offs_p * s_zp, mask=p_mask, other=0.0).to(tl.float32)
-        y = y * zv * tl.sigmoid(zv)
-    tl.store(y_ptr + b64 * s_yb + h * s_yh + offs_p * s_yp, y.to(y_ptr.dtype.element_ty), mask=p_mask)
-
-    # 5. The group's B/C window is read by every program of (b, g): the last of them to finish
-    #    reading it (counted on a semaphore that it then resets) shifts it.
+    # 2. All threads of the program have their window values; from here on windows may be written.
+    #    The group's B/C window is read by every program of (b, g): the last of them to arrive on the
+    #    semaphore (which it then resets) shifts it. Arriving before this program's own stores keeps
+    #    the release from waiting on them.
     tl.debug_barrier()
     counter = sem_ptr + b * G + g
     arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+    cdt = cst_ptr.dtype.element_ty
+    # The x channels belong to this program alone.
+    tl.store(cst_row + ch_x[:, None] * s_cc + offs_w[None, :] * s_ck, x_win.to(cdt), mask=p_mask[:, None] & w_mask)
+
+    # 3. state = exp(dt A) state + dt x B^T, in place.
+    dt = _softplus(dt)
+    if HAS_LIMIT:
+        dt = tl.minimum(tl.maximum(dt, lim_lo), lim_hi)
+    s = s * tl.exp(dt * A) + (dt * x)[:, None] * Bv[None, :]
+    tl.store(st, s, mask=pn_mask)
+
+    # 4. y = state C + D x, gated by silu(z).
+    y = tl.sum(s * Cv[None, :], axis=1) + Dh * x
+    if HAS_Z:
+        y = y * zv * tl.sigmoid(zv)
+    tl.store(y_ptr + b64 * s_yb + h * s_yh + offs_p * s_yp, y.to(y_ptr.dtype.element_ty), mask=p_mask)
+
     if arrived == (H // G) * tl.cdiv(P, BLOCK_P) - 1:
         bc_mask = n_mask[:, None] & w_mask
-        cdt = cst_ptr.dtype.element_ty
         tl.store(cst_row + ch_B[:, None] * s_cc + offs_w[None, :] * s_ck, B_win.to(cdt), mask=bc_mask)
         tl.store(cst_row + ch_C[:, None] * s_cc + offs_w[None, :] * s_ck, C_win.to(cdt), mask=bc_mask)
-        tl.atomic_xchg(counter, 0, sem="acq_rel")
+        # The next launch is ordered after this one by the stream, so a relaxed reset suffices.
+        tl.atomic_xchg(counter, 0, sem="relaxed")
 
 
 # One int32 semaphore per (batch row, group), kept per device and size and never freed, so a
@@ -481,20 +486,19 @@ def _semaphore(device, n):
 
 
 def decode_block_p(batch, heads, headdim, sms=132):
-    """Rows of P per program: the largest that still gives >= 2 programs per SM (small batches need
-    many small programs to keep enough loads in flight)."""
-    for bp in (64, 32, 16):
-        if bp <= triton.next_power_of_2(headdim) and batch * heads * triton.cdiv(headdim, bp) >= 2 * sms:
-            return bp
-    return min(16, triton.next_power_of_2(headdim))
+    """Rows of P per program: 32 once that gives >= 4 programs per SM, else 16 (small batches need many
+    small programs to keep enough loads in flight; mamba-ssm goes as far as 4 rows)."""
+    bp = 32 if batch * heads * triton.cdiv(headdim, 32) >= 4 * sms else 16
+    return min(bp, triton.next_power_of_2(headdim))
 
 
 def mamba2_decode_step(xBC, dt, conv_state, conv_weight, conv_bias, ssm_state, A, D, dt_bias, *, ngroups, headdim,
-                       dt_limit=DEFAULT_DT_LIMIT, z=None, out=None):
+                       dt_limit=DEFAULT_DT_LIMIT, z=None, out=None, block_p=None):
     """One fused token step (see ref.mamba2_decode_step); conv_state and ssm_state are updated in place.
 
     Launches one kernel and allocates nothing when `out` is given (after the first call for a given
-    batch size and device, which creates the small semaphore reused from then on).
+    batch size and device, which creates the small semaphore reused from then on). `block_p` overrides
+    `decode_block_p` (the benchmark sweeps it).
     """
     Bsz, Cdim = xBC.shape
     H, P, G = dt.shape[1], headdim, ngroups
@@ -511,7 +515,7 @@ def mamba2_decode_step(xBC, dt, conv_state, conv_weight, conv_bias, ssm_state, A
         out = torch.empty(Bsz, H, P, device=xBC.device, dtype=xBC.dtype)
     zz = z if z is not None else out
     has_limit = tuple(dt_limit) != DEFAULT_DT_LIMIT
-    block_p = decode_block_p(Bsz, H, P)
+    block_p = block_p or decode_block_p(Bsz, H, P)
     block_n = triton.next_power_of_2(N)
     _decode_step_kernel[(Bsz, H, triton.cdiv(P, block_p))](
         xBC, dt, conv_state, conv_weight, conv_bias if conv_bias is not None else conv_weight, ssm_state,

@@ -1,18 +1,22 @@
 """WKV-7 benchmark on one GPU: decode-step latency and chunked-prefill throughput, beside fla.
 
-    python -m kernels.wkv7.bench --out results/wkv7.jsonl
+    python -m kernels.wkv7.bench --out results/wkv7.jsonl [--budget 90]
 
-Shape: rwkv7-1.5b (H=32, K=V=64, one layer). Measures, in one run:
+Shape: rwkv7-1.5b (H=32, K=V=64, one layer). Ordered so that the headline numbers come first and
+every record is appended to `--out` (one JSON line with `kernels.benchtools.environment`) as soon
+as it is measured:
 1. the copy-bandwidth ceiling;
-2. self-checks of every kernel variant against the float32 reference (a kernel that fails is not
-   timed, and the run exits non-zero);
-3. step latency at batch 1, 16, 128: a CUDA graph of 24 layer-steps over distinct state buffers,
-   reported as µs per layer-step, achieved GB/s and fraction of copy bandwidth;
-4. prefill tokens/s per layer at 4k, 32k, 128k tokens, batch 1, for several (chunk, precision);
-5. the same for fla's `fused_recurrent_rwkv7` and `chunk_rwkv7` when `import fla` works (when it
-   does not, a record says why).
-Every point is appended to `--out` as one JSON line with `kernels.benchtools.environment`. A
-table is printed at the end, then one JSON line summarising the run.
+2. the default step: self-check against the float32 reference, then latency at batch 1, 16, 128
+   (a CUDA graph of 24 layer-steps over distinct state buffers; µs per layer-step, GB/s, fraction
+   of copy bandwidth);
+3. the default prefill: self-check on a short prefix, then tokens/s per layer at 4k, 32k, 128k
+   tokens, batch 1;
+4. fla's `chunk_rwkv7` (w is the log-decay there too): its error against the reference, then the
+   same lengths, timed only if it matches;
+5. while the time budget lasts: other step launch shapes and fla's `fused_recurrent_rwkv7` step,
+   then other prefill (chunk, precision) variants, each self-checked before it is timed.
+A kernel that fails its self-check is not timed and the run exits non-zero. A table is printed at
+the end, then one JSON line summarising the run.
 """
 
 import argparse
@@ -23,17 +27,21 @@ import time
 import torch
 
 from kernels.benchtools import append_jsonl, copy_bandwidth, environment, time_ms
+from kernels.wkv7 import CHUNK
 from kernels.wkv7.ref import rwkv7_inputs, wkv7_chunk_ref, wkv7_step_ref
 from kernels.wkv7.triton import wkv7_chunk_triton, wkv7_step_triton
 
 H, K, V = 32, 64, 64
 LAYERS = 24
 STEP_BATCHES = (1, 16, 128)
+# (block_v, num_warps) tried after the default step, at every batch
+STEP_VARIANTS = ((32, 2), (32, 8), (16, 2), (64, 4))
 PREFILL_T = (4096, 32768, 131072)
-# (chunk_size, tl.dot input precision); the first is the default of wkv7_chunk
-PREFILL_VARIANTS = ((16, "tf32x3"), (32, "tf32x3"), (64, "tf32x3"), (16, "ieee"), (32, "ieee"), (16, "tf32"))
+PRECISION = "tf32x3"
+# (chunk_size, tl.dot input precision) tried after the default prefill, in this order
+PREFILL_VARIANTS = ((16, "tf32x3"), (64, "tf32x3"), (32, "ieee"))
 CHECK_T = 1000
-TIME_BUDGET_S = 210
+TIME_BUDGET_S = 90
 
 
 def rel(x, y):
@@ -47,7 +55,7 @@ def inputs(B, T, device, seed=0):
 
 
 def load_fla():
-    """(chunk_rwkv7, fused_recurrent_rwkv7, None) or (None, None, reason)."""
+    """(chunk_rwkv7, fused_recurrent_rwkv7, version) or (None, None, reason)."""
     try:
         import fla
         from fla.ops.rwkv7 import chunk_rwkv7, fused_recurrent_rwkv7
@@ -56,10 +64,60 @@ def load_fla():
     return chunk_rwkv7, fused_recurrent_rwkv7, getattr(fla, "__version__", "unknown")
 
 
+def time_step(emit, bw, B, case, block_v, num_warps, failures=None):
+    """Self-check a non-default launch shape (when `failures` is given), then time LAYERS steps."""
+    x, states, outs, nbytes = case["x"], case["states"], case["outs"], case["nbytes"]
+    kw = dict(block_v=block_v, num_warps=num_warps)
+    label = "default" if block_v is None else f"bv={block_v} w={num_warps}"
+    if failures is not None:
+        s = case["h0"].clone()
+        err_o, err_s = rel(wkv7_step_triton(*x, s, **kw), case["o_ref"]), rel(s, case["s_ref"])
+        if not (err_o < 1e-2 and err_s < 1e-5):
+            failures.append(f"step B={B} {label}")
+            emit({"kind": "selfcheck", "op": "step", "batch": B, **kw, "rel_err_o": err_o, "rel_err_state": err_s, "ok": False},
+                 ("selfcheck FAIL", f"step {label}", f"B={B}", "", f"o {err_o:.1e} state {err_s:.1e}"))
+            return
+
+    def layers():
+        for s, o in zip(states, outs):
+            wkv7_step_triton(*x, s, out=o, **kw)
+
+    us = time_ms(layers, graph=True, warmup=20, iters=200) * 1e3 / LAYERS
+    gbs = nbytes / (us * 1e-6) / 1e9
+    emit({"kind": "step", "impl": "triton", "batch": B, "block_v": block_v or "auto", "num_warps": num_warps or "auto",
+          "layers": LAYERS, "us_per_layer": us, "bytes_per_layer": nbytes, "gb_per_s": gbs, "frac_copy_bw": gbs * 1e9 / bw},
+         ("step", f"triton {label}", f"B={B}", f"{us:.2f} us", f"{gbs:.0f} GB/s ({gbs * 1e9 / bw:.0%})"))
+
+
+def time_fla_step(emit, bw, B, case, fla_rec):
+    """fla's fused_recurrent_rwkv7 on one token ([B, 1, H, *]), its error, then LAYERS steps."""
+    xt = [y[:, None] for y in case["x"]]
+    kw = dict(r=xt[0], w=xt[1], k=xt[2], v=xt[3], a=xt[4], b=xt[5], scale=1.0, output_final_state=True)
+    try:
+        o_f, s_f = fla_rec(**kw, initial_state=case["h0"].clone())
+        err = rel(s_f, case["s_ref"])
+
+        def layers():
+            for s in case["states"]:
+                fla_rec(**kw, initial_state=s)
+
+        us = time_ms(layers, graph=True, warmup=20, iters=200) * 1e3 / LAYERS
+        gbs = case["nbytes"] / (us * 1e-6) / 1e9
+        emit({"kind": "step", "impl": "fla.fused_recurrent_rwkv7", "batch": B, "layers": LAYERS,
+              "us_per_layer": us, "bytes_per_layer": case["nbytes"], "gb_per_s": gbs, "frac_copy_bw": gbs * 1e9 / bw,
+              "rel_err_state_vs_ref": err, "rel_err_o_vs_ref": rel(o_f[:, 0], case["o_ref"])},
+             ("step", "fla fused_recurrent", f"B={B}", f"{us:.2f} us", f"{gbs:.0f} GB/s (state err {err:.1e})"))
+    except Exception as e:  # the peer's failure is recorded, never hidden
+        emit({"kind": "peer_error", "peer": "fla.fused_recurrent_rwkv7", "op": "step", "batch": B, "reason": f"{type(e).__name__}: {e}"},
+             ("step", "fla fused_recurrent", f"B={B}", "", f"error: {type(e).__name__}"))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="JSON-lines file the records are appended to")
     ap.add_argument("--no-peers", action="store_true", help="skip fla")
+    ap.add_argument("--budget", type=float, default=TIME_BUDGET_S,
+                    help="seconds after which optional measurements (step 5 of the docstring) are skipped")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("kernels.wkv7.bench needs a CUDA GPU")
@@ -75,10 +133,10 @@ def main():
             rows.append(row)
 
     def over_budget(what):
-        if time.monotonic() - start < TIME_BUDGET_S:
+        if time.monotonic() - start < args.budget:
             return False
-        emit({"kind": "skipped", "what": what, "reason": f"time budget {TIME_BUDGET_S}s spent"})
-        rows.append(("skipped", what, "", "", "time budget"))
+        emit({"kind": "skipped", "what": what, "reason": f"time budget {args.budget:.0f}s spent"},
+             ("skipped", what, "", "", "time budget"))
         return True
 
     bw = copy_bandwidth(device)
@@ -93,119 +151,95 @@ def main():
     else:
         emit({"kind": "peer", "peer": "fla", "version": fla_info})
 
-    # step: self-check, then a graph of LAYERS steps over distinct states
+    # 2. default step: self-check, then a graph of LAYERS steps over distinct states
+    step_cases = {}
     for B in STEP_BATCHES:
         x = [y[:, 0] for y in inputs(B, 1, device, seed=B)]
         h0 = 0.3 * torch.randn(B, H, K, V, device=device)
         s_tri, s_ref = h0.clone(), h0.clone()
-        o_tri = wkv7_step_triton(*x, s_tri)
         o_ref = wkv7_step_ref(*(y.float() for y in x), s_ref)
-        err_o, err_s = rel(o_tri, o_ref), rel(s_tri, s_ref)
+        err_o, err_s = rel(wkv7_step_triton(*x, s_tri), o_ref), rel(s_tri, s_ref)
         ok = err_o < 1e-2 and err_s < 1e-5
         emit({"kind": "selfcheck", "op": "step", "batch": B, "rel_err_o": err_o, "rel_err_state": err_s, "ok": ok})
         if not ok:
             failures.append(f"step B={B}")
             rows.append(("selfcheck FAIL", "step", f"B={B}", "", f"o {err_o:.1e} state {err_s:.1e}"))
             continue
-        states = [h0.clone() for _ in range(LAYERS)]
-        outs = [torch.empty(B, H, V, device=device, dtype=torch.bfloat16) for _ in range(LAYERS)]
-        nbytes = 2 * B * H * K * V * 4 + (5 * B * H * K + 2 * B * H * V) * 2
-        candidates = {None} | {bv for bv in (8, 16, 32, 64) if bv <= V}
-        for bv in sorted(candidates, key=lambda c: -1 if c is None else c):
-            if over_budget(f"step B={B} block_v={bv}"):
-                break
-            s_bv = h0.clone()
-            err_bv = rel(wkv7_step_triton(*x, s_bv, block_v=bv), o_ref), rel(s_bv, s_ref)
-            if not (err_bv[0] < 1e-2 and err_bv[1] < 1e-5):
-                failures.append(f"step B={B} block_v={bv}")
-                emit({"kind": "selfcheck", "op": "step", "batch": B, "block_v": bv, "rel_err_o": err_bv[0], "rel_err_state": err_bv[1], "ok": False},
-                     ("selfcheck FAIL", f"step bv={bv}", f"B={B}", "", f"o {err_bv[0]:.1e} state {err_bv[1]:.1e}"))
-                continue
+        case = dict(x=x, h0=h0, o_ref=o_ref, s_ref=s_ref,
+                    states=[h0.clone() for _ in range(LAYERS)],
+                    outs=[torch.empty(B, H, V, device=device, dtype=torch.bfloat16) for _ in range(LAYERS)],
+                    nbytes=2 * B * H * K * V * 4 + (5 * B * H * K + 2 * B * H * V) * 2)
+        step_cases[B] = case
+        time_step(emit, bw, B, case, None, None)
 
-            def layers(bv=bv):
-                for s, o in zip(states, outs):
-                    wkv7_step_triton(*x, s, out=o, block_v=bv)
-
-            us = time_ms(layers, graph=True, warmup=20, iters=200) * 1e3 / LAYERS
-            gbs = nbytes / (us * 1e-6) / 1e9
-            emit({"kind": "step", "impl": "triton", "batch": B, "block_v": bv or "auto", "layers": LAYERS,
-                  "us_per_layer": us, "bytes_per_layer": nbytes, "gb_per_s": gbs, "frac_copy_bw": gbs * 1e9 / bw},
-                 ("step", "triton" + ("" if bv is None else f" bv={bv}"), f"B={B}", f"{us:.2f} us", f"{gbs:.0f} GB/s ({gbs * 1e9 / bw:.0%})"))
-        if fla_rec is not None and not over_budget(f"fla step B={B}"):
-            try:
-                xt = [y[:, None] for y in x]
-                o_f, s_f = fla_rec(r=xt[0], w=xt[1], k=xt[2], v=xt[3], a=xt[4], b=xt[5], scale=1.0,
-                                   initial_state=h0.clone(), output_final_state=True)
-                err = rel(s_f, s_ref)
-
-                def fla_layers():
-                    for s in states:
-                        fla_rec(r=xt[0], w=xt[1], k=xt[2], v=xt[3], a=xt[4], b=xt[5], scale=1.0,
-                                initial_state=s, output_final_state=True)
-
-                us = time_ms(fla_layers, graph=True, warmup=20, iters=200) * 1e3 / LAYERS
-                gbs = nbytes / (us * 1e-6) / 1e9
-                emit({"kind": "step", "impl": "fla.fused_recurrent_rwkv7", "batch": B, "layers": LAYERS,
-                      "us_per_layer": us, "bytes_per_layer": nbytes, "gb_per_s": gbs, "frac_copy_bw": gbs * 1e9 / bw,
-                      "rel_err_state_vs_ref": err, "rel_err_o_vs_ref": rel(o_f[:, 0], o_ref)},
-                     ("step", "fla fused_recurrent", f"B={B}", f"{us:.2f} us", f"{gbs:.0f} GB/s (state err {err:.1e})"))
-            except Exception as e:  # the peer's failure is recorded, never hidden
-                emit({"kind": "peer_error", "peer": "fla.fused_recurrent_rwkv7", "op": "step", "batch": B, "reason": f"{type(e).__name__}: {e}"},
-                     ("step", "fla fused_recurrent", f"B={B}", "", f"error: {type(e).__name__}"))
-
-    # prefill: self-check on a prefix, then tokens/s per layer
+    # 3. default prefill: self-check on a prefix, then tokens/s
     xc = inputs(1, CHECK_T, device, seed=1)
     h0c = 0.3 * torch.randn(1, H, K, V, device=device)
     o_ref, s_ref = wkv7_chunk_ref(*(y.float() for y in xc), initial_state=h0c)
-    ok_variants = []
-    for C, prec in PREFILL_VARIANTS:
+
+    def check_chunk(C, prec):
         o, s = wkv7_chunk_triton(*xc, initial_state=h0c, chunk_size=C, precision=prec)
         err_o, err_s = rel(o, o_ref), rel(s, s_ref)
         ok = err_o < 1e-2 and err_s < (1e-4 if prec != "tf32" else 1e-2)
         emit({"kind": "selfcheck", "op": "chunk", "chunk_size": C, "precision": prec, "T": CHECK_T,
               "rel_err_o": err_o, "rel_err_state": err_s, "ok": ok},
              ("selfcheck", f"chunk C={C} {prec}", f"T={CHECK_T}", "ok" if ok else "FAIL", f"o {err_o:.1e} state {err_s:.1e}"))
-        if ok:
-            ok_variants.append((C, prec))
-        else:
+        if not ok:
             failures.append(f"chunk C={C} {prec}")
-    peers = []
-    if fla_chunk is not None:
-        for name, fn in (("fla.chunk_rwkv7", fla_chunk), ("fla.fused_recurrent_rwkv7", fla_rec)):
-            try:
-                o, s = fn(r=xc[0], w=xc[1], k=xc[2], v=xc[3], a=xc[4], b=xc[5], scale=1.0,
-                          initial_state=h0c.clone(), output_final_state=True)
-                err_o, err_s = rel(o, o_ref), rel(s, s_ref)
-                emit({"kind": "selfcheck", "op": "chunk", "impl": name, "T": CHECK_T, "rel_err_o": err_o, "rel_err_state": err_s})
-                rows.append(("selfcheck", name, f"T={CHECK_T}", "", f"o {err_o:.1e} state {err_s:.1e}"))
-                peers.append((name, fn))
-            except Exception as e:  # the peer's failure is recorded, never hidden
-                emit({"kind": "peer_error", "peer": name, "op": "chunk", "reason": f"{type(e).__name__}: {e}"},
-                     ("prefill", name, "", "", f"error: {type(e).__name__}"))
-    for T in PREFILL_T:
-        x = inputs(1, T, device, seed=T)
-        nbytes = T * H * (5 * K + 2 * V) * 2
-        for C, prec in ok_variants:
-            if over_budget(f"prefill T={T} C={C} {prec}"):
-                break
+        return ok
+
+    def time_chunk(C, prec):
+        for T in PREFILL_T:
+            x = inputs(1, T, device, seed=T)
             ms = time_ms(lambda: wkv7_chunk_triton(*x, chunk_size=C, precision=prec), warmup=3, iters=10)
             tps = T / (ms * 1e-3)
             emit({"kind": "prefill", "impl": "triton", "T": T, "batch": 1, "chunk_size": C, "precision": prec,
-                  "ms": ms, "tokens_per_s": tps, "io_bytes": nbytes},
+                  "default": (C, prec) == (CHUNK, PRECISION), "ms": ms, "tokens_per_s": tps, "io_bytes": T * H * (5 * K + 2 * V) * 2},
                  ("prefill", f"triton C={C} {prec}", f"T={T}", f"{ms:.2f} ms", f"{tps / 1e6:.2f} M tok/s"))
-        for name, fn in peers:
-            if over_budget(f"prefill T={T} {name}"):
-                break
-            try:
-                ms = time_ms(lambda: fn(r=x[0], w=x[1], k=x[2], v=x[3], a=x[4], b=x[5], scale=1.0, output_final_state=True),
-                             warmup=2, iters=5)
+            del x
+
+    if check_chunk(CHUNK, PRECISION):
+        time_chunk(CHUNK, PRECISION)
+
+    # 4. fla's chunk_rwkv7: error against the reference, then the same lengths if it matches
+    if fla_chunk is not None and not over_budget("fla.chunk_rwkv7"):
+        try:
+            o, s = fla_chunk(r=xc[0], w=xc[1], k=xc[2], v=xc[3], a=xc[4], b=xc[5], scale=1.0,
+                             initial_state=h0c.clone(), output_final_state=True)
+            err_o, err_s = rel(o, o_ref), rel(s, s_ref)
+            ok = err_o < 1e-2 and err_s < 1e-2
+            emit({"kind": "selfcheck", "op": "chunk", "impl": "fla.chunk_rwkv7", "T": CHECK_T,
+                  "rel_err_o": err_o, "rel_err_state": err_s, "ok": ok},
+                 ("selfcheck", "fla.chunk_rwkv7", f"T={CHECK_T}", "ok" if ok else "mismatch", f"o {err_o:.1e} state {err_s:.1e}"))
+            for T in PREFILL_T if ok else ():
+                if over_budget(f"prefill T={T} fla.chunk_rwkv7"):
+                    break
+                x = inputs(1, T, device, seed=T)
+                ms = time_ms(lambda: fla_chunk(r=x[0], w=x[1], k=x[2], v=x[3], a=x[4], b=x[5], scale=1.0,
+                                               output_final_state=True), warmup=2, iters=5)
                 tps = T / (ms * 1e-3)
-                emit({"kind": "prefill", "impl": name, "T": T, "batch": 1, "ms": ms, "tokens_per_s": tps, "io_bytes": nbytes},
-                     ("prefill", name, f"T={T}", f"{ms:.2f} ms", f"{tps / 1e6:.2f} M tok/s"))
-            except Exception as e:  # the peer's failure is recorded, never hidden
-                emit({"kind": "peer_error", "peer": name, "op": "prefill", "T": T, "reason": f"{type(e).__name__}: {e}"},
-                     ("prefill", name, f"T={T}", "", f"error: {type(e).__name__}"))
-        del x
+                emit({"kind": "prefill", "impl": "fla.chunk_rwkv7", "T": T, "batch": 1, "ms": ms, "tokens_per_s": tps,
+                      "io_bytes": T * H * (5 * K + 2 * V) * 2},
+                     ("prefill", "fla.chunk_rwkv7", f"T={T}", f"{ms:.2f} ms", f"{tps / 1e6:.2f} M tok/s"))
+                del x
+        except Exception as e:  # the peer's failure is recorded, never hidden
+            emit({"kind": "peer_error", "peer": "fla.chunk_rwkv7", "op": "chunk", "reason": f"{type(e).__name__}: {e}"},
+                 ("prefill", "fla.chunk_rwkv7", "", "", f"error: {type(e).__name__}"))
+        torch.cuda.empty_cache()
+
+    # 5. optional: other step launch shapes and fla's step, then other prefill variants
+    for B, case in step_cases.items():
+        for bv, nw in STEP_VARIANTS:
+            if over_budget(f"step B={B} block_v={bv} num_warps={nw}"):
+                break
+            time_step(emit, bw, B, case, bv, nw, failures)
+        if fla_rec is not None and not over_budget(f"fla step B={B}"):
+            time_fla_step(emit, bw, B, case, fla_rec)
+    for C, prec in PREFILL_VARIANTS:
+        if over_budget(f"prefill C={C} {prec}"):
+            break
+        if check_chunk(C, prec):
+            time_chunk(C, prec)
         torch.cuda.empty_cache()
 
     print(f"\nWKV-7 on {env['device']}  (H={H}, K=V={K}, one layer)")

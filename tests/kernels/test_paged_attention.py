@@ -149,6 +149,21 @@ def test_decode_ref_vs_triton_empty_sequence_gives_zero(num_splits):
     assert rel_rms(out, want) < TOL
 
 
+def test_decode_ref_vs_triton_workspace_shared_by_calls():
+    # One workspace serves every layer's call: the split counters return to zero after each call,
+    # so the program that merges the partials is found again in the next one.
+    workspace = pa.decode_workspace(3, 8, 2, 64, 300, DEVICE, num_splits=5)
+    for seed in (0, 1, 2):
+        k_cache, v_cache, block_tables, lens = make_cache([300, 90, 1], 16, 2, 64, seed=seed)
+        q = torch.randn(3, 8, 64, device=DEVICE).to(DTYPE)
+        out = torch.full_like(q, float("nan"))
+        pa.paged_decode_attention(q, k_cache, v_cache, block_tables, lens, 0.125, impl="triton", out=out,
+                                  workspace=workspace)
+        want = pa.paged_decode_attention(q, k_cache, v_cache, block_tables, lens, 0.125, impl="ref")
+        assert rel_rms(out, want) < TOL
+        assert not workspace.counters.any()
+
+
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize(
     "q_lens,seq_lens,page,group,num_kv_heads,head_dim",

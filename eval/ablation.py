@@ -1,0 +1,71 @@
+"""The matched-model quality ablation: train one small model per family on one corpus, then compare.
+
+    python -m eval.ablation --corpus corpus/ --tokens 300000000 --out results/quality/
+
+1. checks that the size presets (default configs/{llama,mamba2,rwkv7,maskpredict}-30m.json) have
+   parameter counts within 10% of each other, and records them;
+2. trains each preset with `eval.train` on the same tokenizer (a BPE of --tokenizer trained once on
+   the corpus, saved in <out>/tokenizer), the same tokenised data (<out>/data) and the same token
+   budget, schedule and seed, into <out>/runs/<preset> (an interrupted run resumes when rerun);
+3. makes the offline tasks (`eval.tasks.make`) with the corpus's validation split as the text of
+   declab_ppl and declab_cloze, into <out>/tasks;
+4. runs `eval.quality` on the four checkpoints (Mask-Predict at each of --mp-iterations), writing
+   quality.jsonl, quality.md, mqar.png and maskpredict_iterations.png into <out>.
+
+Every record is a JSON line with environment(): <out>/ablation.jsonl (presets, parameter counts,
+runs), <out>/runs/*/train.jsonl (training), <out>/quality.jsonl (evaluation).
+"""
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from eval import quality, train
+from eval.tasks import make
+from kernels.benchtools import append_jsonl, environment
+
+PRESETS = ["llama-30m", "mamba2-30m", "rwkv7-30m", "maskpredict-30m"]
+TASKS = ["declab_mqar", "declab_copy", "declab_ppl", "declab_cloze"]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m eval.ablation", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--corpus", required=True, help="corpus folder (train-*.txt.gz + valid.txt.gz), file or datasets name")
+    p.add_argument("--tokens", type=int, required=True, help="training tokens per model")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--presets", default=",".join(PRESETS), help="comma-separated size presets, one per family")
+    p.add_argument("--tokenizer", default="bpe:8192")
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--tasks", default=",".join(TASKS))
+    p.add_argument("--mp-iterations", default="1,2,4,8,16")
+    p.add_argument("--eval-args", default="dtype=bfloat16,max_length=2048,batch_size=16", help="declab model_args for the evaluation")
+    p.add_argument("--limit", type=float, help="examples per task (testing only)")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    out = a.out
+    out.mkdir(parents=True, exist_ok=True)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    presets = a.presets.split(",")
+    counts = train.check_matched(presets)
+    append_jsonl(out / "ablation.jsonl", {"kind": "presets", "params": counts, "tokens": a.tokens, **environment(device)})
+    checkpoints = []
+    for preset in presets:
+        run = out / "runs" / preset
+        train.train(train.parser().parse_args([
+            "--preset", preset, "--corpus", str(a.corpus), "--out", str(run), "--tokens", str(a.tokens),
+            "--tokenizer", a.tokenizer, "--tokenizer-dir", str(out), "--data", str(out / "data"),
+            "--seq-len", str(a.seq_len), "--batch", str(a.batch), "--lr", str(a.lr), "--seed", str(a.seed),
+        ]))
+        append_jsonl(out / "ablation.jsonl", {"kind": "trained", "preset": preset, "checkpoint": str(run), **environment(device)})
+        checkpoints.append(str(run))
+    make.make(out / "tasks", seed=a.seed, text=str(a.corpus))
+    limit = int(a.limit) if a.limit and a.limit >= 1 else a.limit
+    quality.quality(checkpoints, a.tasks.split(","), out, include_path=str(out / "tasks"), model_args=quality.parse_model_args(a.eval_args),
+                    limit=limit, mp_iterations=[int(x) for x in a.mp_iterations.split(",") if x])
+
+
+if __name__ == "__main__":
+    main()

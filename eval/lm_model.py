@@ -1,0 +1,252 @@
+"""The lab as an lm-eval model, registered as `declab`: any family, from a preset or a checkpoint folder.
+
+    lm_eval.simple_evaluate(model="declab", model_args="pretrained=llama-tiny,dtype=float32", tasks=[...])
+    python -m eval.lm_eval --model declab --model_args pretrained=runs/llama-30m,max_length=2048 --tasks ...
+
+Importing this module registers the model. Requests are answered as lm-eval's own HF model does:
+
+- `loglikelihood`: lm-eval's `TemplateLM` splits context and continuation (trailing whitespace of
+  the context moves into the continuation; an empty context becomes the prefix token). The
+  autoregressive families score (context + continuation)[-(max_length+1):-1] in one parallel forward
+  (`Decoder.logits`) and sum the log-softmax over the continuation; `is_greedy` is whether every
+  continuation token is the argmax (which is greedy decoding). Mask-Predict answers with its
+  Monte-Carlo bound (`Decoder.loglikelihood(..., samples=)`), and `is_greedy` is whether its own
+  greedy decoding (iterations, rule, ... from model_args) writes exactly the continuation.
+- `loglikelihood_rolling`: lm-eval's `get_rolling_token_windows` + `make_disjoint_window` with
+  context 1, so every token is scored exactly once, in windows of `max_length`.
+- `generate_until`: the decoder's own prefill/step (Mask-Predict decodes its way), cut at the first
+  stop string, after `max_gen_toks` tokens or at end-of-sequence; the autoregressive families stop
+  stepping once every sequence in the batch has hit one.
+
+Requests are batched longest first (`Collator`). Model arguments: pretrained (preset or folder),
+dtype, device, impl, max_length, batch_size, family, seed, samples (Mask-Predict Monte-Carlo
+samples); any other argument goes to the family (`decoders.load(..., **options)`, e.g. page_size).
+"""
+
+import logging
+
+# lm-eval fills its model registry from lm_eval.models only while the registry is empty: import it
+# before registering `declab`, or the built-in models (hf, ...) would disappear from this process.
+import lm_eval.models  # noqa: F401
+import torch
+import torch.nn.functional as F
+from lm_eval import utils
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+from lm_eval.models.utils import Collator
+from tqdm import tqdm
+
+import decoders
+from decoders.base import AutoregressiveDecoder, StepOut
+from decoders.sampling import Sampling
+from eval.tokenizer import tokenizer_for
+
+log = logging.getLogger(__name__)
+DEFAULT_MAX_LENGTH = 2048
+# Autoregressive generation checks the stop strings every this many steps (one host sync each).
+STOP_CHECK_EVERY = 8
+
+
+@register_model("declab")
+class DecLabLM(TemplateLM):
+    """One lab decoder (any family) answering lm-eval's three request types."""
+
+    def __init__(
+        self,
+        pretrained: str,
+        dtype: str | None = None,
+        device: str | None = None,
+        impl: str = "auto",
+        max_length: int | None = None,
+        batch_size: int | str = 1,
+        max_batch_size: int | None = None,
+        family: str | None = None,
+        seed: int = 0,
+        samples: int = 16,
+        **options,
+    ):
+        super().__init__()
+        dtype = None if dtype in (None, "auto") else dtype
+        self.decoder = decoders.load(str(pretrained), family=family, device=device, dtype=dtype, impl=impl, seed=int(seed), **options)
+        self.tokenizer = tokenizer_for(self.decoder)
+        self.decoder.tokenizer = self.tokenizer
+        self._device = self.decoder.device
+        self.pretrained = str(pretrained)
+        self._max_length = int(max_length) if max_length else min(self.decoder.max_context or DEFAULT_MAX_LENGTH, DEFAULT_MAX_LENGTH)
+        self.batch_size = parse_batch_size(batch_size, max_batch_size)
+        self.samples = int(samples)
+        self.autoregressive = isinstance(self.decoder, AutoregressiveDecoder)
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None):
+        """As lm-eval's, except that model_args win over the CLI's --batch_size/--device defaults."""
+        return cls.create_from_arg_obj(utils.simple_parse_args_string(arg_string), additional_config)
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None):
+        extra = {k: v for k, v in (additional_config or {}).items() if v is not None and k not in arg_dict}
+        # lm-eval's CLI passes device="cuda:0" even when --device is not given: on a machine without
+        # CUDA that default is dropped (a device in model_args is always obeyed).
+        if str(extra.get("device", "")).startswith("cuda") and not torch.cuda.is_available():
+            log.warning("no CUDA device: ignoring lm-eval's device=%s (put device=... in model_args to choose)", extra.pop("device"))
+        return cls(**arg_dict, **extra)
+
+    @property
+    def max_length(self) -> int:
+        return self._max_length
+
+    @property
+    def eot_token_id(self) -> int:
+        return self.decoder.eos_token_id
+
+    @property
+    def prefix_token_id(self) -> int:
+        bos = self.tokenizer.bos_token_id
+        return bos if bos is not None else self.eot_token_id
+
+    @property
+    def tokenizer_name(self) -> str:
+        return self.tokenizer.name_or_path or self.pretrained
+
+    def get_model_info(self) -> dict:
+        return {"declab": self.decoder.describe(), "max_length": self.max_length}
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+        """Token ids; the tokenizer's own special tokens (the lab's tokenizers: <bos>) unless told otherwise."""
+        return self.tokenizer.encode(string, add_special_tokens=True if add_special_tokens is None else add_special_tokens)
+
+    def tok_decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    @torch.inference_mode()
+    def score(self, batch: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
+        """(log-likelihood, is_greedy) of each continuation given its context, one padded forward."""
+        inputs = [(ctx + cont)[-(self.max_length + 1) :][:-1] for ctx, cont in batch]
+        width = max(map(len, inputs))
+        # Right padding: every family is causal, so the pad never changes the logits before it.
+        tokens = torch.tensor([x + [0] * (width - len(x)) for x in inputs], device=self.device)
+        logits = self.decoder.logits(tokens)  # [B, T, V] in the model dtype
+        out = []
+        for row, (x, (_, cont)) in enumerate(zip(inputs, batch)):
+            n = len(cont)
+            # [n, V] float32 log-probabilities of the positions that predict the continuation.
+            lp = F.log_softmax(logits[row, len(x) - n : len(x)].float(), dim=-1)
+            target = torch.tensor(cont, device=self.device)
+            ll = lp.gather(-1, target[:, None]).sum().item()
+            out.append((ll, bool((lp.argmax(-1) == target).all())))
+        return out
+
+    def score_montecarlo(self, ctx: list[int], cont: list[int]) -> tuple[float, bool]:
+        """Mask-Predict: the family's Monte-Carlo bound on log p(continuation | context), and whether the
+        family's own greedy decoding (a canvas of len(continuation)) writes exactly the continuation."""
+        ctx = ctx[-max(1, self.max_length - len(cont)) :]
+        ll = self.decoder.loglikelihood(ctx, cont, samples=self.samples)
+        decoded = self.decoder.generate([ctx], max_new_tokens=len(cont)).tokens[0]
+        return float(ll), decoded[: len(cont)] == cont
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+        for _, ctx, cont in requests:
+            if not ctx or not cont:
+                raise ValueError("loglikelihood requests need a non-empty context and continuation after tokenisation")
+            if len(cont) > self.max_length:
+                raise ValueError(f"a continuation of {len(cont)} tokens is longer than max_length {self.max_length}")
+        order = Collator(requests, sort_fn=lambda r: (-len(r[1] + r[2]), tuple(r[1] + r[2])))
+        out = []
+        bar = tqdm(total=len(requests), disable=disable_tqdm, desc="declab loglikelihood")
+        for chunk in order.get_batched(n=self.batch_size):
+            if self.autoregressive:
+                answers = self.score([(ctx, cont) for _, ctx, cont in chunk])
+            else:
+                answers = [self.score_montecarlo(ctx, cont) for _, ctx, cont in chunk]
+            for (request, _, _), answer in zip(chunk, answers):
+                if request is not None:
+                    self.cache_hook.add_partial("loglikelihood", request, answer)
+                out.append(answer)
+            bar.update(len(chunk))
+        bar.close()
+        return order.get_original(out)
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        windows, owners = [], []
+        for i, (string,) in enumerate(req.args for req in requests):
+            tokens = self.tok_encode(string, add_special_tokens=False)
+            for ctx, cont in map(utils.make_disjoint_window, rolling_windows(tokens, self.prefix_token_id, self.max_length)):
+                windows.append((None, ctx, cont))
+                owners.append(i)
+        totals = [0.0] * len(requests)
+        for owner, (ll, _) in zip(owners, self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm)):
+            totals[owner] += ll
+        for req, total in zip(requests, totals):
+            self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
+        return totals
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        args = [req.args for req in requests]
+        encoded = {}
+        for ctx, _ in args:
+            encoded.setdefault(ctx, self.tok_encode(ctx) or [self.prefix_token_id])
+        order = Collator(args, sort_fn=lambda a: (-len(encoded[a[0]]), a[0]), group_by="gen_kwargs", group_fn=lambda a: a[1])
+        out = []
+        bar = tqdm(total=len(args), disable=disable_tqdm, desc="declab generate_until")
+        for chunk in order.get_batched(n=self.batch_size):
+            kwargs = dict(chunk[0][1])
+            until = kwargs.pop("until", None) or []
+            until = [until] if isinstance(until, str) else list(until)
+            max_gen = int(kwargs.pop("max_gen_toks", 256))
+            sampling = gen_sampling(kwargs)
+            room = max(1, self.max_length - max_gen)
+            prompts = [encoded[ctx][-room:] for ctx, _ in chunk]
+            for (ctx, gen_kwargs), text in zip(chunk, self.generate(prompts, max_gen, sampling, until)):
+                self.cache_hook.add_partial("generate_until", (ctx, gen_kwargs), text)
+                out.append(text)
+            bar.update(len(chunk))
+        bar.close()
+        return order.get_original(out)
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling, until: list[str]) -> list[str]:
+        """New text per prompt, cut at end-of-sequence and at the first stop string."""
+        dec = self.decoder
+        state = dec.prefill(prompts, max_new_tokens=max_new_tokens, sampling=sampling)
+        steps = []
+        while not dec.finished(state):
+            out = dec.step(state)
+            steps.append(StepOut(out.tokens.clone(), out.committed.clone()))
+            if self.autoregressive and len(steps) % STOP_CHECK_EVERY == 0:
+                if all(self.stopped(t, until) for t in dec.output(state, steps)):
+                    break
+        tokens = dec.output(state, steps)
+        dec.release(state)
+        return [self.cut(t, until) for t in tokens]
+
+    def stopped(self, tokens: list[int], until: list[str]) -> bool:
+        return self.eot_token_id in tokens or any(s in self.tok_decode(tokens) for s in until)
+
+    def cut(self, tokens: list[int], until: list[str]) -> str:
+        if self.eot_token_id in tokens:
+            tokens = tokens[: tokens.index(self.eot_token_id)]
+        text = self.tok_decode(tokens)
+        for stop in until:
+            if stop:
+                text = text.split(stop)[0]
+        return text
+
+
+def rolling_windows(tokens: list[int], prefix: int, max_length: int):
+    """lm-eval's rolling windows with context 1: (input, predicted) pairs covering each token once."""
+    return utils.get_rolling_token_windows(token_list=tokens, prefix_token=prefix, max_seq_len=max_length, context_len=1)
+
+
+def parse_batch_size(batch_size, max_batch_size) -> int:
+    """An int; lm-eval's "auto" (no auto-tuning here) means max_batch_size, or 32."""
+    text = str(batch_size)
+    if text.startswith("auto"):
+        return int(max_batch_size or 32)
+    return int(text)
+
+
+def gen_sampling(kwargs: dict) -> Sampling:
+    """lm-eval's generation kwargs (do_sample, temperature, top_k, top_p, seed) as the lab's Sampling."""
+    # As HF generate: without do_sample=True decoding is greedy whatever the temperature.
+    temperature = float(kwargs.get("temperature") or 0.0) if kwargs.get("do_sample") else 0.0
+    return Sampling(temperature=temperature, top_k=int(kwargs.get("top_k") or 0), top_p=float(kwargs.get("top_p") or 1.0), seed=int(kwargs.get("seed") or 0))

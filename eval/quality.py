@@ -1,0 +1,193 @@
+"""Quality CLI: run checkpoints on lm-eval tasks, print and write a comparison table, draw the plots.
+
+    python -m eval.quality --checkpoints runs/llama-30m runs/mamba2-30m runs/rwkv7-30m runs/maskpredict-30m \
+        --tasks declab_mqar,declab_copy,declab_ppl,declab_cloze --include-path eval/tasks/data \
+        --mp-iterations 1,2,4,8,16 --out results/quality/
+
+Each checkpoint (a folder or a preset) is run once through lm-eval as the `declab` model;
+Mask-Predict checkpoints once per number of iterations T in --mp-iterations. Writes into --out:
+
+- quality.jsonl: one JSON object per (checkpoint, T, task) with every metric lm-eval reported,
+  the decoder's description and environment();
+- quality.md: a markdown table, one row per run, one column per task (bits_per_byte for perplexity
+  tasks, acc otherwise), also printed;
+- mqar.png: MQAR accuracy against the number of key-value pairs, one line per run;
+- maskpredict_iterations.png: each task's main metric against T for the Mask-Predict runs.
+"""
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+import torch
+
+from kernels.benchtools import append_jsonl, environment
+
+MQAR_TASK = re.compile(r"declab_mqar_(\d+)$")
+# The metric a table shows per task, first found: bits per byte (perplexity tasks), else accuracy.
+PRIMARY = ("bits_per_byte", "acc")
+
+
+def primary_metric(metrics: dict) -> tuple[str, float] | None:
+    """The metric a table shows for one task: bits_per_byte when reported, else acc."""
+    for name in PRIMARY:
+        if f"{name},none" in metrics:
+            return name, metrics[f"{name},none"]
+    return None
+
+
+def run_one(pretrained: str, tasks: list[str], *, include_path, model_args: dict, limit, iterations=None) -> tuple[dict, dict]:
+    """lm-eval results {task: metrics} and the decoder's description for one checkpoint (and T)."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from eval.lm_model import DecLabLM
+
+    args = {"pretrained": pretrained, **model_args}
+    if iterations is not None:
+        args["iterations"] = iterations
+    lm = DecLabLM(**args)
+    manager = TaskManager(include_path=include_path)
+    out = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit, log_samples=False)
+    results = {task: {k: v for k, v in metrics.items() if k != "alias"} for task, metrics in out["results"].items()}
+    return results, lm.decoder.describe()
+
+
+def label(run: dict) -> str:
+    name = Path(run["checkpoint"]).name or run["checkpoint"]
+    return name if run["iterations"] is None else f"{name} T={run['iterations']}"
+
+
+def markdown_table(runs: list[dict]) -> str:
+    tasks = []
+    for run in runs:
+        for task, metrics in run["results"].items():
+            if task not in tasks and primary_metric(metrics):
+                tasks.append(task)
+    header = ["model", "family", *[f"{t} ({primary_metric(next(r['results'][t] for r in runs if t in r['results']))[0]})" for t in tasks]]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for run in runs:
+        cells = [label(run), run["family"]]
+        for task in tasks:
+            metric = primary_metric(run["results"].get(task, {}))
+            cells.append("" if metric is None else f"{metric[1]:.4f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_mqar(runs: list[dict], path: Path) -> bool:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    drawn = False
+    for run in runs:
+        points = sorted((int(m.group(1)), v["acc,none"]) for t, v in run["results"].items() if (m := MQAR_TASK.match(t)) and "acc,none" in v)
+        if points:
+            ax.plot(*zip(*points), marker="o", label=f"{label(run)} ({run['family']})")
+            drawn = True
+    if drawn:
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("key-value pairs")
+        ax.set_ylabel("MQAR accuracy")
+        ax.set_ylim(0, 1)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return drawn
+
+
+def plot_iterations(runs: list[dict], path: Path) -> bool:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sweeps = {}
+    for run in runs:
+        if run["iterations"] is None:
+            continue
+        for task, metrics in run["results"].items():
+            metric = primary_metric(metrics)
+            if metric:
+                sweeps.setdefault((run["checkpoint"], task, metric[0]), []).append((run["iterations"], metric[1]))
+    if not sweeps:
+        return False
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for (checkpoint, task, metric), points in sorted(sweeps.items()):
+        ax.plot(*zip(*sorted(points)), marker="o", label=f"{Path(checkpoint).name} {task} ({metric})")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("Mask-Predict iterations T")
+    ax.set_ylabel("metric")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def is_maskpredict(checkpoint: str) -> bool:
+    """Whether a checkpoint folder or preset is of the Mask-Predict family (without loading weights)."""
+    config = Path(checkpoint) / "config.json"
+    if config.exists():
+        from decoders import family_class
+
+        hf = json.loads(config.read_text())
+        return hf.get("declab_family") == "maskpredict" or family_class("maskpredict").detects(hf)
+    return str(checkpoint).startswith("maskpredict")
+
+
+def quality(checkpoints: list[str], tasks: list[str], out: Path, *, include_path=None, model_args=None, limit=None, mp_iterations=()) -> list[dict]:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    model_args = dict(model_args or {})
+    env = environment(model_args.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
+    runs = []
+    for checkpoint in checkpoints:
+        for iterations in (list(mp_iterations) or [None]) if is_maskpredict(checkpoint) else [None]:
+            results, described = run_one(checkpoint, tasks, include_path=include_path, model_args=model_args, limit=limit, iterations=iterations)
+            run = {"checkpoint": str(checkpoint), "family": described["family"], "iterations": iterations, "results": results}
+            runs.append(run)
+            for task, metrics in results.items():
+                append_jsonl(out / "quality.jsonl", {"checkpoint": str(checkpoint), "family": described["family"], "iterations": iterations,
+                                                     "task": task, "metrics": metrics, "limit": limit, "decoder": described, **env})
+    table = markdown_table(runs)
+    (out / "quality.md").write_text(table)
+    print(table)
+    plot_mqar(runs, out / "mqar.png")
+    plot_iterations(runs, out / "maskpredict_iterations.png")
+    return runs
+
+
+def parse_model_args(text: str) -> dict:
+    from lm_eval.utils import simple_parse_args_string
+
+    return simple_parse_args_string(text) if text else {}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m eval.quality", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoints", nargs="+", required=True, help="checkpoint folders or presets")
+    p.add_argument("--tasks", required=True, help="comma-separated lm-eval tasks or groups")
+    p.add_argument("--include-path", default=str(Path(__file__).resolve().parent / "tasks"), help="folder of task YAMLs (default eval/tasks)")
+    p.add_argument("--model-args", default="", help="extra declab model_args, e.g. dtype=bfloat16,max_length=2048,batch_size=16")
+    p.add_argument("--limit", type=float, help="examples per task (testing only)")
+    p.add_argument("--mp-iterations", default="", help="comma-separated Mask-Predict iterations T to sweep")
+    p.add_argument("--out", type=Path, required=True)
+    return p
+
+
+def main(argv=None):
+    a = parser().parse_args(argv)
+    iterations = [int(x) for x in a.mp_iterations.split(",") if x]
+    limit = int(a.limit) if a.limit and a.limit >= 1 else a.limit
+    quality(a.checkpoints, a.tasks.split(","), a.out, include_path=a.include_path, model_args=parse_model_args(a.model_args),
+            limit=limit, mp_iterations=iterations)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,355 @@
+"""Train a small model of any family on a text corpus, on one GPU, into a checkpoint folder the lab reads.
+
+    python -m eval.train --preset llama-30m --corpus corpus/ --tokens 300_000_000 --out runs/llama-30m
+    python -m eval.train --preset mamba2-30m --corpus corpus/ --tokens 300_000_000 --out runs/mamba2-30m \
+        --tokenizer runs/tokenizer --data runs/data          # share tokenizer and tokenised data
+
+Matched models: the same tokenizer (--tokenizer, a folder saved by an earlier run or by
+`eval.ablation`), the same tokenised data (--data) and token budget, and size presets whose parameter
+counts agree within 10% (`configs/<family>-30m.json`, checked by `check_matched`).
+
+- Data: the corpus is the lab's shard format (one paragraph per line, documents separated by an
+  empty line, `train-*.txt[.gz]` and `valid*.txt[.gz]`), JSON lines, or a datasets name
+  (`eval.corpus`). Each document becomes <bos> text <eos>; the stream of the first --tokens tokens
+  (repeated if the corpus is smaller) is cached as int32 in `<data>/train.bin`, the validation
+  documents in `<data>/valid.bin`. Row r of step s reads the window starting at
+  r * (stream / batch) + s * seq_len, so a batch mixes distant parts of the corpus and the data
+  position is the step alone.
+- Objective: next-token cross-entropy through the model's parallel forward `Decoder.model(tokens)`
+  (impl="ref": the families' differentiable PyTorch paths) for the autoregressive families; the
+  masked-diffusion loss (`arch.maskpredict.masked_diffusion_loss`) for Mask-Predict.
+- Optimisation: AdamW (weight decay on matrices only), linear warmup then cosine decay to 10% of the
+  peak, gradient clipping, bf16 autocast on a GPU, fp32 weights.
+- Validation every --val-every steps on the first --val-tokens of valid.bin: loss (nats per token;
+  Mask-Predict: its ELBO bound with a fixed mask draw) and bits per byte (loss * tokens / bytes / ln 2).
+- Checkpoints every --save-every steps and at the end: the model in the lab's own format plus the
+  tokenizer in --out (so `decoders.load(out)` and `--model_args pretrained=out` read it), and
+  `train_state.pt` (model, optimizer, step, RNG) from which a rerun of the same command resumes.
+  Every record (start, validation, end) is a JSON line in `<out>/train.jsonl` with environment().
+"""
+
+import argparse
+import dataclasses
+import hashlib
+import inspect
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+import decoders
+from arch.checkpoint import CONFIG_DIR, read_json
+from eval.corpus import documents
+from eval.tokenizer import make_tokenizer, save_tokenizer
+from kernels.benchtools import append_jsonl, environment
+
+BPE_SAMPLE_DOCS = 20000
+
+
+def preset_values(name: str) -> tuple[str, dict]:
+    """(family, config values) of a size preset, configs/<name>.json."""
+    family = decoders.family_of(name)
+    return family, read_json(CONFIG_DIR / f"{name}.json")
+
+
+def build_decoder(name: str, tokenizer, *, device, seed: int):
+    """A freshly initialised decoder of preset `name`, its special token ids set to the tokenizer's."""
+    family, values = preset_values(name)
+    if len(tokenizer) > values["vocab_size"]:
+        raise decoders.UsageError(f"tokenizer has {len(tokenizer)} tokens, more than {name}'s vocab_size {values['vocab_size']}")
+    ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id, "mask_token_id": tokenizer.mask_token_id}
+    values = {**values, **{k: v for k, v in ids.items() if k in values}}
+    dec = decoders.family_class(family).from_preset(values, name, seed=seed, device=device, dtype=torch.float32, impl="ref")
+    dec.tokenizer = tokenizer
+    return dec
+
+
+def parameter_count(dec) -> int:
+    return sum(p.numel() for p in dec.model.parameters())
+
+
+def check_matched(names: list[str], tolerance: float = 0.10) -> dict[str, int]:
+    """Parameter counts of size presets; raises unless every count is within `tolerance` of their mean."""
+    counts = {}
+    for name in names:
+        family, values = preset_values(name)
+        dec = decoders.family_class(family).from_preset(values, name, device="cpu", dtype=torch.float32, impl="ref")
+        counts[name] = parameter_count(dec)
+    mean = sum(counts.values()) / len(counts)
+    far = {n: c for n, c in counts.items() if abs(c - mean) > tolerance * mean}
+    if far:
+        raise ValueError(f"parameter counts not within {tolerance:.0%} of their mean {mean:,.0f}: {far}")
+    return counts
+
+
+def tokenize_stream(texts, tokenizer, limit: int | None) -> np.ndarray:
+    """<bos> text <eos> per document, concatenated; stops after `limit` tokens when given."""
+    parts, total = [], 0
+    batch = []
+
+    def flush():
+        nonlocal total
+        for ids in tokenizer(batch, add_special_tokens=True)["input_ids"]:
+            parts.append(np.asarray(ids + [tokenizer.eos_token_id], dtype=np.int32))
+            total += len(parts[-1])
+        batch.clear()
+
+    for text in texts:
+        batch.append(text)
+        if len(batch) == 256:
+            flush()
+            if limit is not None and total >= limit:
+                break
+    if batch:
+        flush()
+    stream = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+    return stream[:limit] if limit is not None else stream
+
+
+def fingerprint(tokenizer) -> str:
+    """A short hash of the tokenizer's definition: tokenised data is reused only with the same tokenizer."""
+    return hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest()[:16]
+
+
+def prepare_data(corpus: str, tokenizer, tokens: int, folder: Path, *, val_docs: int = 2000) -> dict:
+    """Tokenise the corpus once into folder/train.bin (>= `tokens`, repeated when shorter) and valid.bin; returns meta."""
+    folder = Path(folder)
+    meta_path = folder / "meta.json"
+    if meta_path.exists():
+        meta = json.loads(meta_path.read_text())
+        if meta["train_tokens"] >= tokens and meta["tokenizer"] == fingerprint(tokenizer):
+            return meta
+    folder.mkdir(parents=True, exist_ok=True)
+    train = tokenize_stream(documents(corpus, "train"), tokenizer, tokens)
+    if len(train) == 0:
+        raise ValueError(f"{corpus}: no training documents")
+    if len(train) < tokens:
+        train = np.resize(train, tokens)
+    valid_texts = []
+    for text in documents(corpus, "valid"):
+        valid_texts.append(text)
+        if len(valid_texts) >= val_docs:
+            break
+    valid = tokenize_stream(valid_texts, tokenizer, None)
+    train.tofile(folder / "train.bin")
+    valid.tofile(folder / "valid.bin")
+    meta = {
+        "corpus": str(corpus),
+        "train_tokens": int(len(train)),
+        "valid_tokens": int(len(valid)),
+        "valid_bytes": sum(len(t.encode("utf-8")) for t in valid_texts),
+        "tokenizer": fingerprint(tokenizer),
+    }
+    meta_path.write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
+def load_or_make_tokenizer(spec: str, corpus: str, out: Path):
+    """`spec` is a folder, "byte" or "bpe:<size>" (trained on the first documents of the corpus); saved to out/tokenizer."""
+    saved = out / "tokenizer"
+    if (saved / "tokenizer.json").exists():
+        return make_tokenizer(str(saved))
+    texts = None
+    if spec.startswith("bpe:"):
+        texts = []
+        for text in documents(corpus, "train"):
+            texts.append(text)
+            if len(texts) >= BPE_SAMPLE_DOCS:
+                break
+    tokenizer = make_tokenizer(spec, texts)
+    save_tokenizer(tokenizer, saved)
+    return tokenizer
+
+
+def batch_at(stream: np.ndarray, step: int, batch: int, seq_len: int) -> torch.Tensor:
+    """[batch, seq_len + 1] windows of step `step`: row r starts at r * (len / batch) + step * seq_len (mod len)."""
+    n = len(stream)
+    lane = n // batch
+    starts = (np.arange(batch, dtype=np.int64) * lane + step * seq_len) % n
+    idx = (starts[:, None] + np.arange(seq_len + 1)) % n
+    return torch.from_numpy(stream[idx].astype(np.int64))
+
+
+def loss_fn(dec):
+    """The family's training loss of tokens x [B, T+1]: next-token cross-entropy through the model's
+    parallel forward (its reference path: impl="ref" where the forward takes an impl), or for
+    Mask-Predict the masked-diffusion loss of the first T tokens."""
+    model = dec.model
+    if dec.family == "maskpredict":
+        from arch.maskpredict import masked_diffusion_loss
+
+        return lambda x, generator=None: masked_diffusion_loss(model, x[:, :-1], generator=generator)
+    kwargs = {"impl": "ref"} if "impl" in inspect.signature(model.forward).parameters else {}
+
+    def next_token(x, generator=None):
+        logits = model(x[:, :-1], **kwargs)
+        return F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
+
+    return next_token
+
+
+def lr_at(step: int, total: int, peak: float, warmup: int, floor: float = 0.1) -> float:
+    """Linear warmup to `peak` over `warmup` steps, then cosine decay to floor * peak at `total`."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def save_model(dec, folder: Path) -> None:
+    """The model in the lab's own format (config.json with declab_family + model.safetensors) and the tokenizer."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    if hasattr(dec, "save"):
+        dec.save(folder)
+    else:
+        from safetensors.torch import save_file
+
+        # The transformer family reads HF Llama folders: write one, with declab_family beside it.
+        values = {"declab_family": dec.family, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+                  **dataclasses.asdict(dec.config)}
+        (folder / "config.json").write_text(json.dumps(values, indent=2) + "\n")
+        save_file({k: v.detach().contiguous().cpu() for k, v in dec.model.state_dict().items()}, str(folder / "model.safetensors"))
+    save_tokenizer(dec.tokenizer, folder)
+
+
+def validate(model, loss, valid: np.ndarray, *, batch: int, seq_len: int, max_tokens: int, device, autocast: bool) -> float:
+    """Mean loss over the first `max_tokens` of the validation stream, in consecutive windows."""
+    n_windows = max(1, min(max_tokens, len(valid) - 1) // seq_len)
+    windows = [valid[i * seq_len : i * seq_len + seq_len + 1] for i in range(n_windows)]
+    windows = [w for w in windows if len(w) == seq_len + 1]
+    gen = torch.Generator(device=device).manual_seed(0)
+    model.eval()
+    total = 0.0
+    with torch.no_grad(), torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=autocast):
+        for i in range(0, len(windows), batch):
+            x = torch.from_numpy(np.stack(windows[i : i + batch]).astype(np.int64)).to(device)
+            total += loss(x, generator=gen).item() * len(x)
+    model.train()
+    return total / len(windows)
+
+
+def train(args) -> Path:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    torch.manual_seed(args.seed)
+    tokenizer = load_or_make_tokenizer(args.tokenizer, args.corpus, Path(args.tokenizer_dir or out))
+    data_dir = Path(args.data or out / "data")
+    steps = max(1, args.tokens // (args.batch * args.seq_len))
+    meta = prepare_data(args.corpus, tokenizer, steps * args.batch * args.seq_len + args.batch, data_dir)
+    stream = np.fromfile(data_dir / "train.bin", dtype=np.int32)
+    valid = np.fromfile(data_dir / "valid.bin", dtype=np.int32)
+    if len(valid) < args.seq_len + 1:
+        raise ValueError(f"{args.corpus}: the validation split has {len(valid)} tokens, fewer than seq_len + 1")
+    bytes_per_token = meta["valid_bytes"] / meta["valid_tokens"]
+
+    dec = build_decoder(args.preset, tokenizer, device=device, seed=args.seed)
+    model = dec.model
+    model.train()
+    loss = loss_fn(dec)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
+    autocast = device.type == "cuda"
+    warmup = max(1, int(args.warmup * steps))
+    start = 0
+    # Draws of the loss itself (Mask-Predict's mask ratios and positions), saved with the checkpoint.
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    state_path = out / "train_state.pt"
+    if state_path.exists():
+        state = torch.load(state_path, map_location=device, weights_only=False)
+        if state["preset"] != args.preset or state["steps"] != steps:
+            raise ValueError(f"{state_path} is a run of {state['preset']} for {state['steps']} steps, not {args.preset} for {steps}: use another --out")
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng"])
+        gen.set_state(state["generator"].cpu())
+        start = state["step"]
+    log = out / "train.jsonl"
+    params = parameter_count(dec)
+    append_jsonl(log, {"kind": "start", "step": start, "preset": args.preset, "family": dec.family, "params": params, "steps": steps,
+                       "tokens": steps * args.batch * args.seq_len, "args": vars(args), "data": meta, **environment(device)})
+
+    def checkpoint(step: int):
+        save_model(dec, out)
+        tmp = out / "train_state.pt.tmp"
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "steps": steps, "preset": args.preset,
+                    "rng": torch.get_rng_state(), "generator": gen.get_state()}, tmp)
+        os.replace(tmp, state_path)
+
+    def evaluate(step: int, elapsed: float):
+        val = validate(model, loss, valid, batch=args.batch, seq_len=args.seq_len, max_tokens=args.val_tokens, device=device, autocast=autocast)
+        record = {"kind": "val", "step": step, "tokens": step * args.batch * args.seq_len, "val_loss": val,
+                  "val_bpb": val / bytes_per_token / math.log(2), "lr": lr_at(step, steps, args.lr, warmup), "elapsed_s": elapsed}
+        append_jsonl(log, record)
+        return record
+
+    t0 = time.perf_counter()
+    if start == 0:
+        evaluate(0, 0.0)
+    last = min(steps, args.stop_at or steps)
+    bar = tqdm(range(start, last), initial=start, total=steps, desc=f"train {args.preset}", dynamic_ncols=True)
+    for step in bar:
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, steps, args.lr, warmup)
+        x = batch_at(stream, step, args.batch, args.seq_len).to(device, non_blocking=True)
+        with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=autocast):
+            value = loss(x, generator=gen)
+        value.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        done = step + 1
+        if done % args.log_every == 0 or done == steps:
+            bar.set_postfix(loss=f"{value.item():.3f}", lr=f"{lr_at(step, steps, args.lr, warmup):.2e}", gnorm=f"{norm.item():.2f}")
+        if done % args.val_every == 0 or done == steps:
+            rec = evaluate(done, time.perf_counter() - t0)
+            bar.write(f"step {done}: val loss {rec['val_loss']:.4f}, {rec['val_bpb']:.4f} bits/byte")
+        if done % args.save_every == 0 or done == last:
+            checkpoint(done)
+    bar.close()
+    if last == steps:
+        append_jsonl(log, {"kind": "end", "step": steps, "elapsed_s": time.perf_counter() - t0, **environment(device)})
+    return out
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m eval.train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", required=True, help="size preset: configs/<name>.json (e.g. llama-30m, mamba2-tiny)")
+    p.add_argument("--corpus", required=True, help="corpus folder (train-*.txt.gz, valid.txt.gz), a text/jsonl file, or a datasets name")
+    p.add_argument("--out", required=True, help="output folder: the checkpoint (lab format), train_state.pt, train.jsonl")
+    p.add_argument("--tokens", type=int, required=True, help="training token budget (steps = tokens / (batch * seq_len))")
+    p.add_argument("--tokenizer", default="bpe:8192", help='"byte", "bpe:<vocab>" (trained on the corpus) or a folder with tokenizer files')
+    p.add_argument("--tokenizer-dir", help="where the tokenizer is saved/reused (default: --out); share it between matched runs")
+    p.add_argument("--data", help="tokenised-data cache folder (default: <out>/data); share it between matched runs")
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup", type=float, default=0.02, help="warmup as a fraction of the steps")
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--val-every", type=int, default=500)
+    p.add_argument("--val-tokens", type=int, default=1 << 18)
+    p.add_argument("--save-every", type=int, default=1000)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop-at", type=int, help="stop after this step with a resumable checkpoint, as an interruption would (for time-sliced jobs)")
+    p.add_argument("--device")
+    return p
+
+
+def main(argv=None):
+    out = train(parser().parse_args(argv))
+    print(json.dumps({"checkpoint": str(out)}))
+
+
+if __name__ == "__main__":
+    main()
