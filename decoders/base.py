@@ -30,7 +30,9 @@ class UsageError(ValueError):
 class StepOut:
     tokens: torch.Tensor  # [B, k] tokens this pass produced (k = 1 autoregressive; the canvas for Mask-Predict)
     committed: torch.Tensor  # [B] int32 tokens each sequence gained in this pass
-    logits: torch.Tensor | None = None  # [B, V] autoregressive: logits of the position just fed
+    # [B, V] autoregressive: logits of the position just fed; valid until the next step (a replayed
+    # CUDA graph reuses the buffer)
+    logits: torch.Tensor | None = None
 
 
 @dataclass

@@ -60,7 +60,8 @@ def gate_logits(decoder: Decoder, prompt: torch.Tensor, forced: torch.Tensor, ne
     for i in range(forced.shape[1] if forcing else 1):
         if forcing:
             state.next_tokens.copy_(forced[:, i])
-        logits.append(decoder.step(state).logits)
+        # Copied now: a replayed CUDA graph writes every step's logits into the same buffer.
+        logits.append(decoder.step(state).logits.float().clone())
     decoder.release(state)
     return torch.cat([t.float().reshape(-1) for t in logits])
 
