@@ -113,6 +113,8 @@ class MaskPredictDecoder(Decoder):
     def __init__(self, model, config, *, iterations: int | None = None, rule: str | None = None, block_length: int | None = None,
                  threshold: float | None = None, length_beam: int | None = None, prefix_cache: bool = True, page_size: int = 16, **kwargs):
         super().__init__(model, config, max_context=config.max_position_embeddings, **kwargs)
+        # Refinement passes run eagerly: capturing them in a CUDA graph is not done yet.
+        self.cuda_graphs = False
         self.iterations = _positive_int("iterations", iterations, allow_none=True)
         self.block_length = _positive_int("block_length", block_length, allow_none=True)
         self.length_beam = _positive_int("length_beam", length_beam, allow_none=True)
