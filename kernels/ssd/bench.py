@@ -103,7 +103,7 @@ def bench_decode(b, batch, copy_bps):
     pristine = {k: v.clone() for k, v in layers[0].items()}
     want = {k: v.clone() for k, v in pristine.items()}
     y_ref = ssd.mamba2_decode_step(xBC, dt, **want, ngroups=G, headdim=P, impl="ref")
-    default_bp = ssd_triton.decode_block_p(batch, H, P)
+    default_bp = ssd_triton.decode_block_p(P)
     for bp in (default_bp,) + tuple(v for v in BLOCK_P_SWEEP if v != default_bp):
         impl = "triton" if bp == default_bp else f"triton[block_p={bp}]"
         got = {k: v.clone() for k, v in pristine.items()}
