@@ -10,6 +10,12 @@ checkpoint's state dict loads without renaming. Attention runs in one of two way
   are written into and read from a paged cache through `kernels.paged_attention` (prefill chunks
   and decode steps).
 
+On impl="triton" (`PagedBatch.impl`) `forward_paged` runs fused kernels: each residual add inside
+the RMSNorm kernel after it, q/k/v as one GEMV (`Attention.qkv_weight`) with RoPE on q and k in one
+kernel, gate/up as one GEMV (`MLP.gate_up_weight`) and SwiGLU in one kernel. The fused weights are
+the only copy: `q_proj.weight` etc. are views into them (see `fuse_linears`), so HF names still load
+and save, and parameter counts stay right. `forward` and impl="ref" keep the plain reference math.
+
 The blocks are reused unchanged (with `causal=False`) by the Mask-Predict family.
 """
 
@@ -22,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from arch.checkpoint import CheckpointError, assign_weights, config_from_dict, load_weights, read_json
-from kernels import paged_attention
+from kernels import paged_attention, rmsnorm, rotary, swiglu
 
 
 @dataclass
@@ -67,6 +73,47 @@ class PagedBatch:
     max_seqlen_q: int = 1
     impl: str = "ref"
     workspace: dict | None = field(default=None, repr=False)
+
+
+def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight [sum of out_features, in] (and bias) holding the linears' weights in order.
+
+    Each linear's parameters become views into it (same Parameter objects, so names, optimisers
+    and `copy_` into them keep working) and the separate copies are freed.
+    """
+    with torch.no_grad():
+        weight = torch.cat([lin.weight.data for lin in linears])
+        bias = torch.cat([lin.bias.data for lin in linears]) if linears[0].bias is not None else None
+        start = 0
+        for lin in linears:
+            end = start + lin.out_features
+            lin.weight.data = weight[start:end]
+            if bias is not None:
+                lin.bias.data = bias[start:end]
+            start = end
+    return weight, bias
+
+
+class FusedLinears(nn.Module):
+    """A module whose projections `FUSED = {name: (linear names)}` share one weight each.
+
+    `fuse` runs at construction and again after every `.to()`/`.cuda()`/`.half()` (`_apply`), which
+    converts each parameter into its own new tensor and so would otherwise undo the sharing.
+    """
+
+    FUSED: dict[str, tuple[str, ...]] = {}
+
+    def fuse(self):
+        for name, parts in self.FUSED.items():
+            weight, bias = fuse_linears(*(getattr(self, p) for p in parts))
+            # Plain attributes, not parameters or buffers: the parameters are the views.
+            setattr(self, f"{name}_weight", weight)
+            setattr(self, f"{name}_bias", bias)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self.fuse()
+        return self
 
 
 class RMSNorm(nn.Module):
@@ -114,19 +161,26 @@ class Rotary(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
         self.cos = self.sin = None
 
-    def forward(self, x, positions):
-        """x [..., H, D] at `positions` [...] (HF's rotate-half convention)."""
+    def tables(self):
+        """cos, sin [P, D/2] float32, built on first use (on the device of `inv_freq`)."""
         if self.cos is None or self.cos.device != self.inv_freq.device:
             pos = torch.arange(self.max_positions, device=self.inv_freq.device, dtype=torch.float32)
             angles = torch.outer(pos, self.inv_freq)  # [P, D/2]
             self.cos, self.sin = angles.cos(), angles.sin()
-        cos = self.cos[positions].unsqueeze(-2)  # [..., 1, D/2]
-        sin = self.sin[positions].unsqueeze(-2)
+        return self.cos, self.sin
+
+    def forward(self, x, positions):
+        """x [..., H, D] at `positions` [...] (HF's rotate-half convention)."""
+        cos, sin = self.tables()
+        cos = cos[positions].unsqueeze(-2)  # [..., 1, D/2]
+        sin = sin[positions].unsqueeze(-2)
         x1, x2 = x.float().chunk(2, dim=-1)
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
-class Attention(nn.Module):
+class Attention(FusedLinears):
+    FUSED = {"qkv": ("q_proj", "k_proj", "v_proj")}
+
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
@@ -136,6 +190,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, self.n_kv * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, config.hidden_size, bias=False)
         self.scale = self.head_dim**-0.5
+        self.fuse()
 
     def qkv(self, x, positions, rotary):
         """x [..., d] -> q [..., Hq, D], k and v [..., Hkv, D], with RoPE applied to q and k."""
@@ -143,6 +198,15 @@ class Attention(nn.Module):
         k = self.k_proj(x).unflatten(-1, (self.n_kv, self.head_dim))
         v = self.v_proj(x).unflatten(-1, (self.n_kv, self.head_dim))
         return rotary(q, positions), rotary(k, positions), v
+
+    def qkv_fused(self, x, positions, rope: Rotary):
+        """Triton path of `qkv` for packed x [N, d]: one GEMV for q, k and v, then RoPE on q and k
+        in one kernel, in place; q, k, v are views into the one projection output."""
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias).unflatten(-1, (self.n_heads + 2 * self.n_kv, self.head_dim))
+        q, k, v = qkv.split([self.n_heads, self.n_kv, self.n_kv], dim=-2)  # [N, H, D] each
+        cos, sin = rope.tables()
+        rotary.apply_rotary(q, k, positions, cos, sin, impl="triton", inplace=True)
+        return q, k, v
 
     def forward(self, x, positions, rotary, causal: bool):
         """Contiguous attention over x [B, T, d] at positions [B, T]."""
@@ -155,7 +219,8 @@ class Attention(nn.Module):
 
     def forward_paged(self, x, positions, rotary, batch: PagedBatch, layer: int):
         """Packed tokens x [N, d]: write their K/V into the pages, attend through the block table."""
-        q, k, v = self.qkv(x, positions, rotary)
+        fused = batch.impl == "triton"
+        q, k, v = self.qkv_fused(x, positions, rotary) if fused else self.qkv(x, positions, rotary)
         k_cache, v_cache = batch.k_cache[layer], batch.v_cache[layer]
         paged_attention.write_kv(k, v, k_cache, v_cache, batch.slot_mapping, impl=batch.impl)
         if batch.decode:
@@ -170,15 +235,22 @@ class Attention(nn.Module):
         return self.o_proj(out.flatten(-2))
 
 
-class MLP(nn.Module):
+class MLP(FusedLinears):
+    FUSED = {"gate_up": ("gate_proj", "up_proj")}
+
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.fuse()
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def forward_fused(self, x):
+        """Triton path: one GEMV for gate and up, SwiGLU in one kernel, then down."""
+        return self.down_proj(swiglu.silu_mul(F.linear(x, self.gate_up_weight), impl="triton"))
 
 
 class Block(nn.Module):
@@ -193,6 +265,13 @@ class Block(nn.Module):
         """`attend(normed_x) -> attention output`; the residual structure is shared by both paths."""
         x = x + attend(self.input_layernorm(x))
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_fused(self, h, x, attend, next_norm: RMSNorm):
+        """Triton path of `forward` over packed rows: takes h = input_layernorm(x) and x [N, d];
+        returns (next_norm(x_out), x_out), each residual add run inside the norm kernel after it."""
+        post = self.post_attention_layernorm
+        h, x = rmsnorm.add_rms_norm(attend(h), x, post.weight, post.eps, impl="triton")
+        return rmsnorm.add_rms_norm(self.mlp.forward_fused(h), x, next_norm.weight, next_norm.eps, impl="triton")
 
 
 class Trunk(nn.Module):
@@ -215,9 +294,12 @@ class Llama(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
+    @property
+    def head_weight(self):
+        return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+
     def head(self, h):
-        w = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        return F.linear(self.model.norm(h), w)
+        return F.linear(self.model.norm(h), self.head_weight)
 
     def hidden(self, tokens, positions=None):
         """Final hidden states [B, T, d] before the norm, contiguous attention."""
@@ -235,12 +317,28 @@ class Llama(nn.Module):
 
     def forward_paged(self, tokens, positions, batch: PagedBatch, logit_index=None):
         """Packed tokens [N] at positions [N]; logits [len(logit_index), V] (all N if None)."""
+        if batch.impl == "triton":
+            return self.forward_paged_fused(tokens, positions, batch, logit_index)
         x = self.model.embed_tokens(tokens)
         for i, block in enumerate(self.model.layers):
             x = block(x, lambda h, b=block, i=i: b.self_attn.forward_paged(h, positions, self.rotary, batch, i))
         if logit_index is not None:
             x = x[logit_index]
         return self.head(x)
+
+    def forward_paged_fused(self, tokens, positions, batch: PagedBatch, logit_index=None):
+        """`forward_paged` on the fused Triton kernels: the final norm is applied to every row (it is
+        fused with the last residual add), then the head reads only the rows in `logit_index`."""
+        layers = self.model.layers
+        first = layers[0].input_layernorm
+        x = self.model.embed_tokens(tokens)  # [N, d], the residual stream
+        h = rmsnorm.rms_norm(x, first.weight, first.eps, impl="triton")
+        for i, block in enumerate(layers):
+            next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            h, x = block.forward_fused(h, x, lambda h, b=block, i=i: b.self_attn.forward_paged(h, positions, self.rotary, batch, i), next_norm)
+        if logit_index is not None:
+            h = h[logit_index]
+        return F.linear(h, self.head_weight)
 
     def init_random(self, seed: int = 0):
         """Random weights with the usual 0.02-std normal init (norms at 1), deterministic in `seed`."""

@@ -20,7 +20,9 @@ The model runs three ways, all through `kernels.ssd`:
 - `forward(tokens [B, T])`: one parallel forward from zero state, logits [B, T, V];
 - `forward_chunk(tokens [b, T], conv, ssm, rows)`: a prefill chunk that starts from, and writes back,
   the rows `rows` of the batched state buffers; returns the last position's hidden state;
-- `step(tokens [B], conv, ssm)`: one token per sequence, both states updated in place.
+- `step(tokens [B], conv, ssm)`: one token per sequence, both states updated in place; its norms go
+  through `kernels.mamba2_norm` (one launch each on the Triton path: embedding + pre-norm, residual add +
+  pre-norm, gated norm), so a layer is five launches: add + norm, in_proj, decode step, gated norm, out_proj.
 """
 
 import json
@@ -33,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from arch.checkpoint import CheckpointError, assign_weights, config_from_dict, load_weights, read_json
-from kernels import ssd
+from kernels import mamba2_norm, ssd
 
 
 @dataclass
@@ -123,6 +125,7 @@ class Mixer(nn.Module):
         self.D = nn.Parameter(torch.ones(c.nheads))
         self.norm = RMSNormGated(c.d_inner, c.d_inner // c.ngroups, c.norm_eps)
         self.out_proj = nn.Linear(c.d_inner, c.d_model, bias=c.bias)
+        self._decay, self._decay_key = None, None
 
     def split(self, zxbcdt):
         """in_proj output [..., d_in_proj] -> z [..., d_inner], xBC [..., conv_dim], dt [..., H]."""
@@ -155,8 +158,23 @@ class Mixer(nn.Module):
         y = self.norm(y.reshape(b, T, c.d_inner), z)
         return self.out_proj(y), conv_final, ssm_final
 
+    def decay_rates(self):
+        """A = -exp(A_log) [H] fp32 for decoding, recomputed only when A_log changes, so a decode step
+        launches no kernel for it (no autograd: training goes through `forward`)."""
+        # Inference tensors keep no version counter: for them only a new tensor (data_ptr) is noticed.
+        version = None if self.A_log.is_inference() else self.A_log._version
+        key = (self.A_log.data_ptr(), version, self.A_log.device)
+        if self._decay_key != key:
+            with torch.no_grad():
+                self._decay = -torch.exp(self.A_log.float())
+            self._decay_key = key
+        return self._decay
+
     def step(self, h, conv_state, ssm_state, impl: str):
-        """One token h [B, d]; conv_state [B, conv_dim, W-1] and ssm_state [B, H, P, N] updated in place."""
+        """One token h [B, d]; conv_state [B, conv_dim, W-1] and ssm_state [B, H, P, N] updated in place.
+
+        z, xBC and dt stay strided views of the in-projection, read in place by the kernels.
+        """
         c = self.config
         z, xBC, dt = self.split(self.in_proj(h))
         y = ssd.mamba2_decode_step(
@@ -166,7 +184,7 @@ class Mixer(nn.Module):
             self.conv1d.weight.squeeze(1),
             self.conv1d.bias,
             ssm_state,
-            -torch.exp(self.A_log.float()),
+            self.decay_rates(),
             self.D,
             self.dt_bias,
             ngroups=c.ngroups,
@@ -174,7 +192,11 @@ class Mixer(nn.Module):
             dt_limit=c.dt_limit,
             impl=impl,
         )
-        return self.out_proj(self.norm(y.reshape(h.shape[0], c.d_inner), z))
+        # The gate goes inside the norm, rmsnorm(y * silu(z)), so it is not passed to the decode step.
+        y = mamba2_norm.gated_rmsnorm(
+            y.reshape(h.shape[0], c.d_inner), z, self.norm.weight, self.norm.group_size, self.norm.eps, impl=impl
+        )
+        return self.out_proj(y)
 
 
 class Block(nn.Module):
@@ -204,10 +226,13 @@ class Mamba2LM(nn.Module):
         if not config.tie_embeddings:
             self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
 
+    def head_weight(self):
+        """[V, d]: the embedding table when tied, else lm_head's."""
+        return self.backbone.embeddings.weight if self.config.tie_embeddings else self.lm_head.weight
+
     def head(self, r):
         """Residual r [..., d] (fp32) -> logits [..., V] in the model dtype."""
-        w = self.backbone.embeddings.weight if self.config.tie_embeddings else self.lm_head.weight
-        return F.linear(self.backbone.norm_f(r), w)
+        return F.linear(self.backbone.norm_f(r), self.head_weight())
 
     def embed(self, tokens):
         # The residual stream stays in float32 whatever the weights' dtype.
@@ -236,11 +261,20 @@ class Mamba2LM(nn.Module):
         return r[:, -1]
 
     def step(self, tokens, conv, ssm, impl: str):
-        """One token per sequence, tokens [B]; conv and ssm ([L, B, ...]) updated in place. Logits [B, V]."""
-        r = self.embed(tokens)
-        for i, block in enumerate(self.backbone.layers):
-            r = r + block.mixer.step(block.norm(r), conv[i], ssm[i], impl)
-        return self.head(r)
+        """One token per sequence, tokens [B]; conv and ssm ([L, B, ...]) updated in place. Logits [B, V].
+
+        The same blocks as `forward`, with each residual add fused into the norm that follows it (the
+        next block's pre-norm, or norm_f): r = embed(tokens); h = norm_0(r); then per layer
+        r = r + mixer(h), h = norm_{i+1}(r).
+        """
+        layers = self.backbone.layers
+        norms = [block.norm for block in layers] + [self.backbone.norm_f]
+        table = self.backbone.embeddings.weight
+        h, r = mamba2_norm.embed_rmsnorm(tokens, table, norms[0].weight, norms[0].eps, impl=impl)
+        for i, block in enumerate(layers):
+            out = block.mixer.step(h, conv[i], ssm[i], impl)
+            h, r = mamba2_norm.add_rmsnorm(out, r, norms[i + 1].weight, norms[i + 1].eps, impl=impl)
+        return F.linear(h, self.head_weight())
 
     def init_random(self, seed: int = 0):
         """Random weights as mamba-ssm initialises them (A in [1, 16], dt in [1e-3, 0.1]), deterministic in `seed`."""

@@ -24,7 +24,14 @@ Three ways to run it, all on the same modules:
 - `forward(tokens [B, T], impl=...)`: logits [B, T, V] from zero state (scoring, the parallel form);
 - `forward_chunk(tokens [B, T], lengths [B], shift, wkv)`: right-padded prompt chunks continuing
   from a carried state, which they update; padded positions leave the state untouched;
-- `forward_step(tokens [B], shift, wkv)`: one token per sequence, state updated in place.
+- `forward_step(tokens [B], shift, wkv)`: one token per sequence, state updated in place. With
+  impl="triton" it runs the fused step (`fused_step`): the same math in 12 kernels per layer
+  (kernels.rwkv7_fused around 6 GEMMs and the WKV-7 step) instead of about 60.
+
+The fused step reads the projections through packed weights: on its first call a layer's six mixes
+become rows of one `[6, C]` tensor, the r/k/v projections and the LoRA down-projections rows of one
+`[3C + sum(ranks), C]` matrix, and the LoRA up-projections column blocks of one `[C, sum(ranks)]`
+matrix; the parameters are re-pointed to views of them (no copy kept, names unchanged).
 
 The carried state of a batch: `shift [L, 2, B, C]` (the last normalised input of time mixing and of
 channel mixing, model dtype) and `wkv [L, B, H, K, V]` float32.
@@ -40,6 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from arch.checkpoint import CheckpointError, assign_weights, config_from_dict, load_weights, read_json
+from kernels.rwkv7_fused import add_norm_shift, gate_output, lora_hidden, sqrelu, time_mix_inputs
 from kernels.wkv7 import wkv7_chunk, wkv7_step
 
 FAMILY = "rwkv7"
@@ -47,6 +55,21 @@ FAMILY = "rwkv7"
 REF_CHUNK = 64
 # exp(-0.5): the largest per-token decay rate, so exp(w) stays in (0.545, 1).
 W_SCALE = 0.6065306597126334
+# The fused step multiplies all six mixed inputs by every down-projection in one GEMM (6B rows) while
+# that is still bound by reading the weights; above this many rows it runs r/k/v as one batched GEMM
+# and the LoRA down-projections as another, so the wasted products do not become the cost.
+CROSS_ROWS = 96
+
+
+@dataclass
+class Packed:
+    """A layer's weights as the fused decode step reads them (the parameters are views of these)."""
+
+    mix: torch.Tensor  # [6, C] token-shift mixes in the order r, k, v, w, a, g
+    down: torch.Tensor  # [3C + R, C] rows: r_proj, k_proj, v_proj, then the LoRA down-projections
+    up: torch.Tensor  # [C, R] column blocks: the LoRA up-projections
+    ranks: tuple  # widths of the LoRA blocks, in the order (v,) w, a, g
+    key: tuple  # data pointers of the parameters when packed: a change means the model was moved
 
 
 @dataclass
@@ -164,6 +187,74 @@ class TimeMix(nn.Module):
         o = wkv7_step(r, w, k, v, a, b, state, impl=impl)
         return self.output(o, r, k, v, g), v_first
 
+    def loras(self):
+        """(LoRA, activation) in the packed order: v (layers > 0), w, a, g."""
+        loras = [(self.w_lora, "tanh"), (self.a_lora, None), (self.g_lora, "sigmoid")]
+        return ([(self.v_lora, None)] if self.layer else []) + loras
+
+    def packed(self) -> Packed:
+        """The packed weights, (re)built when the parameters are not (or no longer) views of them."""
+        mixes = [getattr(self, n) for n in ("x_r", "x_k", "x_v", "x_w", "x_a", "x_g")]
+        downs = [self.r_proj.weight, self.k_proj.weight, self.v_proj.weight] + [m.lora[0].weight for m, _ in self.loras()]
+        ups = [m.lora[2].weight for m, _ in self.loras()]
+        params = mixes + downs + ups
+        key = tuple(p.data_ptr() for p in params)
+        pack = getattr(self, "_packed", None)
+        if pack is not None and pack.key == key:
+            return pack
+        # why: packing runs once, before any graph capture; inference mode would make the buffers
+        # inference tensors, which parameters cannot hold
+        with torch.inference_mode(False), torch.no_grad():
+            mix = torch.cat([p.reshape(1, -1) for p in mixes])
+            down = torch.cat(downs)
+            up = torch.cat(ups, dim=1)
+            for j, p in enumerate(mixes):
+                p.data = mix[j].view(p.shape)
+            row = 0
+            for p in downs:
+                p.data = down[row : row + p.shape[0]]
+                row += p.shape[0]
+            col = 0
+            for p in ups:
+                p.data = up[:, col : col + p.shape[1]]
+                col += p.shape[1]
+        self._packed = Packed(mix, down, up, tuple(p.shape[1] for p in ups), tuple(p.data_ptr() for p in params))
+        return self._packed
+
+    def fused_step(self, xs, v_first, state):
+        """One token on the fused kernels: xs `[6, B, C]` the mixed inputs (r, k, v, w, a, g); state
+        `[B, H, K, V]` float32 updated in place. Returns (out `[B, C]`, v_first `[B, C]`)."""
+        pack = self.packed()
+        _, B, C = xs.shape
+        nb = len(pack.ranks)
+        # the LoRA down-projections take the mixed inputs from group g0 on: (v,) w, a, g
+        g0 = 6 - nb
+        offs = [sum(pack.ranks[:j]) for j in range(nb + 1)]
+        if 6 * B <= CROSS_ROWS:
+            # [6B, 3C + R]: every mixed input times every down-projection; only the diagonal blocks
+            # are used, but the weights are read once, which is what the step costs
+            y = xs.view(6 * B, C) @ pack.down.T
+            r, k, v = (y[j * B : (j + 1) * B, j * C : (j + 1) * C] for j in range(3))
+            lo = [y[(g0 + j) * B : (g0 + j + 1) * B, 3 * C + offs[j] : 3 * C + offs[j + 1]] for j in range(nb)]
+        else:
+            # [3, B, C] and [nb * B, R]
+            rkv = torch.bmm(xs[:3], pack.down[: 3 * C].view(3, C, C).transpose(1, 2))
+            r, k, v = rkv.unbind(0)
+            d = xs[g0:].reshape(nb * B, C) @ pack.down[3 * C :].T
+            lo = [d[j * B : (j + 1) * B, offs[j] : offs[j + 1]] for j in range(nb)]
+        # [nb * B, R] block-diagonal activations, then [nb * B, C]: row block j is LoRA j's output
+        u = lora_hidden(lo, [act for _, act in self.loras()], impl="triton") @ pack.up.T
+        bias_v = self.v_lora.lora[2].bias if self.layer else None
+        x, w = time_mix_inputs(
+            r, k, v, u, self.w_lora.lora[2].bias, self.a_lora.lora[2].bias, bias_v, self.k_k, self.k_a,
+            v_first if self.layer else None, head_dim=self.head_dim, impl="triton",
+        )
+        r, k, v, a, b = (self.heads(t) for t in x.unbind(0))
+        o = wkv7_step(r, self.heads(w), k, v, a, b, state, impl="triton")
+        g = u[(nb - 1) * B :]
+        out = gate_output(o, r, k, v, g, self.r_k, self.g_norm.weight, self.g_norm.bias, eps=self.g_norm.eps, impl="triton")
+        return self.o_proj(out), (x[2] if self.layer == 0 else v_first)
+
 
 class ChannelMix(nn.Module):
     """RWKV-7 channel mixing (fla's `RWKV7FeedForward`): token shift, then value(relu(key(x))^2)."""
@@ -274,6 +365,8 @@ class RWKV7(nn.Module):
 
     def forward_step(self, tokens, shift, wkv, *, impl):
         """One token per sequence: tokens `[B]`; shift and wkv updated in place. Logits `[B, V]`."""
+        if impl == "triton":
+            return self.fused_step(tokens, shift, wkv)
         x = self.model.embeddings(tokens)
         v_first = None
         for i, block in enumerate(self.model.layers):
@@ -287,6 +380,29 @@ class RWKV7(nn.Module):
             shift[i, 1].copy_(h)
             x = x + out
         return self.head(x)
+
+    def fused_step(self, tokens, shift, wkv):
+        """`forward_step` on the fused Triton kernels. Each norm is fused with the residual add before
+        it and the token shift after it; the residual x `[B, C]` is updated in place."""
+        x = self.model.embeddings(tokens)
+        layers = self.model.layers
+        if hasattr(layers[0], "pre_norm"):
+            n = layers[0].pre_norm
+            x = add_norm_shift(x, None, n.weight, n.bias, eps=n.eps, impl="triton")
+        delta, v_first = None, None
+        for i, block in enumerate(layers):
+            n = block.attn_norm
+            # [6, B, C]
+            xs = add_norm_shift(x, delta, n.weight, n.bias, shift[i, 0], block.attn.packed().mix, eps=n.eps, impl="triton")
+            out, v_first = block.attn.fused_step(xs, v_first, wkv[i])
+            n, ffn = block.ffn_norm, block.ffn
+            # [1, B, C]
+            xk = add_norm_shift(x, out, n.weight, n.bias, shift[i, 1], ffn.x_k.view(1, -1), eps=n.eps, impl="triton")
+            delta = ffn.value(sqrelu(ffn.key(xk[0]), impl="triton"))
+        n = self.model.norm
+        h = add_norm_shift(x, delta, n.weight, n.bias, eps=n.eps, impl="triton")
+        w = self.model.embeddings.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        return F.linear(h, w)
 
     def init_random(self, seed: int = 0):
         """Random weights in the ranges a trained RWKV-7 has, deterministic in `seed`.
@@ -392,7 +508,8 @@ def save(model: RWKV7, folder: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     values = {"declab_family": FAMILY, **asdict(model.config)}
     (folder / "config.json").write_text(json.dumps(values, indent=2) + "\n")
-    tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    # why: a copy each, since after a fused step the weights are views of shared packed buffers
+    tensors = {k: v.detach().cpu().clone(memory_format=torch.contiguous_format) for k, v in model.state_dict().items()}
     save_file(tensors, str(folder / "model.safetensors"))
 
 

@@ -3,6 +3,11 @@
     python -m decoders.compare                                  # defaults for this machine (printed)
     python -m decoders.compare --models llama-1b,mamba2-1.3b --ctx 4k..128k --batch 1,16
     python -m decoders.compare --models maskpredict-tiny --iterations 1,4,16 --block 8
+    python -m decoders.compare --models llama-1b,mamba2-1.3b,rwkv7-1.5b --peers hf,mamba_ssm,fla
+
+With `--peers`, the libraries a user would run instead (`decoders.peers`) run after each model's own
+points on the same shapes, contexts and batches, each in its own row (`hf-eager:llama-1b`, ...); a peer
+that is not installed or does not run the model's family is recorded as such, with the reason.
 
 Each finished point is appended to `--out` as one JSON object (an interrupted sweep keeps what it
 wrote); a point that does not fit in memory is recorded as skipped and the sweep goes on. The table
@@ -64,6 +69,19 @@ def parse_ints(text: str, name: str, minimum: int = 1) -> list[int]:
     return values
 
 
+def parse_peers(text: str) -> list[str]:
+    """'hf,fla' -> ['hf', 'fla'] (known names only, in the order given, repeats dropped)."""
+    from decoders.peers import PACKAGES
+
+    names = list(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
+    if not names:
+        raise ArgError(f"--peers {text!r} names no peer (known: {', '.join(PACKAGES)})")
+    for name in names:
+        if name not in PACKAGES:
+            raise ArgError(f"unknown peer {name!r} (known: {', '.join(PACKAGES)})")
+    return names
+
+
 def defaults(on_gpu: bool) -> dict:
     if on_gpu:
         return {"models": "llama-1b,mamba2-1.3b,rwkv7-1.5b,maskpredict-1b", "ctx": "4k..128k"}
@@ -83,22 +101,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=int, default=16, help="KV cache page size for attention families")
     p.add_argument("--iterations", default="4", help="Mask-Predict: comma list of refinement passes T")
     p.add_argument("--block", type=int, default=None, help="Mask-Predict: semi-autoregressive block length")
+    p.add_argument("--peers", default=None, help="comma list of peers run on the same points: hf, mamba_ssm, fla")
     p.add_argument("--out", default="results/compare.jsonl", help="JSON lines file, appended point by point")
-    p.add_argument("--plot", default=None, help="PNG: decode tokens/s against context, one line per model")
+    p.add_argument("--plot", default=None, help="PNG: decode tokens/s against context, one line per model and peer")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
 
-def plan_points(models, ctxs, batches, iterations):
-    """(model, family, T, batch, ctx) in sweep order; T only for Mask-Predict models."""
+def plan_points(models, ctxs, batches, iterations, peer_names=(), device=None):
+    """(model, family, T, batch, ctx, peer) in sweep order; T only for Mask-Predict models. After a
+    model's own points (peer None) come its peers' points (a `peers.Peer`), each peer's contexts in a
+    row; a peer that cannot run the model is one point (a `peers.Absent`, batch and ctx None)."""
     import decoders
+    from decoders import peers
 
     for model in models:
         family = decoders.family_of(model)
         for it in iterations if family == "maskpredict" else [None]:
             for batch in batches:
                 for ctx in ctxs:
-                    yield model, family, it, batch, ctx
+                    yield model, family, it, batch, ctx, None
+        for name in peer_names:
+            for peer in peers.plan(name, model, family, device):
+                if isinstance(peer, peers.Absent):
+                    yield model, family, None, None, None, peer
+                    continue
+                for batch in batches:
+                    for ctx in ctxs:
+                        yield model, family, None, batch, ctx, peer
 
 
 def first_line(error: BaseException) -> str:
@@ -121,9 +151,84 @@ def format_table(records: list[dict]) -> str:
     return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows)
 
 
+def format_reasons(records: list[dict]) -> str:
+    """One line per row the table shows without numbers (a reason repeated over contexts once)."""
+    lines = {}
+    for r in records:
+        if r.get("status") != "ok" and r.get("reason"):
+            lines.setdefault((r["model"], r["status"], r["reason"]), f"{r['model']}: {r['status']}: {r['reason']}")
+    return "\n".join(lines.values())
+
+
+def measure_lab_point(args, dec, gate, model, it, batch, ctx, ceiling, env) -> dict:
+    """The record of one of the lab's own points: gated by the correctness check, skipped when the
+    state does not fit."""
+    from decoders import harness
+
+    record = {"model": model, "iterations": it, **dec.describe(), "ceilings": ceiling, "correctness": gate, **env, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    if "error" in gate:
+        record.update(status="error", reason=f"correctness check failed to run: {gate['error']}", ctx=ctx, batch=batch)
+    elif not gate["ok"]:
+        record.update(status="refused", reason=f"{dec.impl} disagrees with the reference (rel. RMS {gate['rel_rms']:.2e} > {gate['tolerance']:.2e})", ctx=ctx, batch=batch)
+    elif (why := harness.fits(dec, batch, ctx, args.new_tokens)) is not None:
+        record.update(status="skipped", reason=why, ctx=ctx, batch=batch)
+    else:
+        try:
+            record.update(status="ok", **harness.measure(dec, ctx=ctx, batch=batch, new_tokens=args.new_tokens, ceiling=ceiling, seed=args.seed))
+        except torch.cuda.OutOfMemoryError as e:
+            torch.cuda.empty_cache()
+            record.update(status="skipped", reason=f"out of memory: {first_line(e)}", ctx=ctx, batch=batch)
+        except RuntimeError as e:
+            # Recorded, not raised: one failing point must not cost the sweep its other points.
+            record.update(status="error", reason=first_line(e), ctx=ctx, batch=batch)
+    return record
+
+
+def release_peers(peer_models: dict, device) -> None:
+    """Drop the peer model kept between points, and what compiling it left behind."""
+    if peer_models:
+        peer_models.clear()
+        torch._dynamo.reset()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def measure_peer_point(args, dec, peer, peer_models, model, family, batch, ctx, ceiling, env) -> dict:
+    """The record of a peer's point, measured by `harness.measure` like the lab's own. The peer's
+    model is built once for its points (random weights of `dec`'s shape)."""
+    from decoders import harness, peers
+
+    key = (model, peer.name)
+    if key not in peer_models:
+        release_peers(peer_models, dec.device)
+        try:
+            peer_models[key] = (peers.build(peer, dec, seed=args.seed), None)
+        except Exception as e:
+            # A third-party library can fail in any way; the sweep records it and goes on.
+            peer_models[key] = (None, first_line(e))
+    built, build_error = peer_models[key]
+    record = {"iterations": None, **peers.describe(peer, dec, model, family), "ceilings": ceiling, **env, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    record.update(ctx=ctx, batch=batch)
+    if build_error is not None:
+        record.update(status="error", reason=f"building {peer.name} failed: {build_error}")
+        return record
+    subject = peers.PeerDecoder(peer, built, dec, batch=batch, prompt_len=ctx - args.new_tokens)
+    if (why := harness.fits(subject, batch, ctx, args.new_tokens)) is not None:
+        record.update(status="skipped", reason=why)
+        return record
+    try:
+        record.update(status="ok", **harness.measure(subject, ctx=ctx, batch=batch, new_tokens=args.new_tokens, ceiling=ceiling, seed=args.seed))
+    except torch.cuda.OutOfMemoryError as e:
+        torch.cuda.empty_cache()
+        record.update(status="skipped", reason=f"out of memory: {first_line(e)}")
+    except Exception as e:
+        record.update(status="error", reason=first_line(e))
+    return record
+
+
 def run(args) -> int:
     import decoders
-    from decoders import harness
+    from decoders import harness, peers
     from kernels.benchtools import append_jsonl, environment
 
     on_gpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
@@ -139,9 +244,10 @@ def run(args) -> int:
         raise ArgError(f"--new-tokens must be >= 1, got {args.new_tokens}")
     if args.new_tokens >= min(ctxs):
         raise ArgError(f"--new-tokens {args.new_tokens} leaves no prompt at context {min(ctxs)}")
+    peer_names = parse_peers(args.peers) if args.peers is not None else []
     device = torch.device(args.device or ("cuda" if on_gpu else "cpu"))
 
-    plan = list(plan_points(models, ctxs, batches, iterations))
+    plan = list(plan_points(models, ctxs, batches, iterations, peer_names, device))
     env = environment(device)
     ceiling = harness.ceilings(device)
     print(f"ceilings on {env['device']}: copy {ceiling['copy_bytes_per_s'] / 1e12:.2f} TB/s, matmul {ceiling['matmul_flops'] / 1e12:.1f} TFLOP/s", file=sys.stderr)
@@ -151,12 +257,21 @@ def run(args) -> int:
         from tqdm import tqdm
 
         progress = tqdm(total=len(plan), file=sys.stderr, unit="point")
-    loaded = {}
+    loaded, peer_models = {}, {}
     try:
-        for model, family, it, batch, ctx in plan:
+        for model, family, it, batch, ctx, peer in plan:
+            if isinstance(peer, peers.Absent):
+                record = {"iterations": None, **peers.describe(peer, None, model, family), **env, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+                record.update(status=peer.status, reason=peer.reason, ctx=None, batch=None)
+                append_jsonl(args.out, record)
+                records.append(record)
+                if progress:
+                    progress.update()
+                continue
             key = (model, it)
             if key not in loaded:
                 loaded.clear()
+                release_peers(peer_models, device)
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
                 options = {"page_size": args.page_size} if family in ("transformer", "maskpredict") else {}
@@ -170,24 +285,12 @@ def run(args) -> int:
                     gate = {"ok": False, "rel_rms": None, "tolerance": None, "error": first_line(e)}
                 loaded[key] = (dec, gate)
             dec, gate = loaded[key]
-            record = {"model": model, "iterations": it, **dec.describe(), "ceilings": ceiling, "correctness": gate, **env, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
-            if "error" in gate:
-                record.update(status="error", reason=f"correctness check failed to run: {gate['error']}", ctx=ctx, batch=batch)
-            elif not gate["ok"]:
-                record.update(status="refused", reason=f"{dec.impl} disagrees with the reference (rel. RMS {gate['rel_rms']:.2e} > {gate['tolerance']:.2e})", ctx=ctx, batch=batch)
-            elif (why := harness.fits(dec, batch, ctx, args.new_tokens)) is not None:
-                record.update(status="skipped", reason=why, ctx=ctx, batch=batch)
+            if peer is None:
+                record = measure_lab_point(args, dec, gate, model, it, batch, ctx, ceiling, env)
             else:
-                try:
-                    record.update(status="ok", **harness.measure(dec, ctx=ctx, batch=batch, new_tokens=args.new_tokens, ceiling=ceiling, seed=args.seed))
-                except torch.cuda.OutOfMemoryError as e:
-                    torch.cuda.empty_cache()
-                    record.update(status="skipped", reason=f"out of memory: {first_line(e)}", ctx=ctx, batch=batch)
-                except RuntimeError as e:
-                    # Recorded, not raised: one failing point must not cost the sweep its other points.
-                    record.update(status="error", reason=first_line(e), ctx=ctx, batch=batch)
+                record = measure_peer_point(args, dec, peer, peer_models, model, family, batch, ctx, ceiling, env)
             if record.get("decode_tok_s_per_seq"):
-                base = base_tok_s.setdefault((model, it, batch), record["decode_tok_s_per_seq"])
+                base = base_tok_s.setdefault((record["model"], it, batch), record["decode_tok_s_per_seq"])
                 record["decay"] = record["decode_tok_s_per_seq"] / base
             append_jsonl(args.out, record)
             records.append(record)
@@ -199,6 +302,8 @@ def run(args) -> int:
         if progress:
             progress.close()
     print(format_table(records))
+    if reasons := format_reasons(records):
+        print(reasons)
     if args.plot:
         from decoders.plot import plot_context_scaling
 

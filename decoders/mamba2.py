@@ -6,7 +6,8 @@ The cache is two preallocated buffers, the same size at any context:
     ssm  [L, B, H, P, N]             float32       each layer's SSM state
 
 A decode step reads and rewrites both in place (one `mamba2_decode_step` per layer), allocating only
-temporaries and never reading a value back to the host, so it can be captured in a CUDA graph.
+temporaries and never reading a value back to the host, so it can be captured in a CUDA graph. On the
+Triton path it is 5 launches per layer plus 2 (see `arch.mamba2.Mamba2LM.step`).
 
 Prefill consumes each prompt in chunks of `prefill_chunk` tokens, each chunk starting from the state
 the previous one left (conv window and SSM state), so a 128k prompt costs memory linear in the chunk,

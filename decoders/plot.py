@@ -1,5 +1,7 @@
-"""The context-scaling figure: decode tokens/s per sequence against context, log-scaled context axis,
-one line per (model, batch, T) and, dashed in the same colour, that model's roofline."""
+"""The context-scaling figure: decode tokens/s per sequence against context (log-scaled axes), one
+solid line per (model, batch, T) of the lab, one dotted line per peer row (`hf-eager:llama-1b`, ...)
+in its model's colour with the peer's own marker, and, dashed in the same colour, each model's
+bandwidth roofline, so a model and the peers run on its shape read side by side."""
 
 from collections import defaultdict
 
@@ -8,29 +10,56 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+PEER_MARKERS = "s^vDP*X"
+
+
+def label_of(r: dict) -> str:
+    return r["model"] + (f" T={r['iterations']}" if r.get("iterations") else "") + (f" b={r['batch']}" if r["batch"] != 1 else "")
+
+
+def roofline(points: list[dict]) -> list[float] | None:
+    """Tokens/s per sequence at the roofline step time, or None when a point lacks it."""
+    roof = [r["tokens_per_pass"] / (r["roofline_ms"] * 1e-3) for r in points if r.get("roofline_ms")]
+    return roof if len(roof) == len(points) else None
+
 
 def plot_context_scaling(records: list[dict], path: str) -> None:
     series = defaultdict(list)
     for r in records:
         if r.get("status") == "ok" and r.get("decode_tok_s_per_seq"):
-            label = r["model"] + (f" T={r['iterations']}" if r.get("iterations") else "") + (f" b={r['batch']}" if r["batch"] != 1 else "")
-            series[label].append(r)
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for label, points in sorted(series.items()):
+            series[label_of(r)].append(r)
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    lab = {label: points for label, points in series.items() if not points[0].get("peer")}
+    peer = {label: points for label, points in series.items() if points[0].get("peer")}
+    colours = {}
+    for label, points in sorted(lab.items()):
         points.sort(key=lambda r: r["ctx"])
         ctx = [r["ctx"] for r in points]
         (line,) = ax.plot(ctx, [r["decode_tok_s_per_seq"] for r in points], marker="o", label=label)
-        roof = [r["tokens_per_pass"] / (r["roofline_ms"] * 1e-3) for r in points if r.get("roofline_ms")]
-        if len(roof) == len(points):
+        colours[points[0]["model"], points[0]["batch"]] = line.get_color()
+        if (roof := roofline(points)) is not None:
+            ax.plot(ctx, roof, linestyle="--", color=line.get_color(), alpha=0.6)
+    markers = {}
+    for label, points in sorted(peer.items()):
+        points.sort(key=lambda r: r["ctx"])
+        ctx = [r["ctx"] for r in points]
+        marker = markers.setdefault(points[0]["peer"], PEER_MARKERS[len(markers) % len(PEER_MARKERS)])
+        # A peer is drawn dotted in its model's colour; a model measured only through peers gets a
+        # colour (and its roofline) from the first of them.
+        key = (points[0]["preset"], points[0]["batch"])
+        first = key not in colours
+        (line,) = ax.plot(ctx, [r["decode_tok_s_per_seq"] for r in points], marker=marker, linestyle=":", color=colours.get(key), label=label)
+        colours.setdefault(key, line.get_color())
+        if first and (roof := roofline(points)) is not None:
             ax.plot(ctx, roof, linestyle="--", color=line.get_color(), alpha=0.6)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("context (tokens)")
     ax.set_ylabel("decode tokens/s per sequence")
-    ax.set_title("Decode throughput against context (dashed: bandwidth roofline)")
+    ax.set_title("Decode throughput against context (dashed: bandwidth roofline of each model)")
     ax.grid(True, which="both", alpha=0.3)
     if series:
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7, ncol=2 if len(series) > 8 else 1)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

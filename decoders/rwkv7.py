@@ -8,8 +8,11 @@ Prefill runs the prompts in chunks of `prefill_chunk` tokens per sequence (right
 prompts differ in length; padded positions leave the state untouched), carrying the state from
 chunk to chunk, so a 128k prompt never materialises more than one chunk's activations and never a
 per-token copy of the state. It continues from whatever state the cache holds, so a saved state
-can be resumed. A decode step updates the cache in place (token-shift copies, the WKV-7 step
-kernel): no allocation beyond temporaries, no host synchronisation, capturable in a CUDA graph.
+can be resumed. A decode step updates the cache in place (the token shift written by the fused
+norm kernels, the WKV-7 step kernel; on impl="triton" 12 launches per layer, see
+`kernels/rwkv7_fused`): no allocation beyond temporaries, no host synchronisation, capturable in a
+CUDA graph. The first step packs each layer's projection weights (the parameters become views of
+the packed matrices), so it runs before capture, as the first step always does.
 """
 
 import logging

@@ -122,7 +122,8 @@ class TransformerDecoder(AutoregressiveDecoder):
 
     def decode_forward(self, cache: TransformerCache, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         page = self.page_size
-        blocks = cache.block_tables.gather(1, (positions // page).unsqueeze(1)).squeeze(1).long()
+        # int32 block ids: adding the int64 offset below promotes the slots to int64 in the same kernel.
+        blocks = cache.block_tables.gather(1, (positions // page).unsqueeze(1)).squeeze(1)
         batch = llama.PagedBatch(
             k_cache=cache.kv.k,
             v_cache=cache.kv.v,

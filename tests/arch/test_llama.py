@@ -122,3 +122,41 @@ def test_tokenizer_is_loaded_from_the_folder(tmp_path):
     assert dec.tokenizer is not None
     gen = dec.generate(["hello world"], max_new_tokens=3)
     assert len(gen.tokens[0]) == 3 and isinstance(gen.text[0], str)
+
+
+def test_fused_projections_are_the_only_copy_of_the_weights():
+    """q/k/v and gate/up are views into one fused weight each, also after a dtype change, and load by HF names."""
+    from arch import llama
+
+    config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=112, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, attention_bias=True)
+    model = llama.build(config, None, "test").to(torch.float64)
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert attn.qkv_weight.dtype == attn.qkv_bias.dtype == mlp.gate_up_weight.dtype == torch.float64
+    assert attn.q_proj.weight.data_ptr() == attn.qkv_weight.data_ptr()
+    assert attn.v_proj.bias.untyped_storage().data_ptr() == attn.qkv_bias.untyped_storage().data_ptr()
+    assert mlp.up_proj.weight.untyped_storage().data_ptr() == mlp.gate_up_weight.untyped_storage().data_ptr()
+    # Loading HF names writes into the fused weights.
+    tensors = {k: torch.randn_like(v) for k, v in model.state_dict().items()}
+    llama.assign_weights(model, tensors, "test")
+    torch.testing.assert_close(attn.qkv_weight, torch.cat([tensors[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"]))
+    torch.testing.assert_close(mlp.gate_up_weight, torch.cat([tensors[f"model.layers.0.mlp.{p}_proj.weight"] for p in ("gate", "up")]))
+    # No parameter counted twice.
+    own = sum(p.numel() for p in model.parameters())
+    assert own == sum(t.numel() for t in tensors.values())
+
+
+@pytest.mark.parametrize("case", ["qwen2-bias", "llama-gqa-untied"])
+def test_triton_path_matches_transformers(tmp_path, case):
+    """The fused path (q/k/v bias, untied head) gives HF's logits at prefill and at a decode step."""
+    cls, config_cls, overrides = CASES[case]
+    hf = save_hf(tmp_path, cls, config_cls, **overrides)
+    dec = decoders.load(tmp_path, device="cpu", dtype="float32", impl="triton")
+    tokens = torch.randint(0, SMALL["vocab_size"], (2, 13))
+    with torch.no_grad():
+        expected = hf(tokens).logits
+    state = dec.prefill(tokens[:, :12], max_new_tokens=2)
+    torch.testing.assert_close(state.first_logits, expected[:, 11], rtol=1e-4, atol=1e-4)
+    with torch.inference_mode():
+        state.next_tokens.copy_(tokens[:, 12])
+        torch.testing.assert_close(dec.step(state).logits, expected[:, 12], rtol=1e-4, atol=1e-4)

@@ -158,3 +158,31 @@ def test_presets_have_the_stated_shapes():
         model = mamba2.Mamba2LM(mamba2.preset_config(read_json(CONFIG_DIR / "mamba2-130m.json"), "mamba2-130m"))
     params = sum(p.numel() for p in model.parameters())
     assert 125e6 < params < 135e6
+
+
+def test_decay_rates_follow_A_log():
+    """The decode step's cached A = -exp(A_log) is recomputed after an in-place change of A_log."""
+    config = mamba2.preset_config(read_json(CONFIG_DIR / "mamba2-tiny.json"), "mamba2-tiny")
+    mixer = mamba2.build(config, None, "mamba2-tiny").backbone.layers[0].mixer
+    first = mixer.decay_rates()
+    assert torch.equal(first, -torch.exp(mixer.A_log)) and mixer.decay_rates() is first
+    with torch.no_grad():
+        mixer.A_log.add_(0.5)
+    assert torch.equal(mixer.decay_rates(), -torch.exp(mixer.A_log))
+
+
+@torch.inference_mode()
+def test_step_equals_unfused_blocks_ref():
+    """`step`'s fused add + norm order is the blocks' r = r + mixer(norm(r)), then the head."""
+    dec = decoders.load("mamba2-tiny", device="cpu", dtype="float32", impl="ref", seed=3)
+    model, c = dec.model, dec.config
+    tokens = torch.tensor([5, 77, 300])
+    conv = torch.randn(c.n_layer, 3, c.conv_dim, c.d_conv - 1)
+    ssm = torch.randn(c.n_layer, 3, c.nheads, c.headdim, c.d_state)
+    conv2, ssm2 = conv.clone(), ssm.clone()
+    logits = model.step(tokens, conv, ssm, "ref")
+    r = model.embed(tokens)
+    for i, block in enumerate(model.backbone.layers):
+        r = r + block.mixer.step(block.norm(r), conv2[i], ssm2[i], "ref")
+    assert torch.equal(logits, model.head(r))
+    assert torch.equal(conv, conv2) and torch.equal(ssm, ssm2)

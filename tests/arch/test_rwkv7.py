@@ -81,6 +81,44 @@ def test_triton_matches_ref_in_model():
     assert g_tri.tokens == g_ref.tokens
 
 
+@torch.inference_mode()
+@pytest.mark.parametrize("cross_rows", [rwkv7.CROSS_ROWS, 0])
+def test_fused_triton_step_matches_ref_step(monkeypatch, cross_rows):
+    """Both GEMM layouts of the fused step: one cross GEMM (small batch) and batched r/k/v + LoRA GEMMs."""
+    monkeypatch.setattr(rwkv7, "CROSS_ROWS", cross_rows)
+    ref, tri = tiny_model(seed=9), tiny_model(seed=9)
+    x = tokens(3, 12, seed=9)
+    states = [m.new_state(3) for m in (ref, tri)]
+    for m, (shift, wkv) in zip((ref, tri), states):
+        m.forward_chunk(x[:, :5], [5, 5, 5], shift, wkv, impl="ref")
+    for t in range(5, 12):
+        want = ref.forward_step(x[:, t], *states[0], impl="ref")
+        got = tri.forward_step(x[:, t], *states[1], impl="triton")
+        assert rel(got, want) < 1e-5
+    assert rel(states[1][0], states[0][0]) < 1e-5 and rel(states[1][1], states[0][1]) < 1e-5
+
+
+def test_fused_step_packs_weights_as_views_and_repacks_after_a_move(tmp_path):
+    model = tiny_model(seed=10)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    shift, wkv = model.new_state(1)
+    with torch.inference_mode():
+        model.forward_step(tokens(1, 1)[:, 0], shift, wkv, impl="triton")
+    attn = model.model.layers[1].attn
+    pack = attn.packed()
+    C = TINY["hidden_size"]
+    assert attn.k_proj.weight.data_ptr() == pack.down[C].data_ptr()
+    assert attn.x_v.data_ptr() == pack.mix[2].data_ptr()
+    assert attn.w_lora.lora[2].weight.data_ptr() == pack.up[:, TINY["v_low_rank_dim"]].data_ptr()
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
+    model.to(torch.float64)
+    assert attn.packed() is not pack and attn.packed().down.dtype == torch.float64
+    rwkv7.save(model, tmp_path)
+    back = decoders.load(tmp_path, impl="ref", device="cpu", dtype=torch.float64)
+    assert all(torch.equal(back.model.state_dict()[k], v) for k, v in model.state_dict().items())
+
+
 def test_checkpoint_roundtrip_in_lab_format(tmp_path):
     dec = decoders.load("rwkv7-tiny", impl="ref", device="cpu", seed=4)
     dec.save(tmp_path)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import decoders
 from arch import mamba2
@@ -157,6 +158,53 @@ def test_triton_equals_ref_whole_model():
     prompts = [tokens[0, :37].tolist(), tokens[1, :20].tolist()]
     a, b = tri.generate(prompts, max_new_tokens=4), ref.generate(prompts, max_new_tokens=4)
     assert a.tokens == b.tokens
+
+
+class LaunchCount(TorchDispatchMode):
+    """Counts the ATen ops that launch a kernel (not views or allocations) and the Triton launches."""
+
+    NO_KERNEL = {"view", "_unsafe_view", "reshape", "split", "split_with_sizes", "squeeze", "unsqueeze", "t",
+                 "transpose", "as_strided", "empty", "empty_strided", "detach", "alias", "select", "slice", "expand",
+                 "promote_types"}
+
+    def __init__(self, monkeypatch, kernel_class):
+        super().__init__()
+        self.aten, self.triton, self.inside = [], [], 0
+        run = kernel_class.run
+
+        def counted(fn, *args, **kwargs):
+            self.triton.append(fn)
+            # The interpreter runs a kernel with ATen ops of its own: not launches.
+            self.inside += 1
+            try:
+                return run(fn, *args, **kwargs)
+            finally:
+                self.inside -= 1
+
+        monkeypatch.setattr(kernel_class, "run", counted)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if not self.inside and name not in self.NO_KERNEL:
+            self.aten.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@torch.inference_mode()
+def test_triton_step_launches_five_kernels_per_layer(monkeypatch):
+    """Embedding + norm, then per layer in_proj, decode step, gated norm, out_proj, add + norm; the head."""
+    from kernels.mamba2_norm import triton as norm_tri
+
+    dec = tiny("triton", dtype="bfloat16")
+    cache = dec.new_cache([3, 3], 8)
+    tokens = torch.tensor([5, 9])
+    dec.decode_forward(cache, tokens, None)
+    with LaunchCount(monkeypatch, type(norm_tri._gated_rmsnorm_kernel)) as count:
+        dec.decode_forward(cache, tokens, None)
+    L = dec.config.n_layer
+    # The projections and the head: F.linear, or its mm / addmm where the dispatcher decomposes it.
+    assert set(count.aten) <= {"linear", "mm", "addmm"} and len(count.aten) == 2 * L + 1
+    assert len(count.triton) == 3 * L + 1
 
 
 @gpu

@@ -1,0 +1,65 @@
+"""RoPE on q and k in one Triton kernel: one program per token rotates all its q and k heads."""
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rotate_heads(src, dst, stride_src_h, stride_dst_h, H, HALF, cos, sin, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rotate heads [0, H) of one token: src/dst point at the token's head 0; cos, sin [BLOCK_D] float32."""
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    mask = (h[:, None] < H) & (d[None, :] < HALF)
+    src_1 = src + h[:, None] * stride_src_h + d[None, :]
+    dst_1 = dst + h[:, None] * stride_dst_h + d[None, :]
+    # Both halves are loaded before either is stored, so dst may be src (in place).
+    x1 = tl.load(src_1, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src_1 + HALF, mask=mask, other=0.0).to(tl.float32)
+    c = cos[None, :]
+    s = sin[None, :]
+    tl.store(dst_1, (x1 * c - x2 * s).to(dst.dtype.element_ty), mask=mask)
+    tl.store(dst_1 + HALF, (x2 * c + x1 * s).to(dst.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, cos_ptr, sin_ptr,
+    stride_qn, stride_qh, stride_kn, stride_kh,
+    stride_qon, stride_qoh, stride_kon, stride_koh,
+    stride_cos, stride_sin,
+    HQ, HKV, HALF,
+    BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    n = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + n).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    cos = tl.load(cos_ptr + pos * stride_cos + d, mask=d < HALF, other=0.0)
+    sin = tl.load(sin_ptr + pos * stride_sin + d, mask=d < HALF, other=0.0)
+    _rotate_heads(q_ptr + n * stride_qn, qo_ptr + n * stride_qon, stride_qh, stride_qoh, HQ, HALF, cos, sin, BLOCK_HQ, BLOCK_D)
+    _rotate_heads(k_ptr + n * stride_kn, ko_ptr + n * stride_kon, stride_kh, stride_koh, HKV, HALF, cos, sin, BLOCK_HKV, BLOCK_D)
+
+
+def apply_rotary_triton(q, k, positions, cos, sin, *, inplace=False):
+    """See `kernels.rotary.apply_rotary`; q, k may be strided views (e.g. of one fused q/k/v projection)."""
+    N, HQ, D = q.shape
+    HKV = k.shape[1]
+    if k.shape[0] != N or k.shape[2] != D or D % 2 or positions.shape != (N,):
+        raise ValueError(f"apply_rotary: q [N, Hq, D], k [N, Hkv, D] (D even), positions [N]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(positions.shape)}")
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
+        raise ValueError("apply_rotary: q, k, cos and sin need a contiguous last dimension")
+    if cos.shape != sin.shape or cos.shape[-1] != D // 2:
+        raise ValueError(f"apply_rotary: cos and sin must be [P, D/2] = [P, {D // 2}], got {tuple(cos.shape)}, {tuple(sin.shape)}")
+    q_out, k_out = (q, k) if inplace else (torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty_like(k, memory_format=torch.contiguous_format))
+    if N == 0:
+        return q_out, k_out
+    _rotary_kernel[(N,)](
+        q, k, q_out, k_out, positions, cos, sin,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
+        cos.stride(0), sin.stride(0),
+        HQ, HKV, D // 2,
+        BLOCK_HQ=triton.next_power_of_2(HQ), BLOCK_HKV=triton.next_power_of_2(HKV), BLOCK_D=triton.next_power_of_2(D // 2),
+        num_warps=4,
+    )
+    return q_out, k_out
