@@ -27,6 +27,12 @@ def triton_available(device: torch.device | str | None = None) -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def check_impl(impl: str) -> None:
+    """Raise unless `impl` is an implementation a kernel can run: "triton" or "ref" (not "auto")."""
+    if impl not in ("triton", "ref"):
+        raise ValueError(f"impl must be 'triton' or 'ref' (resolve 'auto' with kernels.resolve_impl), got {impl!r}")
+
+
 def resolve_impl(impl: str, device: torch.device | str) -> str:
     """Map "auto" | "triton" | "ref" to the implementation that runs on `device`.
 

@@ -5,19 +5,19 @@ Each public function takes `impl="triton"|"ref"` (already resolved by `kernels.r
 semantics in ref.py, layouts and bytes in README.md.
 """
 
+from kernels import check_impl
 from kernels.mamba2_norm import ref
 
 __all__ = ["embed_rmsnorm", "add_rmsnorm", "gated_rmsnorm"]
 
 
 def _module(impl):
+    check_impl(impl)
     if impl == "ref":
         return ref
-    if impl == "triton":
-        from kernels.mamba2_norm import triton as tri
+    from kernels.mamba2_norm import triton as tri
 
-        return tri
-    raise ValueError(f"impl must be 'triton' or 'ref' (resolve 'auto' with kernels.resolve_impl), got {impl!r}")
+    return tri
 
 
 def embed_rmsnorm(tokens, table, weight, eps, *, impl):

@@ -8,14 +8,10 @@ outputs are in x's dtype. `impl` is "triton" or "ref" (already resolved by `kern
 - `rms_norm(x, weight, eps, *, impl, out=None) -> normed`
 """
 
+from kernels import check_impl
 from kernels.rmsnorm.ref import add_rms_norm_ref
 
 __all__ = ["add_rms_norm", "rms_norm", "add_rms_norm_ref"]
-
-
-def _check_impl(impl):
-    if impl not in ("triton", "ref"):
-        raise ValueError(f"impl must be 'triton' or 'ref' (resolve 'auto' with kernels.resolve_impl), got {impl!r}")
 
 
 def add_rms_norm(x, residual, weight, eps, *, impl, out=None):
@@ -24,7 +20,7 @@ def add_rms_norm(x, residual, weight, eps, *, impl, out=None):
     Returns (normed, new_residual), both `[N, d]` in x's dtype; normed is written into `out` when
     given. Neither input is modified.
     """
-    _check_impl(impl)
+    check_impl(impl)
     if impl == "ref":
         normed, new_res = add_rms_norm_ref(x, residual, weight, eps)
         if out is None:

@@ -8,19 +8,15 @@ positions * inv_freq). The rotation runs in float32; outputs are in the inputs' 
 - `apply_rotary(q, k, positions, cos, sin, *, impl, inplace=False) -> (q_rot, k_rot)`
 """
 
+from kernels import check_impl
 from kernels.rotary.ref import apply_rotary_ref, rotate_ref
 
 __all__ = ["apply_rotary", "apply_rotary_ref", "rotate_ref"]
 
 
-def _check_impl(impl):
-    if impl not in ("triton", "ref"):
-        raise ValueError(f"impl must be 'triton' or 'ref' (resolve 'auto' with kernels.resolve_impl), got {impl!r}")
-
-
 def apply_rotary(q, k, positions, cos, sin, *, impl, inplace=False):
     """RoPE on q and k at `positions`; returns (q_rot, k_rot), written into q and k when `inplace`."""
-    _check_impl(impl)
+    check_impl(impl)
     if impl == "ref":
         q_rot, k_rot = apply_rotary_ref(q, k, positions, cos, sin)
         if not inplace:

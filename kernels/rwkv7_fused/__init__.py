@@ -4,6 +4,7 @@ Each public function takes `impl` "triton" | "ref" (already resolved by `kernels
 is no fallback from one to the other. Activations are rows `[B, C]` with channels contiguous.
 """
 
+from kernels import check_impl
 from kernels.rwkv7_fused.ref import (
     add_norm_shift_ref,
     gate_output_ref,
@@ -16,10 +17,9 @@ __all__ = ["add_norm_shift", "lora_hidden", "time_mix_inputs", "gate_output", "s
 
 
 def _pick(impl, ref, name):
+    check_impl(impl)
     if impl == "ref":
         return ref
-    if impl != "triton":
-        raise ValueError(f"impl must be 'triton' or 'ref' (resolve 'auto' with kernels.resolve_impl), got {impl!r}")
     from kernels.rwkv7_fused import triton as tri
 
     return getattr(tri, name)

@@ -4,6 +4,7 @@ Each public function takes `impl="triton"|"ref"` (already resolved by `kernels.r
 shapes and semantics are documented in ref.py and README.md.
 """
 
+from kernels import check_impl
 from kernels.ssd import ref
 from kernels.ssd.ref import DEFAULT_DT_LIMIT, ssd_recurrent_ref
 
@@ -11,13 +12,12 @@ __all__ = ["ssd_chunk_scan", "causal_conv1d", "mamba2_decode_step", "ssd_recurre
 
 
 def _module(impl):
+    check_impl(impl)
     if impl == "ref":
         return ref
-    if impl == "triton":
-        from kernels.ssd import triton as tri
+    from kernels.ssd import triton as tri
 
-        return tri
-    raise ValueError(f"impl must be 'triton' or 'ref' (resolve 'auto' with kernels.resolve_impl), got {impl!r}")
+    return tri
 
 
 def ssd_chunk_scan(x, dt, A, B, C, *, chunk_size, D=None, z=None, dt_bias=None, dt_softplus=False,

@@ -5,19 +5,15 @@ or "ref" (already resolved by `kernels.resolve_impl`).
 - `silu_mul(gate_up, *, impl, out=None) -> [N, I]`
 """
 
+from kernels import check_impl
 from kernels.swiglu.ref import silu_mul_ref
 
 __all__ = ["silu_mul", "silu_mul_ref"]
 
 
-def _check_impl(impl):
-    if impl not in ("triton", "ref"):
-        raise ValueError(f"impl must be 'triton' or 'ref' (resolve 'auto' with kernels.resolve_impl), got {impl!r}")
-
-
 def silu_mul(gate_up, *, impl, out=None):
     """silu(gate) * up of gate_up `[N, 2I]`; written into `out` `[N, I]` when given."""
-    _check_impl(impl)
+    check_impl(impl)
     if impl == "ref":
         result = silu_mul_ref(gate_up)
         if out is None:
