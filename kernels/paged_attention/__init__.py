@@ -6,11 +6,14 @@ positions after this call's tokens were written). Every function takes `impl="tr
 already resolved by `kernels.resolve_impl`; anything else is an error.
 
 - `write_kv(k, v, k_cache, v_cache, slot_mapping, *, impl)`
-- `decode_workspace(batch, num_q_heads, num_kv_heads, head_dim, max_seq_len, device, *, num_splits=None)`
+- `decode_workspace(batch, num_q_heads, num_kv_heads, head_dim, max_seq_len, device, *, num_splits=None,
+  variant="split")`
 - `paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *, impl, out=None, workspace=None)`
 - `paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, *, causal, impl,
   max_seqlen_q=None)`
 """
+
+from kernels import check_impl
 
 from . import ref
 
@@ -23,29 +26,27 @@ def _triton():
     return tri
 
 
-def _check_impl(impl):
-    if impl not in ("triton", "ref"):
-        raise ValueError(f"impl must be 'triton' or 'ref' (resolve 'auto' first), got {impl!r}")
-
-
 def write_kv(k, v, k_cache, v_cache, slot_mapping, *, impl):
     """Scatter k, v `[N, Hkv, D]` into the caches (in place) at `slot_mapping`; slots < 0 are skipped."""
-    _check_impl(impl)
+    check_impl(impl)
     if impl == "ref":
         ref.write_kv(k, v, k_cache, v_cache, slot_mapping)
     else:
         _triton().write_kv(k, v, k_cache, v_cache, slot_mapping)
 
 
-def decode_workspace(batch, num_q_heads, num_kv_heads, head_dim, max_seq_len, device, *, num_splits=None):
+def decode_workspace(batch, num_q_heads, num_kv_heads, head_dim, max_seq_len, device, *, num_splits=None,
+                     variant="split"):
     """Preallocated split-K buffers for Triton decode of up to `batch` sequences of <= `max_seq_len`.
 
     Allocate once (per batch bucket) and pass as `workspace=` so decode allocates nothing and can be
     captured in a CUDA graph. The split count is fixed here from host integers (batch, Hkv,
-    max_seq_len, SM count) unless `num_splits` is given.
+    max_seq_len, SM count) unless `num_splits` is given. `variant` picks the decode kernel's
+    tiling and merge (`"split"`, the default; `"long"` and `"onetile"` for batch-1 latency, see
+    README.md) for every call made with this workspace.
     """
     return _triton().decode_workspace(batch, num_q_heads, num_kv_heads, head_dim, max_seq_len, device,
-                                      num_splits=num_splits)
+                                      num_splits=num_splits, variant=variant)
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *, impl, out=None, workspace=None):
@@ -55,7 +56,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *
     A sequence with seq_len 0 gets a zero output. `workspace` (from `decode_workspace`) is used by
     the Triton implementation only.
     """
-    _check_impl(impl)
+    check_impl(impl)
     if impl == "ref":
         result = ref.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
         if out is None:
@@ -75,7 +76,7 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seql
     attends to kv positions <= the query's own, causal=False to all seq_lens[b] positions.
     `max_seqlen_q` (host int) sizes the Triton grid; None reads it from `cu_seqlens_q` (a host sync).
     """
-    _check_impl(impl)
+    check_impl(impl)
     if impl == "ref":
         return ref.paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, causal)
     return _triton().paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,

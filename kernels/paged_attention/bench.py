@@ -5,7 +5,8 @@
 Measures the copy-bandwidth ceiling, then write_kv (Triton vs index_copy_), decode (contexts 4k,
 32k, 128k x batch 1, 16, 64 x head dim 64 and 128, Hq=32, Hkv=8, pages 16 and 128; SDPA and
 compiled FlexAttention over contiguous K/V as peers) and causal prefill (4k, 16k, 32k tokens,
-batch 1, D=128, beside SDPA's flash backend), then small tile/split sweeps while time remains.
+batch 1, D=128, beside SDPA's flash backend), then small tile/split sweeps and the batch-1 decode
+variants ("long", "onetile") while time remains.
 write_kv and decode are timed per call inside a CUDA graph of 16 calls (one per simulated layer)
 over distinct caches, so graph launch is amortised as in a decode step and small caches are not
 served from L2; the method is recorded in each record. Finishes in about 2 minutes.
@@ -214,8 +215,11 @@ def bench_decode_point(bench, head_dim, ctx, batch, flex):
     torch.cuda.empty_cache()
 
 
-def tune_decode_case(bench, head_dim, ctx, batch, configs, split_counts):
-    """Time the Triton decode at one shape for each (tile config, split count); one record each."""
+def tune_decode_case(bench, head_dim, ctx, batch, configs, split_counts, variant="split", op="decode_tuning"):
+    """Time the Triton decode at one shape for each (tile config, split count); one record each.
+
+    A config of None is the variant's own tiles; a split count of None is the variant's own choice.
+    """
     dev = bench.device
     page = 16
     scale = head_dim**-0.5
@@ -232,13 +236,14 @@ def tune_decode_case(bench, head_dim, ctx, batch, configs, split_counts):
         for splits in split_counts:
             if bench.elapsed() > bench.budget_s:
                 return
-            workspace = pa.decode_workspace(batch, HQ, HKV, head_dim, ctx, dev, num_splits=splits)
+            workspace = pa.decode_workspace(batch, HQ, HKV, head_dim, ctx, dev, num_splits=splits, variant=variant)
+            cfg = cfg or tri.decode_config(head_dim, variant)
             out = torch.full_like(q, float("nan"))
             calls = [lambda kc=kc, vc=vc: tri.paged_decode_attention(q, kc, vc, block_tables, lens, scale, out=out,
                                                                       workspace=workspace, config=cfg)
                      for kc, vc in caches]
-            record = dict(op="decode_tuning", impl="triton", B=batch, ctx=ctx, D=head_dim, Hq=HQ, Hkv=HKV,
-                          page=page, num_splits=splits, block_n=cfg.block_n, num_warps=cfg.num_warps,
+            record = dict(op=op, impl="triton", variant=variant, B=batch, ctx=ctx, D=head_dim, Hq=HQ, Hkv=HKV,
+                          page=page, num_splits=workspace.num_splits, block_n=cfg.block_n, num_warps=cfg.num_warps,
                           num_stages=cfg.num_stages, ceiling="copy")
             try:
                 calls[0]()
@@ -267,6 +272,20 @@ def bench_decode_tuning(bench):
         for ctx in TUNE_CTX:
             tune_decode_case(bench, head_dim, ctx, 1, configs, (8, 16, 32, 64, 128))
     tune_decode_case(bench, 128, 32768, 16, [tri.decode_config(128)], (2, 3, 4, 5, 8, 16))
+
+
+def bench_decode_variants(bench):
+    """The batch-1 latency variants (`decode_workspace(variant=...)`) at 4k/32k/128k, D 64 and 128.
+
+    Each runs with its own split choice; "long" also with twice and half that many splits. The
+    default ("split") is the `decode` record of the same shape and page 16. ~20 s.
+    """
+    for head_dim in DECODE_DIMS:
+        for ctx in DECODE_CTX:
+            for variant in ("long", "onetile"):
+                auto = pa.decode_workspace(1, HQ, HKV, head_dim, ctx, bench.device, variant=variant).num_splits
+                counts = sorted({auto, 2 * auto, max(1, auto // 2)}) if variant == "long" else (auto,)
+                tune_decode_case(bench, head_dim, ctx, 1, [None], counts, variant=variant, op="decode_variant")
 
 
 def prefill_ref_rows(q, k, v, rows, scale):
@@ -425,7 +444,7 @@ def targets(records):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="JSON-lines file to append records to")
-    parser.add_argument("--budget-s", type=float, default=110.0, help="stop starting optional sweeps after this")
+    parser.add_argument("--budget-s", type=float, default=150.0, help="stop starting optional sweeps after this")
     parser.add_argument("--flex-budget-s", type=float, default=60.0, help="stop compiling FlexAttention after this")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -449,6 +468,8 @@ def main():
     print(f"[{bench.elapsed():6.1f}s] prefill done", flush=True)
     bench_decode_tuning(bench)
     print(f"[{bench.elapsed():6.1f}s] decode tuning done", flush=True)
+    bench_decode_variants(bench)
+    print(f"[{bench.elapsed():6.1f}s] decode variants done", flush=True)
     bench_prefill_tuning(bench)
     print(f"[{bench.elapsed():6.1f}s] prefill tuning done", flush=True)
 

@@ -36,16 +36,56 @@ class KernelConfig:
     num_stages: int
 
 
-def decode_config(head_dim: int) -> KernelConfig:
-    """Decode tiles: 8 KB of K and 8 KB of V per tile, 4 warps, 5 stages.
+@dataclass(frozen=True)
+class DecodeVariant:
+    """How one decode call is cut into programs, their tiles, and how the split partials are merged.
+
+    `tile_elems` is the tile's rows x D_pad (K and V each). `flat_merge`: the merging program loads
+    every split's log-sum-exp at once and the partial chunks in an unrolled loop with no dependence
+    between chunks (else one online chunk after another). `early_v`: V's load is issued beside K's
+    instead of after the softmax, so an unpipelined tile costs one memory round trip, not two.
+    """
+
+    programs_per_sm: int
+    min_split_tokens: int
+    tile_elems: int
+    num_warps: int
+    num_stages: int
+    flat_merge: bool
+    early_v: bool
+
+
+DECODE_VARIANTS = {
+    # The measured default: ~4 programs per SM, 8 KB K + 8 KB V tiles double-buffered.
+    "split": DecodeVariant(PROGRAMS_PER_SM, MIN_SPLIT_TOKENS, 4096, 4, 5, False, False),
+    # Batch-1 latency: half the programs, each with twice the tile rows (16 KB K + 16 KB V, still
+    # double-buffered), and a merge of half as many partials issued in one round.
+    "long": DecodeVariant(2, 256, 8192, 4, 5, True, True),
+    # Batch-1 latency at short contexts: one 32 KB K + 32 KB V tile per split at 4k, both loaded at
+    # once into registers (8 warps, no pipelining), so a split is one memory round trip; ~120
+    # registers at 8 warps fit two programs per SM, so the grid plans for two.
+    "onetile": DecodeVariant(2, MIN_SPLIT_TOKENS, 16384, 8, 1, True, True),
+}
+
+
+def decode_config(head_dim: int, variant: str = "split") -> KernelConfig:
+    """Decode tiles of `variant`; the default: 8 KB of K and 8 KB of V per tile, 4 warps, 5 stages.
 
     The block-table load takes one pipeline stage before the K/V loads that index with it; with 3
     or 4 stages the pipeliner keeps one K/V buffer (the loop waits for each tile as it starts), with
     5 it double-buffers K and V in shared memory (cp.async, ~38 KB on sm_90 at D=128, 89
     registers), so two tiles are in flight per program and five programs fit on an SM.
     """
+    spec = _variant(variant)
     d_pad = _pad_dim(head_dim)
-    return KernelConfig(block_m=0, block_n=max(16, 4096 // d_pad), num_warps=4, num_stages=5)
+    return KernelConfig(block_m=0, block_n=max(16, spec.tile_elems // d_pad), num_warps=spec.num_warps,
+                        num_stages=spec.num_stages)
+
+
+def _variant(name: str) -> DecodeVariant:
+    if name not in DECODE_VARIANTS:
+        raise ValueError(f"decode variant must be one of {sorted(DECODE_VARIANTS)}, got {name!r}")
+    return DECODE_VARIANTS[name]
 
 
 def prefill_config(head_dim: int) -> KernelConfig:
@@ -70,13 +110,14 @@ def _num_sms(device: torch.device) -> int:
     return 4
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int, *,
+                      programs_per_sm: int = PROGRAMS_PER_SM, min_split_tokens: int = MIN_SPLIT_TOKENS) -> int:
     """Splits of the sequence per (sequence, kv head) for a batch whose lengths are <= max_seq_len."""
-    # About PROGRAMS_PER_SM programs per SM, rounded down so the grid stays one wave: rounding up
+    # About programs_per_sm programs per SM, rounded down so the grid stays one wave: rounding up
     # (16 x 8 x 5 = 640 programs where 528 fit) left a second, nearly empty wave of slow programs.
-    wanted = max(1, PROGRAMS_PER_SM * num_sms // (batch * num_kv_heads))
-    # At least MIN_SPLIT_TOKENS per split: shorter runs spend more on the partials than they save.
-    return max(1, min(wanted, triton.cdiv(max(max_seq_len, 1), MIN_SPLIT_TOKENS), MAX_SPLITS))
+    wanted = max(1, programs_per_sm * num_sms // (batch * num_kv_heads))
+    # At least min_split_tokens per split: shorter runs spend more on the partials than they save.
+    return max(1, min(wanted, triton.cdiv(max(max_seq_len, 1), min_split_tokens), MAX_SPLITS))
 
 
 @dataclass
@@ -91,19 +132,24 @@ class DecodeWorkspace:
     # [B, Hkv] int32 splits of (b, kv head) finished in the running call; the last one to finish
     # merges the partials and sets its counter back to 0, so every call starts from zeros.
     counters: torch.Tensor
+    # key of DECODE_VARIANTS: tiles, warps, stages and merge of the calls that use this workspace
+    variant: str = "split"
 
 
-def decode_workspace(batch, num_q_heads, num_kv_heads, head_dim, max_seq_len, device, *, num_splits=None):
+def decode_workspace(batch, num_q_heads, num_kv_heads, head_dim, max_seq_len, device, *, num_splits=None,
+                     variant="split"):
     """Buffers for `paged_decode_attention` on up to `batch` sequences of length <= `max_seq_len`."""
     device = torch.device(device)
+    spec = _variant(variant)
     if num_splits is None:
-        num_splits = choose_num_splits(batch, num_kv_heads, max_seq_len, _num_sms(device))
+        num_splits = choose_num_splits(batch, num_kv_heads, max_seq_len, _num_sms(device),
+                                       programs_per_sm=spec.programs_per_sm, min_split_tokens=spec.min_split_tokens)
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
     lse = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32, device=device)
     partial = torch.empty(batch, num_q_heads, num_splits, _pad_dim(head_dim), dtype=torch.float32, device=device)
     counters = torch.zeros(batch, num_kv_heads, dtype=torch.int32, device=device)
-    return DecodeWorkspace(num_splits, lse, partial, counters)
+    return DecodeWorkspace(num_splits, lse, partial, counters, variant)
 
 
 @triton.jit
@@ -161,6 +207,7 @@ def _decode_split_kernel(
     num_splits,
     G: tl.constexpr, G_PAD: tl.constexpr, G_R: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
+    S_PAD: tl.constexpr, FLAT_MERGE: tl.constexpr, EARLY_V: tl.constexpr,
 ):
     split = tl.program_id(0)
     hk = tl.program_id(1)
@@ -200,6 +247,9 @@ def _decode_split_kernel(
             k_off = page * stride_kb + (pos % PAGE) * stride_kt + hk * stride_kh
             # [BLOCK_N, D_PAD]
             k = tl.load(k_ptr + k_off[:, None] + d[None, :], mask=kvmask, other=0.0)
+            if EARLY_V:
+                v_off = page * stride_vb + (pos % PAGE) * stride_vt + hk * stride_vh
+                v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=kvmask, other=0.0)
             # [G_PAD, BLOCK_N] scores in log2 units
             qk = tl.dot(q, tl.trans(k)) * qk_scale
             qk = tl.where(valid[None, :], qk, float("-inf"))
@@ -207,8 +257,9 @@ def _decode_split_kernel(
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(qk - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v_off = page * stride_vb + (pos % PAGE) * stride_vt + hk * stride_vh
-            v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=kvmask, other=0.0)
+            if not EARLY_V:
+                v_off = page * stride_vb + (pos % PAGE) * stride_vt + hk * stride_vh
+                v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=kvmask, other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
         if n_valid == 1:
@@ -228,31 +279,58 @@ def _decode_split_kernel(
             ticket = tl.atomic_add(cnt, 1, sem="acq_rel")
             if ticket == n_valid - 1:
                 # The last split of (b, hk) to finish merges all n_valid partials:
-                # out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M), online over chunks of splits.
+                # out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M).
                 tl.store(cnt, 0)
                 gr = tl.arange(0, G_R)
                 sc = tl.arange(0, CHUNK)
                 gr_ok = gr < G
-                m_run = tl.full([G_R], float("-inf"), dtype=tl.float32)
-                den = tl.zeros([G_R], dtype=tl.float32)
-                red = tl.zeros([G_R, D_PAD], dtype=tl.float32)
-                for c in range(0, n_valid, CHUNK):
-                    s = c + sc
-                    smask = gr_ok[:, None] & (s[None, :] < n_valid)
-                    # [G_R, CHUNK]; .cg reads from L2, where the other programs' stores landed.
-                    lse = tl.load(lse_head + gr[:, None] * stride_lh + s[None, :], mask=smask,
-                                  other=float("-inf"), cache_modifier=".cg")
+                if FLAT_MERGE:
+                    # [G_R, S_PAD] every split's lse in one load, so M is known before any partial
+                    # is read and the unrolled chunk loads below depend on nothing but M: they can
+                    # all be in flight together instead of one L2 round trip per chunk.
+                    sp = tl.arange(0, S_PAD)
+                    lse_all = tl.load(lse_head + gr[:, None] * stride_lh + sp[None, :],
+                                      mask=gr_ok[:, None] & (sp[None, :] < n_valid), other=float("-inf"),
+                                      cache_modifier=".cg")
                     # Padding head rows get weight 1 on zero partials instead of NaN from -inf - -inf.
-                    lse = tl.where(gr_ok[:, None], lse, 0.0)
-                    m_new = tl.maximum(m_run, tl.max(lse, 1))
-                    alpha = tl.exp2(m_run - m_new)
-                    w = tl.exp2(lse - m_new[:, None])
-                    # [G_R, CHUNK, D_PAD]
-                    part = tl.load(part_head + gr[:, None, None] * stride_ph + s[None, :, None] * stride_ps
-                                   + d[None, None, :], mask=smask[:, :, None], other=0.0, cache_modifier=".cg")
-                    den = den * alpha + tl.sum(w, 1)
-                    red = red * alpha[:, None] + tl.sum(w[:, :, None] * part, 1)
-                    m_run = m_new
+                    lse_all = tl.where(gr_ok[:, None], lse_all, 0.0)
+                    m_run = tl.max(lse_all, 1)
+                    den = tl.sum(tl.exp2(lse_all - m_run[:, None]), 1)
+                    red = tl.zeros([G_R, D_PAD], dtype=tl.float32)
+                    for c in tl.static_range(0, S_PAD, CHUNK):
+                        s = c + sc
+                        smask = gr_ok[:, None] & (s[None, :] < n_valid)
+                        lse = tl.load(lse_head + gr[:, None] * stride_lh + s[None, :], mask=smask,
+                                      other=float("-inf"), cache_modifier=".cg")
+                        w = tl.exp2(tl.where(gr_ok[:, None], lse, 0.0) - m_run[:, None])
+                        # [G_R, CHUNK, D_PAD]
+                        part = tl.load(part_head + gr[:, None, None] * stride_ph + s[None, :, None] * stride_ps
+                                       + d[None, None, :], mask=smask[:, :, None], other=0.0,
+                                       cache_modifier=".cg")
+                        red += tl.sum(w[:, :, None] * part, 1)
+                else:
+                    # Online over chunks of splits.
+                    m_run = tl.full([G_R], float("-inf"), dtype=tl.float32)
+                    den = tl.zeros([G_R], dtype=tl.float32)
+                    red = tl.zeros([G_R, D_PAD], dtype=tl.float32)
+                    for c in range(0, n_valid, CHUNK):
+                        s = c + sc
+                        smask = gr_ok[:, None] & (s[None, :] < n_valid)
+                        # [G_R, CHUNK]; .cg reads from L2, where the other programs' stores landed.
+                        lse = tl.load(lse_head + gr[:, None] * stride_lh + s[None, :], mask=smask,
+                                      other=float("-inf"), cache_modifier=".cg")
+                        # Padding head rows get weight 1 on zero partials instead of NaN from -inf - -inf.
+                        lse = tl.where(gr_ok[:, None], lse, 0.0)
+                        m_new = tl.maximum(m_run, tl.max(lse, 1))
+                        alpha = tl.exp2(m_run - m_new)
+                        w = tl.exp2(lse - m_new[:, None])
+                        # [G_R, CHUNK, D_PAD]
+                        part = tl.load(part_head + gr[:, None, None] * stride_ph + s[None, :, None] * stride_ps
+                                       + d[None, None, :], mask=smask[:, :, None], other=0.0,
+                                       cache_modifier=".cg")
+                        den = den * alpha + tl.sum(w, 1)
+                        red = red * alpha[:, None] + tl.sum(w[:, :, None] * part, 1)
+                        m_run = m_new
                 red_ptrs = out_ptr + b * stride_ob + (hk * G + gr)[:, None] * stride_oh + d[None, :]
                 red_mask = gr_ok[:, None] & (d[None, :] < D)
                 tl.store(red_ptrs, (red / den[:, None]).to(out_ptr.dtype.element_ty), mask=red_mask)
@@ -267,7 +345,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *
 
     Without a workspace one is allocated for max_seq_len = block_tables.shape[1] * block_size (a
     host bound, no sync); pass one made by `decode_workspace` to capture the call in a CUDA graph.
-    `config` overrides `decode_config(D)` (used by the benchmark's tile sweep).
+    The workspace's variant picks tiles and merge; `config` overrides the tiles (the benchmark's sweep).
     """
     batch, num_q_heads, head_dim = q.shape
     _check_cache(k_cache, v_cache)
@@ -288,11 +366,14 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *
         out = torch.empty_like(q)
     if out.stride(-1) != 1 or out.shape != q.shape:
         raise ValueError("paged_decode_attention: out must be [B, Hq, D] with a contiguous last dimension")
-    cfg = config or decode_config(head_dim)
+    spec = _variant(workspace.variant)
+    cfg = config or decode_config(head_dim, workspace.variant)
     splits = workspace.num_splits
     lse, part, cnt = workspace.lse, workspace.partial, workspace.counters
     g_r = triton.next_power_of_2(group)
     d_pad = _pad_dim(head_dim)
+    s_pad = triton.next_power_of_2(splits)
+    chunk = max(1, REDUCE_ELEMS // (g_r * d_pad))
     _decode_split_kernel[(splits, num_kv_heads, batch)](
         q, k_cache, v_cache, block_tables, seq_lens, lse, part, cnt, out,
         scale * LOG2E,
@@ -306,8 +387,10 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *
         out.stride(0), out.stride(1),
         splits,
         G=group, G_PAD=max(16, g_r), G_R=g_r, D=head_dim, D_PAD=d_pad, PAGE=page, BLOCK_N=cfg.block_n,
-        CHUNK=max(1, REDUCE_ELEMS // (g_r * d_pad)),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        CHUNK=min(chunk, s_pad) if spec.flat_merge else chunk,
+        # S_PAD only shapes the flat merge; fixed otherwise so the default compiles once for all split counts.
+        S_PAD=s_pad if spec.flat_merge else 1, FLAT_MERGE=spec.flat_merge,
+        EARLY_V=spec.early_v, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 

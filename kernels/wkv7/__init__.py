@@ -7,19 +7,15 @@ v `[B, T, H, V]`, state `[B, H, K, V]` float32. `impl` is "triton" or "ref" (alr
 `kernels.resolve_impl`); there is no fallback from one to the other.
 """
 
+from kernels import check_impl
 from kernels.wkv7.ref import wkv7_chunk_ref, wkv7_recurrent_ref, wkv7_step_ref
 
-# Default chunk of the prefill. why 32 over 16: pass 2's sequential chain costs about the same per
+# Default chunk of the prefill. 32 rather than 16: pass 2's sequential chain costs about the same per
 # chunk at either size (its dots are latency-bound), so halving the chunk count nearly halves it,
 # while pass 1 (parallel over chunks) grows by less than that saves.
 CHUNK = 32
 
 __all__ = ["CHUNK", "wkv7_chunk", "wkv7_step", "wkv7_chunk_ref", "wkv7_recurrent_ref", "wkv7_step_ref"]
-
-
-def _check_impl(impl):
-    if impl not in ("triton", "ref"):
-        raise ValueError(f"impl must be 'triton' or 'ref' (resolve 'auto' with kernels.resolve_impl), got {impl!r}")
 
 
 def wkv7_chunk(r, w, k, v, a, b, *, scale=1.0, initial_state=None, chunk_size=CHUNK, impl):
@@ -28,7 +24,7 @@ def wkv7_chunk(r, w, k, v, a, b, *, scale=1.0, initial_state=None, chunk_size=CH
     Returns (o `[B, T, H, V]` in r's dtype, final state `[B, H, K, V]` float32). Any T; calling
     on [0:t] then [t:T] with the state handed over equals one call on [0:T].
     """
-    _check_impl(impl)
+    check_impl(impl)
     if impl == "ref":
         return wkv7_chunk_ref(r, w, k, v, a, b, scale=scale, initial_state=initial_state, chunk_size=chunk_size)
     from kernels.wkv7.triton import wkv7_chunk_triton
@@ -40,7 +36,7 @@ def wkv7_step(r, w, k, v, a, b, state, *, scale=1.0, impl, out=None):
     """One token: r, w, k, a, b `[B, H, K]`, v `[B, H, V]`; `state` `[B, H, K, V]` float32 is
     updated in place. Returns o `[B, H, V]` in r's dtype (written into `out` when given; the
     Triton path then allocates nothing and can be captured in a CUDA graph)."""
-    _check_impl(impl)
+    check_impl(impl)
     if impl == "ref":
         o = wkv7_step_ref(r, w, k, v, a, b, state, scale=scale)
         if out is None:

@@ -10,7 +10,9 @@ as it is measured:
    (a CUDA graph of 24 layer-steps over distinct state buffers; µs per layer-step, GB/s, fraction
    of copy bandwidth);
 3. the default prefill: self-check on a short prefix, then tokens/s per layer at 4k, 32k, 128k
-   tokens, batch 1;
+   tokens, batch 1, and at 32k the device time of each of its kernels (pass 1 against pass 2);
+   then the non-default pass-2 / solve variants of `wkv7_chunk_triton` (PASS2_VARIANTS), each
+   self-checked, then timed at 32k (with its kernel times) and 128k;
 4. fla's `chunk_rwkv7` (w is the log-decay there too): its error against the reference, then the
    same lengths, timed only if it matches;
 5. while the time budget lasts: other step launch shapes and fla's `fused_recurrent_rwkv7` step,
@@ -40,6 +42,16 @@ PREFILL_T = (4096, 32768, 131072)
 PRECISION = "tf32x3"
 # (chunk_size, tl.dot input precision) tried after the default prefill, in this order
 PREFILL_VARIANTS = ((16, "tf32x3"), (64, "tf32x3"), (32, "ieee"))
+# (chunk_size, keyword arguments of wkv7_chunk_triton) timed right after the default prefill
+PASS2_VARIANTS = (
+    (32, dict(pass2="walk", solve="doubling")),
+    (32, dict(pass2="transition", solve="doubling")),
+    (32, dict(pass2="states", solve="doubling")),
+    (64, dict(pass2="states", solve="doubling")),
+    (64, dict(pass2="transition", solve="doubling")),
+    (32, dict(pass2="states", solve="doubling", pass2_precision="tf32")),
+)
+VARIANT_T = (32768, 131072)
 CHECK_T = 1000
 TIME_BUDGET_S = 90
 
@@ -62,6 +74,19 @@ def load_fla():
     except Exception as e:  # any import failure is recorded as the reason the peer is missing
         return None, None, f"{type(e).__name__}: {e}"
     return chunk_rwkv7, fused_recurrent_rwkv7, getattr(fla, "__version__", "unknown")
+
+
+def kernel_ms(fn):
+    """Device time of each Triton kernel of one call of `fn` (ms by kernel name), from the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        return {e.key: e.device_time_total / 1e3 for e in prof.key_averages() if e.key.startswith("_chunk")}
+    except Exception as e:  # a profiler failure costs the breakdown, never the timing records
+        return {"error": f"{type(e).__name__}: {e}"}
 
 
 def time_step(emit, bw, B, case, block_v, num_warps, failures=None):
@@ -177,29 +202,42 @@ def main():
     h0c = 0.3 * torch.randn(1, H, K, V, device=device)
     o_ref, s_ref = wkv7_chunk_ref(*(y.float() for y in xc), initial_state=h0c)
 
-    def check_chunk(C, prec):
-        o, s = wkv7_chunk_triton(*xc, initial_state=h0c, chunk_size=C, precision=prec)
+    def check_chunk(C, prec, **kw):
+        o, s = wkv7_chunk_triton(*xc, initial_state=h0c, chunk_size=C, precision=prec, **kw)
         err_o, err_s = rel(o, o_ref), rel(s, s_ref)
-        ok = err_o < 1e-2 and err_s < (1e-4 if prec != "tf32" else 1e-2)
-        emit({"kind": "selfcheck", "op": "chunk", "chunk_size": C, "precision": prec, "T": CHECK_T,
+        ok = err_o < 1e-2 and err_s < (1e-4 if "tf32" not in (prec, kw.get("pass2_precision")) else 1e-2)
+        label = f"chunk C={C} {prec} {' '.join(map(str, kw.values()))}".rstrip()
+        emit({"kind": "selfcheck", "op": "chunk", "chunk_size": C, "precision": prec, **kw, "T": CHECK_T,
               "rel_err_o": err_o, "rel_err_state": err_s, "ok": ok},
-             ("selfcheck", f"chunk C={C} {prec}", f"T={CHECK_T}", "ok" if ok else "FAIL", f"o {err_o:.1e} state {err_s:.1e}"))
+             ("selfcheck", label, f"T={CHECK_T}", "ok" if ok else "FAIL", f"o {err_o:.1e} state {err_s:.1e}"))
         if not ok:
-            failures.append(f"chunk C={C} {prec}")
+            failures.append(label)
         return ok
 
-    def time_chunk(C, prec):
-        for T in PREFILL_T:
+    def time_chunk(C, prec, lengths=PREFILL_T, **kw):
+        for T in lengths:
             x = inputs(1, T, device, seed=T)
-            ms = time_ms(lambda: wkv7_chunk_triton(*x, chunk_size=C, precision=prec), warmup=3, iters=10)
+
+            def run():
+                return wkv7_chunk_triton(*x, chunk_size=C, precision=prec, **kw)
+
+            ms = time_ms(run, warmup=3, iters=10)
             tps = T / (ms * 1e-3)
-            emit({"kind": "prefill", "impl": "triton", "T": T, "batch": 1, "chunk_size": C, "precision": prec,
-                  "default": (C, prec) == (CHUNK, PRECISION), "ms": ms, "tokens_per_s": tps, "io_bytes": T * H * (5 * K + 2 * V) * 2},
-                 ("prefill", f"triton C={C} {prec}", f"T={T}", f"{ms:.2f} ms", f"{tps / 1e6:.2f} M tok/s"))
+            # why: pass 1 and pass 2 both scale with T, so only per-kernel times say which dominates
+            split = {"kernel_ms": kernel_ms(run)} if T == 32768 else {}
+            emit({"kind": "prefill", "impl": "triton", "T": T, "batch": 1, "chunk_size": C, "precision": prec, **kw,
+                  "default": (C, prec) == (CHUNK, PRECISION) and not kw, "ms": ms, "tokens_per_s": tps,
+                  "io_bytes": T * H * (5 * K + 2 * V) * 2, **split},
+                 ("prefill", f"triton C={C} {prec} {' '.join(map(str, kw.values()))}".rstrip(), f"T={T}", f"{ms:.2f} ms",
+                  f"{tps / 1e6:.2f} M tok/s"))
             del x
 
     if check_chunk(CHUNK, PRECISION):
         time_chunk(CHUNK, PRECISION)
+    for C, kw in PASS2_VARIANTS:
+        if check_chunk(C, PRECISION, **kw):
+            time_chunk(C, PRECISION, VARIANT_T, **kw)
+        torch.cuda.empty_cache()
 
     # 4. fla's chunk_rwkv7: error against the reference, then the same lengths if it matches
     if fla_chunk is not None and not over_budget("fla.chunk_rwkv7"):

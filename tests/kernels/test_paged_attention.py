@@ -58,15 +58,16 @@ def make_cache(seq_lens, page, num_kv_heads, head_dim, *, shuffle=True, dtype=DT
     return (k_cache.to(DEVICE, dtype), v_cache.to(DEVICE, dtype), block_tables.to(DEVICE), seq_lens.to(DEVICE))
 
 
-def run_decode(seq_lens, page, group, num_kv_heads, head_dim, *, shuffle=True, num_splits=None, tol=TOL):
+def run_decode(seq_lens, page, group, num_kv_heads, head_dim, *, shuffle=True, num_splits=None, tol=TOL,
+               variant="split"):
     k_cache, v_cache, block_tables, lens = make_cache(seq_lens, page, num_kv_heads, head_dim, shuffle=shuffle)
     q = torch.randn(len(seq_lens), group * num_kv_heads, head_dim, device=DEVICE).to(DTYPE)
     scale = head_dim**-0.5
     want = pa.paged_decode_attention(q, k_cache, v_cache, block_tables, lens, scale, impl="ref")
     workspace = None
-    if num_splits is not None:
+    if num_splits is not None or variant != "split":
         workspace = pa.decode_workspace(len(seq_lens), q.shape[1], num_kv_heads, head_dim, max(seq_lens), DEVICE,
-                                        num_splits=num_splits)
+                                        num_splits=num_splits, variant=variant)
     out = torch.full_like(q, float("nan"))
     got = pa.paged_decode_attention(q, k_cache, v_cache, block_tables, lens, scale, impl="triton", out=out,
                                     workspace=workspace)
@@ -128,6 +129,26 @@ def test_decode_ref_vs_triton(seq_lens, page, group, num_kv_heads, head_dim):
 def test_decode_ref_vs_triton_fixed_splits(num_splits):
     # 7 splits over lengths 1..300: most splits of the short sequences are empty and exit early.
     run_decode([300, 1, 17], 16, 4, 1, 64, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("variant", ["long", "onetile"])
+@pytest.mark.parametrize(
+    "seq_lens,page,group,num_kv_heads,head_dim,num_splits",
+    [
+        # 33 splits: the flat merge's padded split range (64) is larger than the splits in use
+        ([300, 1, 17], 16, 4, 1, 64, 33),
+        ([17, 1, 300], 16, 1, 2, 64, None),
+        ([300, 17], 64, 8, 1, 128, 7),
+        ([33, 5], 256, 2, 2, 80, 3),
+    ],
+)
+def test_decode_ref_vs_triton_variants(seq_lens, page, group, num_kv_heads, head_dim, num_splits, variant):
+    run_decode(seq_lens, page, group, num_kv_heads, head_dim, num_splits=num_splits, variant=variant)
+
+
+def test_decode_unknown_variant_is_an_error():
+    with pytest.raises(ValueError):
+        pa.decode_workspace(1, 4, 1, 64, 16, DEVICE, variant="fast")
 
 
 def test_decode_ref_vs_triton_contiguous_vs_shuffled_pages():
@@ -258,13 +279,29 @@ def test_gpu_prefill_ref_vs_triton(q_lens, seq_lens, page, group, num_kv_heads, 
 
 
 @gpu_only
-def test_gpu_decode_triton_cuda_graph_replay():
+@pytest.mark.parametrize("variant", ["long", "onetile"])
+@pytest.mark.parametrize(
+    "seq_lens,page,group,num_kv_heads,head_dim",
+    [
+        ([4097], 16, 4, 8, 128),
+        ([32768], 16, 4, 8, 64),
+        ([1, 17, 1000, 4097], 64, 8, 1, 128),
+        ([17, 4097, 1, 1000], 128, 4, 2, 80),
+    ],
+)
+def test_gpu_decode_ref_vs_triton_variants(seq_lens, page, group, num_kv_heads, head_dim, variant):
+    run_decode(seq_lens, page, group, num_kv_heads, head_dim, variant=variant)
+
+
+@gpu_only
+@pytest.mark.parametrize("variant", ["split", "long", "onetile"])
+def test_gpu_decode_triton_cuda_graph_replay(variant):
     # Captured once, replayed after the lengths and queries change in place: no host sync inside.
     k_cache, v_cache, block_tables, _ = make_cache([4000, 4000, 2500, 2500], 16, 4, 128)
     lens = torch.tensor([4000, 1, 2500, 17], dtype=torch.int32, device=DEVICE)
     q = torch.randn(4, 16, 128, device=DEVICE).to(DTYPE)
     out = torch.empty_like(q)
-    workspace = pa.decode_workspace(4, 16, 4, 128, 4096, DEVICE)
+    workspace = pa.decode_workspace(4, 16, 4, 128, 4096, DEVICE, variant=variant)
 
     def step():
         pa.paged_decode_attention(q, k_cache, v_cache, block_tables, lens, 128**-0.5, impl="triton", out=out,
@@ -283,3 +320,4 @@ def test_gpu_decode_triton_cuda_graph_replay():
     want = pa.paged_decode_attention(q, k_cache, v_cache, block_tables, lens, 128**-0.5, impl="ref")
     assert not torch.isnan(out).any()
     assert rel_rms(out, want) < TOL
+    assert not workspace.counters.any()

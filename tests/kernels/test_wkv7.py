@@ -75,6 +75,34 @@ def test_chunk_triton_other_chunks_and_segments(chunk_size):
     assert rel(o, o_ref) < 1e-4 and rel(s, s_ref) < 1e-4
 
 
+@pytest.mark.parametrize("pass2,solve", [("walk", "doubling"), ("transition", "substitution"),
+                                         ("transition", "doubling"), ("states", "doubling")])
+@pytest.mark.parametrize("T,K,V,C", [(37, 24, 20, 16), (77, 16, 16, 32), (70, 32, 16, 64)])
+def test_chunk_triton_variants_match_ref(pass2, solve, T, K, V, C):
+    """The non-default pass-2 / solve variants: odd sizes, an initial state, NaN-poisoned outputs,
+    and a tiny segment budget (the state carried across segments)."""
+    x, h0 = make(2, T, 2, K, V, seed=T + C)
+    o_ref, s_ref = wkv7_recurrent_ref(*x, scale=0.7, initial_state=h0)
+    for seg in (1 << 28, 1):
+        out = torch.full((2, T, 2, V), float("nan"), device=DEVICE)
+        state = torch.full((2, 2, K, V), float("nan"), device=DEVICE)
+        o, s = wkv7_chunk_triton(*x, scale=0.7, initial_state=h0, chunk_size=C, out=out, final_state=state,
+                                 pass2=pass2, solve=solve, segment_floats=seg)
+        assert rel(o, o_ref) < 1e-4 and rel(s, s_ref) < 1e-4
+
+
+@pytest.mark.parametrize("pass2", ["transition", "states"])
+def test_chunk_triton_variants_state_handoff(pass2):
+    T, split = 41, 23
+    x, h0 = make(1, T, 2, 16, 16, seed=split)
+    kw = dict(pass2=pass2, solve="doubling")
+    o_all, s_all = wkv7_chunk_triton(*x, initial_state=h0, **kw)
+    o1, s1 = wkv7_chunk_triton(*(y[:, :split] for y in x), initial_state=h0, **kw)
+    o2, s2 = wkv7_chunk_triton(*(y[:, split:] for y in x), initial_state=s1, **kw)
+    assert rel(torch.cat([o1, o2], 1), o_all) < 1e-5
+    assert rel(s2, s_all) < 1e-5
+
+
 @pytest.mark.parametrize("impl", ["triton", "ref"])
 @pytest.mark.parametrize("split", [1, 16, 23])
 def test_state_handoff(impl, split):
@@ -151,6 +179,17 @@ def test_chunk_triton_matches_ref_gpu_1p5b(T, precision):
     assert o.dtype == torch.bfloat16
     assert rel(o, o_ref) < 1e-2
     assert rel(s, s_ref) < 1e-4
+
+
+@gpu
+@pytest.mark.parametrize("C", [32, 64])
+@pytest.mark.parametrize("pass2,p2prec", [("transition", None), ("states", None), ("states", "tf32")])
+def test_chunk_triton_variants_gpu_1p5b(C, pass2, p2prec):
+    x, h0 = make(2, 1000, 32, 64, 64, seed=3, dtype=torch.bfloat16)
+    o, s = wkv7_chunk_triton(*x, initial_state=h0, chunk_size=C, pass2=pass2, pass2_precision=p2prec, solve="doubling")
+    o_ref, s_ref = wkv7_chunk_ref(*(y.float() for y in x), initial_state=h0)
+    assert rel(o, o_ref) < 1e-2
+    assert rel(s, s_ref) < (1e-2 if p2prec == "tf32" else 1e-4)
 
 
 @gpu
