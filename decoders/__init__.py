@@ -7,6 +7,8 @@
 """
 
 import importlib
+import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -16,7 +18,7 @@ from decoders.base import Decoder, Generation, Memory, StepOut, UsageError
 from decoders.sampling import GREEDY, Sampling
 from kernels import resolve_impl
 
-__all__ = ["load", "family_of", "Decoder", "Generation", "Memory", "StepOut", "Sampling", "GREEDY", "UsageError", "CheckpointError", "FAMILIES"]
+__all__ = ["load", "family_of", "user_errors", "USER_ERRORS", "Decoder", "Generation", "Memory", "StepOut", "Sampling", "GREEDY", "UsageError", "CheckpointError", "FAMILIES"]
 
 # family -> class, imported on first use so that a family's optional dependencies stay optional.
 FAMILIES = {
@@ -27,6 +29,8 @@ FAMILIES = {
 }
 # preset name prefix -> family
 PRESET_FAMILY = {"llama": "transformer", "mamba2": "mamba2", "rwkv7": "rwkv7", "maskpredict": "maskpredict"}
+# What a user can cause (a bad option, preset or checkpoint): reported in one line, not a traceback.
+USER_ERRORS = (UsageError, CheckpointError)
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 
@@ -91,3 +95,14 @@ def detect_family(hf: dict, path: Path) -> str:
             return family
     what = hf.get("architectures") or hf.get("model_type") or "nothing"
     raise CheckpointError(f"{path}: unknown architecture {what} (config.json names no family the lab reads)")
+
+
+@contextmanager
+def user_errors():
+    """For command lines: a preset, checkpoint or option the lab refuses becomes one line on stderr
+    and exit code 2, never a traceback."""
+    try:
+        yield
+    except USER_ERRORS as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -23,10 +23,12 @@ import time
 
 import torch
 
+from decoders.base import UsageError
+
 K = 1024
 
 
-class ArgError(ValueError):
+class ArgError(UsageError):
     """A command-line value the CLI refuses."""
 
 
@@ -314,14 +316,13 @@ def run(args) -> int:
 
 
 def main(argv=None) -> int:
-    from arch.checkpoint import CheckpointError
-    from decoders.base import UsageError
+    """Exit status: 0 when every point finished, 130 when interrupted, 2 for input the lab refuses."""
+    from decoders import USER_ERRORS
 
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         return run(args)
-    except (ArgError, UsageError, CheckpointError) as e:
+    except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+import decoders
 from eval import quality, train
 from eval.tasks import make
 from kernels.benchtools import append_jsonl, environment
@@ -68,4 +69,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    with decoders.user_errors():
+        main()

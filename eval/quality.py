@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+import decoders
 from kernels.benchtools import append_jsonl, environment
 
 MQAR_TASK = re.compile(r"declab_mqar_(\d+)$")
@@ -190,4 +191,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    with decoders.user_errors():
+        main()

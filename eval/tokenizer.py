@@ -22,6 +22,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from decoders.base import UsageError
+
 SPECIALS = ["<bos>", "<eos>", "<pad>", "<mask>"]
 BYTE_VOCAB = 256 + len(SPECIALS)
 
@@ -61,7 +63,7 @@ def byte_tokenizer():
 def train_bpe(texts, vocab_size: int):
     """A byte-level BPE of `vocab_size` tokens learnt from the strings `texts` (deterministic for the same input)."""
     if vocab_size < BYTE_VOCAB:
-        raise ValueError(f"a BPE needs vocab_size >= {BYTE_VOCAB}, got {vocab_size}")
+        raise UsageError(f"a BPE needs vocab_size >= {BYTE_VOCAB}, got {vocab_size}")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     trainer = trainers.BpeTrainer(
@@ -84,11 +86,11 @@ def make_tokenizer(spec: str, texts=None):
         return byte_tokenizer()
     if spec.startswith("bpe:"):
         if texts is None:
-            raise ValueError("training a BPE needs texts")
+            raise UsageError("training a BPE needs texts")
         return train_bpe(texts, int(spec.removeprefix("bpe:")))
     tokenizer = load_tokenizer(Path(spec))
     if tokenizer is None:
-        raise ValueError(f"tokenizer {spec!r}: not 'byte', 'bpe:<size>' or a folder with tokenizer files")
+        raise UsageError(f"tokenizer {spec!r}: not 'byte', 'bpe:<size>' or a folder with tokenizer files")
     return tokenizer
 
 
@@ -98,5 +100,5 @@ def tokenizer_for(decoder):
         return decoder.tokenizer
     vocab = decoder.config.vocab_size
     if vocab < BYTE_VOCAB:
-        raise ValueError(f"{decoder.source} has no tokenizer and vocab_size {vocab} < {BYTE_VOCAB}, too small for the byte-level one")
+        raise UsageError(f"{decoder.source} has no tokenizer and vocab_size {vocab} < {BYTE_VOCAB}, too small for the byte-level one")
     return byte_tokenizer()

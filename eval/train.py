@@ -84,7 +84,7 @@ def check_matched(names: list[str], tolerance: float = 0.10) -> dict[str, int]:
     mean = sum(counts.values()) / len(counts)
     far = {n: c for n, c in counts.items() if abs(c - mean) > tolerance * mean}
     if far:
-        raise ValueError(f"parameter counts not within {tolerance:.0%} of their mean {mean:,.0f}: {far}")
+        raise decoders.UsageError(f"parameter counts not within {tolerance:.0%} of their mean {mean:,.0f}: {far}")
     return counts
 
 
@@ -128,7 +128,7 @@ def prepare_data(corpus: str, tokenizer, tokens: int, folder: Path, *, val_docs:
     folder.mkdir(parents=True, exist_ok=True)
     train = tokenize_stream(documents(corpus, "train"), tokenizer, tokens)
     if len(train) == 0:
-        raise ValueError(f"{corpus}: no training documents")
+        raise decoders.UsageError(f"{corpus}: no training documents")
     if len(train) < tokens:
         train = np.resize(train, tokens)
     valid_texts = []
@@ -247,7 +247,7 @@ def train(args) -> Path:
     stream = np.fromfile(data_dir / "train.bin", dtype=np.int32)
     valid = np.fromfile(data_dir / "valid.bin", dtype=np.int32)
     if len(valid) < args.seq_len + 1:
-        raise ValueError(f"{args.corpus}: the validation split has {len(valid)} tokens, fewer than seq_len + 1")
+        raise decoders.UsageError(f"{args.corpus}: the validation split has {len(valid)} tokens, fewer than seq_len + 1")
     bytes_per_token = meta["valid_bytes"] / meta["valid_tokens"]
 
     dec = build_decoder(args.preset, tokenizer, device=device, seed=args.seed)
@@ -267,7 +267,7 @@ def train(args) -> Path:
     if state_path.exists():
         state = torch.load(state_path, map_location=device, weights_only=False)
         if state["preset"] != args.preset or state["steps"] != steps:
-            raise ValueError(f"{state_path} is a run of {state['preset']} for {state['steps']} steps, not {args.preset} for {steps}: use another --out")
+            raise decoders.UsageError(f"{state_path} is a run of {state['preset']} for {state['steps']} steps, not {args.preset} for {steps}: use another --out")
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"])
@@ -347,7 +347,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None):
-    out = train(parser().parse_args(argv))
+    with decoders.user_errors():
+        out = train(parser().parse_args(argv))
     print(json.dumps({"checkpoint": str(out)}))
 
 
