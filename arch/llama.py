@@ -19,8 +19,9 @@ and save, and parameter counts stay right. `forward` and impl="ref" keep the pla
 The blocks are reused unchanged (with `causal=False`) by the Mask-Predict family.
 """
 
+import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -417,6 +418,18 @@ def load_hf(folder: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
     # Buffers HF may save that the lab recomputes.
     tensors = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
     return config, tensors
+
+
+def save(model: Llama, folder: Path, *, family: str = "transformer") -> None:
+    """An HF-style Llama folder (config.json + model.safetensors) that also names the lab family, so
+    `decoders.load(folder)` and transformers both read it."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    values = {"declab_family": family, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", **asdict(model.config)}
+    (folder / "config.json").write_text(json.dumps(values, indent=2) + "\n")
+    save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"))
 
 
 def build(config: LlamaConfig, tensors: dict | None, source: str, *, causal: bool = True, seed: int = 0) -> Llama:

@@ -274,7 +274,6 @@ class MaskPredictDecoder(Decoder):
             if commit:
                 segment(e, P + (k - 1) * W, P + k * W, P + k * W)
             segment(e, P + k * W, end, end, canvas_from=k * W)
-        dev = self.device
         cu = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
         batch = llama.PagedBatch(
             k_cache=state.kv.k, v_cache=state.kv.v, block_tables=state.block_tables[self._to_device(torch.tensor(rows))],

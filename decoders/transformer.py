@@ -53,6 +53,10 @@ class TransformerDecoder(AutoregressiveDecoder):
         model = llama.build(config, tensors, str(folder))
         return cls(model, config, source=str(folder), tokenizer=load_tokenizer(folder), **kwargs)
 
+    def save(self, folder: Path) -> None:
+        """Write the model as an HF-style Llama folder naming the lab family (loadable by `decoders.load`)."""
+        llama.save(self.model, folder)
+
     def _new_kv(self, **size) -> PagedKVCache:
         c = self.config
         return PagedKVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, block_size=self.page_size, dtype=self.dtype, device=self.device, **size)

@@ -29,7 +29,6 @@ counts agree within 10% (`configs/<family>-30m.json`, checked by `check_matched`
 """
 
 import argparse
-import dataclasses
 import hashlib
 import inspect
 import json
@@ -206,16 +205,7 @@ def save_model(dec, folder: Path) -> None:
     """The model in the lab's own format (config.json with declab_family + model.safetensors) and the tokenizer."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    if hasattr(dec, "save"):
-        dec.save(folder)
-    else:
-        from safetensors.torch import save_file
-
-        # The transformer family reads HF Llama folders: write one, with declab_family beside it.
-        values = {"declab_family": dec.family, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-                  **dataclasses.asdict(dec.config)}
-        (folder / "config.json").write_text(json.dumps(values, indent=2) + "\n")
-        save_file({k: v.detach().contiguous().cpu() for k, v in dec.model.state_dict().items()}, str(folder / "model.safetensors"))
+    dec.save(folder)
     save_tokenizer(dec.tokenizer, folder)
 
 

@@ -1,6 +1,5 @@
 """SwiGLU activation silu(gate) * up: the PyTorch reference, in float32 with the model's rounding."""
 
-import torch
 import torch.nn.functional as F
 
 

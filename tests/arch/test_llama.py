@@ -160,3 +160,12 @@ def test_triton_path_matches_transformers(tmp_path, case):
     with torch.inference_mode():
         state.next_tokens.copy_(tokens[:, 12])
         torch.testing.assert_close(dec.step(state).logits, expected[:, 12], rtol=1e-4, atol=1e-4)
+
+
+def test_save_round_trip_in_the_lab_format(tmp_path):
+    dec = decoders.load("llama-tiny", device="cpu", dtype="float32", impl="ref", seed=4)
+    dec.save(tmp_path)
+    again = decoders.load(tmp_path, device="cpu", dtype="float32", impl="ref")
+    assert again.family == "transformer"
+    tokens = torch.randint(0, dec.vocab_size, (1, 12))
+    torch.testing.assert_close(again.logits(tokens), dec.logits(tokens))
