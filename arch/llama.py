@@ -118,16 +118,19 @@ class FusedLinears(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """RMSNorm computed in float32 (as HF does), scaled in the input's dtype, or in the weight's with
+    `weight_dtype_out` (a float32 residual stream feeding bf16 layers, as in Mamba-2)."""
+
+    def __init__(self, dim: int, eps: float, *, weight_dtype_out: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.weight_dtype_out = weight_dtype_out
 
     def forward(self, x):
-        # Normalise in float32 as HF does, then scale in the input dtype.
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return self.weight * h.to(self.weight.dtype if self.weight_dtype_out else x.dtype)
 
 
 def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from arch.checkpoint import CheckpointError, assign_weights, config_from_dict, load_weights, read_json
+from arch.llama import RMSNorm
 from kernels import mamba2_norm, ssd
 
 
@@ -79,20 +80,6 @@ class Mamba2Config:
     @property
     def dt_limit(self) -> tuple[float, float]:
         return (self.dt_min_limit, math.inf if self.dt_max_limit is None else self.dt_max_limit)
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm of the (float32) residual stream; the result is in the weight's dtype."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x):
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(self.weight.dtype)
 
 
 class RMSNormGated(nn.Module):
@@ -204,7 +191,7 @@ class Block(nn.Module):
 
     def __init__(self, config: Mamba2Config):
         super().__init__()
-        self.norm = RMSNorm(config.d_model, config.norm_eps)
+        self.norm = RMSNorm(config.d_model, config.norm_eps, weight_dtype_out=True)
         self.mixer = Mixer(config)
 
 
@@ -215,7 +202,7 @@ class Backbone(nn.Module):
         super().__init__()
         self.embeddings = nn.Embedding(config.vocab_size, config.d_model)
         self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layer))
-        self.norm_f = RMSNorm(config.d_model, config.norm_eps)
+        self.norm_f = RMSNorm(config.d_model, config.norm_eps, weight_dtype_out=True)
 
 
 class Mamba2LM(nn.Module):

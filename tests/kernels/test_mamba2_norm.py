@@ -41,7 +41,7 @@ def strided(B, D, seed, dtype):
 def test_ref_equals_the_model_modules():
     r = rnd(3, 37, seed=0) * 4
     x = rnd(3, 37, seed=1, dtype=torch.bfloat16)
-    norm = RMSNorm(37, 1e-5).to(DEV)
+    norm = RMSNorm(37, 1e-5, weight_dtype_out=True).to(DEV)
     norm.weight.data = rnd(37, seed=2)
     h, r_new = ref.add_rmsnorm(x, r, norm.weight, norm.eps)
     assert torch.equal(r_new, r + x) and torch.equal(h, norm(r + x))
