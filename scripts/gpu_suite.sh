@@ -5,7 +5,8 @@
 #   scripts/gpu_suite.sh OUT_DIR tests kernels compare-triton compare-ref
 #
 # Peers (flash-linear-attention, mamba-ssm) are used when importable; put wheels in WHEEL_DIR
-# (default .whl) to have them installed into a scratch folder first.
+# (default .whl) to have them installed into a scratch folder first. On a copy of the tree without
+# its .git, set DECLAB_GIT_SHA (and DECLAB_GIT_DIRTY=1 if needed) so every record names its commit.
 set -uo pipefail
 out=${1:?usage: scripts/gpu_suite.sh OUT_DIR STAGE...}
 shift
