@@ -17,18 +17,6 @@ def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-@pytest.fixture
-def nan_empty(monkeypatch):
-    """Every floating tensor the op allocates with torch.empty starts as NaN, so unwritten elements show."""
-    empty = torch.empty
-
-    def poisoned(*args, **kwargs):
-        t = empty(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", poisoned)
-
-
 def rnd(*shape, seed, scale=1.0, dtype=torch.float32):
     return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(DEV, dtype)
 
