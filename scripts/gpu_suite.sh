@@ -2,7 +2,7 @@
 # One call on a CUDA machine: the GPU tests, the kernel benchmarks and the compare sweeps, each stage
 # bounded in time, results and logs written under OUT_DIR (JSON lines, one file per stage).
 #
-#   scripts/gpu_suite.sh OUT_DIR tests kernels compare-triton compare-ref
+#   scripts/gpu_suite.sh OUT_DIR tests fused profile kernels compare-triton compare-ref
 #
 # Peers (flash-linear-attention, mamba-ssm) are used when importable; put wheels in WHEEL_DIR
 # (default .whl) to have them installed into a scratch folder first. On a copy of the tree without
@@ -35,6 +35,13 @@ for s in "$@"; do
     tests)
       for f in $(grep -l "mark.gpu\|mark\.gpu\|@gpu\|GPU\b" -r tests --include "test_*.py" | sort); do
         stage "tests_$(basename "$f" .py)" "${TEST_LIMIT:-60}" python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short -rf "$f"
+      done ;;
+    fused)  # every test of the fused decode kernels, on the GPU (bf16 and float32)
+      stage tests_fused 150 python3 -m pytest -q -p no:cacheprovider --tb=short -rf tests/kernels/test_rmsnorm.py tests/kernels/test_rotary.py \
+        tests/kernels/test_swiglu.py tests/kernels/test_mamba2_norm.py tests/kernels/test_rwkv7_fused.py ;;
+    profile)
+      for m in llama-1b mamba2-1.3b rwkv7-1.5b; do
+        stage "profile_$m" 90 python3 -m decoders.profile --model "$m" --ctx 4k --out "$out/profile.jsonl"
       done ;;
     kernels)
       stage paged_attention 170 python3 -m kernels.paged_attention.bench --budget-s 120 --flex-budget-s 80 --out "$out/paged_attention.jsonl"

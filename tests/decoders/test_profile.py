@@ -1,0 +1,35 @@
+"""decoders.profile: the per-kernel breakdown of one decode step, on the CPU (operators) with tiny presets."""
+
+import json
+
+import pytest
+
+import decoders
+from decoders import profile
+
+
+@pytest.mark.parametrize("model", ["llama-tiny", "mamba2-tiny", "rwkv7-tiny"])
+def test_profile_step_accounts_for_the_step(model):
+    dec = decoders.load(model, impl="ref", device="cpu")
+    rec = profile.profile_step(dec, ctx=64, batch=2, steps=2)
+    assert rec["step_ms"] > 0 and rec["kernel_ms"] > 0
+    assert rec["kernels"] and all(r["us_per_step"] > 0 for r in rec["kernels"])
+    times = [r["us_per_step"] for r in rec["kernels"]]
+    assert times == sorted(times, reverse=True)
+    assert any("mm" in r["name"] or "linear" in r["name"] for r in rec["kernels"])
+    assert rec["step_bytes"] == dec.memory(2, 64).step_bytes
+
+
+def test_main_writes_a_record(tmp_path, capsys):
+    out = tmp_path / "p.jsonl"
+    assert profile.main(["--model", "llama-tiny", "--ctx", "96", "--steps", "2", "--impl", "ref", "--device", "cpu", "--out", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    assert rec["kind"] == "profile" and rec["ctx"] == 96 and rec["model"] == "llama-tiny" and rec["git_sha"]
+    assert "step" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args", [["--model", "no-such-preset"], ["--model", "llama-tiny", "--ctx", "4x"], ["--model", "llama-tiny", "--ctx", "3"], ["--model", "maskpredict-tiny", "--ctx", "64"]])
+def test_bad_input_is_one_line_and_exit_2(args, capsys):
+    assert profile.main(args + ["--device", "cpu", "--impl", "ref", "--steps", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and "\n" not in err
