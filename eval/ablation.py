@@ -7,8 +7,8 @@
 2. trains each preset with `eval.train` on the same tokenizer (a BPE of --tokenizer trained once on
    the corpus, saved in <out>/tokenizer), the same tokenised data (<out>/data) and the same token
    budget, schedule and seed, into <out>/runs/<preset> (an interrupted run resumes when rerun);
-3. makes the offline tasks (`eval.tasks.make`) with the corpus's validation split as the text of
-   declab_ppl and declab_cloze, into <out>/tasks;
+3. makes the offline tasks (`eval.tasks.make`) with the corpus's test split (its validation split
+   when the folder has no test*) as the text of declab_ppl and declab_cloze, into <out>/tasks;
 4. runs `eval.quality` on the four checkpoints (Mask-Predict at each of --mp-iterations), writing
    quality.jsonl, quality.md, mqar.png and maskpredict_iterations.png into <out>.
 
@@ -62,7 +62,10 @@ def main(argv=None):
         ]))
         append_jsonl(out / "ablation.jsonl", {"kind": "trained", "preset": preset, "checkpoint": str(run), **environment(device)})
         checkpoints.append(str(run))
-    make.make(out / "tasks", seed=a.seed, text=str(a.corpus))
+    # Test bits per byte and cloze on the held-out test split when the corpus folder has one.
+    split = "test" if Path(a.corpus).is_dir() and any(Path(a.corpus).glob("test*")) else "valid"
+    make.make(out / "tasks", seed=a.seed, text=str(a.corpus), text_split=split)
+    append_jsonl(out / "ablation.jsonl", {"kind": "tasks", "text_split": split, **environment(device)})
     limit = int(a.limit) if a.limit and a.limit >= 1 else a.limit
     quality.quality(checkpoints, a.tasks.split(","), out, include_path=str(out / "tasks"), model_args=quality.parse_model_args(a.eval_args),
                     limit=limit, mp_iterations=[int(x) for x in a.mp_iterations.split(",") if x])

@@ -95,10 +95,11 @@ def git_state() -> tuple[str, bool]:
 def environment(device) -> dict:
     """What every result record carries about where it was measured."""
     device = torch.device(device)
-    sha, dirty = git_state()
-    if sha == "unknown":
-        # A copy of the tree without its .git (e.g. shipped to a GPU machine) names its commit here.
-        sha, dirty = os.environ.get("DECLAB_GIT_SHA", sha), os.environ.get("DECLAB_GIT_DIRTY", "0") == "1"
+    if "DECLAB_GIT_SHA" in os.environ:
+        # A copy of the tree shipped without (or with a stale) .git names its commit here.
+        sha, dirty = os.environ["DECLAB_GIT_SHA"], os.environ.get("DECLAB_GIT_DIRTY", "0") == "1"
+    else:
+        sha, dirty = git_state()
     try:
         import triton
 

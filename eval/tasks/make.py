@@ -140,8 +140,10 @@ def write_yaml(path: Path, config: dict) -> None:
 
 
 def make(out: Path, *, seed: int = 0, text: str | None = None, mqar_pairs=(4, 8, 16, 32, 64), mqar_context: int = 512,
-         copy_lengths=(128, 512, 1024), n_docs: int = 200, ppl_docs_n: int = 200, cloze_context: int = 1024) -> list[str]:
-    """Write the tasks' data and YAMLs into `out`; returns the task and group names written."""
+         copy_lengths=(128, 512, 1024), n_docs: int = 200, ppl_docs_n: int = 200, cloze_context: int = 1024,
+         text_split: str = "valid") -> list[str]:
+    """Write the tasks' data and YAMLs into `out`; returns the task and group names written. A corpus
+    folder as `text` gives its `text_split` shards (valid*, or test* for a final evaluation)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     names = []
@@ -161,7 +163,7 @@ def make(out: Path, *, seed: int = 0, text: str | None = None, mqar_pairs=(4, 8,
     write_yaml(out / "declab_copy.yaml", group_yaml("declab_copy", copy))
     names += mqar + ["declab_mqar"] + copy + ["declab_copy"]
     if text is not None:
-        texts = list(documents(text, "valid"))
+        texts = list(documents(text, text_split))
         write_jsonl(out / "declab_ppl.jsonl", ppl_docs(texts, ppl_docs_n))
         write_yaml(
             out / "declab_ppl.yaml",
@@ -189,7 +191,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m eval.tasks.make", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    p.add_argument("--text", help="held-out text for declab_ppl and declab_cloze: a file or a corpus folder (its valid* shards)")
+    p.add_argument("--text", help="held-out text for declab_ppl and declab_cloze: a file or a corpus folder (its --text-split shards)")
+    p.add_argument("--text-split", default="valid", choices=["valid", "test"], help="which shards of a corpus folder --text reads (default valid)")
     p.add_argument("--mqar-pairs", type=int_list, default=[4, 8, 16, 32, 64], help="comma-separated numbers of key-value pairs")
     p.add_argument("--mqar-context", type=int, default=512, help="characters of pairs + filler before the queries (the recall distance)")
     p.add_argument("--copy-lengths", type=int_list, default=[128, 512, 1024], help="comma-separated characters of random words to copy from")
@@ -198,7 +201,7 @@ def main(argv=None):
     p.add_argument("--cloze-context", type=int, default=1024, help="characters of context before each cloze word")
     a = p.parse_args(argv)
     names = make(a.out, seed=a.seed, text=a.text, mqar_pairs=a.mqar_pairs, mqar_context=a.mqar_context, copy_lengths=a.copy_lengths,
-                 n_docs=a.docs, ppl_docs_n=a.ppl_docs, cloze_context=a.cloze_context)
+                 n_docs=a.docs, ppl_docs_n=a.ppl_docs, cloze_context=a.cloze_context, text_split=a.text_split)
     print(f"wrote {len(names)} tasks to {a.out}: {', '.join(names)}")
 
 

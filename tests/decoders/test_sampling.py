@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from decoders.sampling import Sampling, filtered_probs, sample
+from decoders.sampling import Sampling, filtered_probs, sample, argmax
 
 
 def test_greedy_is_argmax():
@@ -34,3 +34,14 @@ def test_samples_follow_the_distribution():
 def test_bad_settings_are_refused(kwargs):
     with pytest.raises(ValueError):
         Sampling(**kwargs)
+
+
+@pytest.mark.parametrize("V", [50, 512, 50288, 65536, 128256, 1000003])
+def test_two_stage_argmax_is_the_first_maximum(V):
+    g = torch.Generator().manual_seed(V)
+    x = torch.randint(-5, 5, (3, V), generator=g).to(torch.bfloat16)  # many ties
+    x[1, V // 3] = 7
+    x[1, V - 1] = 7
+    x[2, -1] = 9
+    assert torch.equal(argmax(x), x.float().argmax(-1))
+    assert argmax(x)[1] == V // 3 and argmax(x)[2] == V - 1
