@@ -63,3 +63,21 @@ def plot_context_scaling(records: list[dict], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def main(argv=None) -> int:
+    """Redraw the figure from result files: `python -m decoders.plot results/a.jsonl ... --out scaling.png`."""
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(prog="python -m decoders.plot", description=main.__doc__)
+    p.add_argument("files", nargs="+", help="JSON lines written by decoders.compare")
+    p.add_argument("--out", required=True, help="PNG to write")
+    a = p.parse_args(argv)
+    records = [json.loads(line) for f in a.files for line in open(f) if line.strip()]
+    plot_context_scaling(records, a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from decoders.compare import ArgError, parse_ctx
+from decoders.plot import main as plot_main
 
 
 def test_ctx_ranges_double_and_lists_are_taken_as_given():
@@ -74,3 +75,5 @@ def test_tiny_sweep_end_to_end(tmp_path):
     assert len(final["points"]) == 3
     assert "llama-tiny" in result.stdout and "tok/s" in result.stdout
     assert plot.stat().st_size > 0
+    redrawn = tmp_path / "redrawn.png"
+    assert plot_main([str(tmp_path / "out.jsonl"), "--out", str(redrawn)]) == 0 and redrawn.stat().st_size > 0
