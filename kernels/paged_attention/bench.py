@@ -6,7 +6,8 @@ Measures the copy-bandwidth ceiling, then write_kv (Triton vs index_copy_), deco
 32k, 128k x batch 1, 16, 64 x head dim 64 and 128, Hq=32, Hkv=8, pages 16 and 128; SDPA and
 compiled FlexAttention over contiguous K/V as peers) and causal prefill (4k, 16k, 32k tokens,
 batch 1, D=128, beside SDPA's flash backend), then small tile/split sweeps and the batch-1 decode
-variants ("long", "onetile") while time remains.
+variants ("long", "onetile") while time remains. `--sections decode,variants --decode-batches 1` runs
+only the batch-1 decode points and the variants (about 40 s).
 write_kv and decode are timed per call inside a CUDA graph of 16 calls (one per simulated layer)
 over distinct caches, so graph launch is amortised as in a decode step and small caches are not
 served from L2; the method is recorded in each record. Finishes in about 2 minutes.
@@ -31,6 +32,7 @@ TOL = 2e-2
 DECODE_CTX = (4096, 32768, 131072)
 DECODE_BATCH = (1, 16, 64)
 DECODE_DIMS = (128, 64)
+SECTIONS = ("write_kv", "decode", "prefill", "decode_tuning", "variants", "prefill_tuning")
 PAGES = (16, 128)
 PREFILL_T = (4096, 16384, 32768)
 PREFILL_D = 128
@@ -446,7 +448,17 @@ def main():
     parser.add_argument("--out", required=True, help="JSON-lines file to append records to")
     parser.add_argument("--budget-s", type=float, default=150.0, help="stop starting optional sweeps after this")
     parser.add_argument("--flex-budget-s", type=float, default=60.0, help="stop compiling FlexAttention after this")
+    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of what to run, in this order: {','.join(SECTIONS)}")
+    parser.add_argument("--decode-batches", default=",".join(map(str, DECODE_BATCH)), help="batch sizes of the decode section")
     args = parser.parse_args()
+    sections = [x for x in args.sections.split(",") if x]
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown:
+        raise SystemExit(f"unknown sections {unknown} (known: {', '.join(SECTIONS)})")
+    try:
+        decode_batches = [int(x) for x in args.decode_batches.split(",") if x]
+    except ValueError:
+        raise SystemExit(f"--decode-batches expects comma-separated integers, got {args.decode_batches!r}") from None
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a GPU")
     torch.manual_seed(0)
@@ -455,23 +467,22 @@ def main():
     bench.emit(op="copy", impl="torch", GBps=bench.copy_bps / 1e9, ok=True)
     print(f"copy bandwidth {bench.copy_bps / 1e9:.0f} GB/s")
 
-    bench_write_kv(bench)
-    flex, reason = compiled_flex()
-    if flex is None:
-        bench.emit(op="decode", impl="flex", ok=None, skipped=reason)
-    for head_dim in DECODE_DIMS:
-        for ctx in DECODE_CTX:
-            for batch in DECODE_BATCH:
-                bench_decode_point(bench, head_dim, ctx, batch, flex)
-                print(f"[{bench.elapsed():6.1f}s] decode D={head_dim} ctx={ctx} B={batch} done", flush=True)
-    bench_prefill(bench)
-    print(f"[{bench.elapsed():6.1f}s] prefill done", flush=True)
-    bench_decode_tuning(bench)
-    print(f"[{bench.elapsed():6.1f}s] decode tuning done", flush=True)
-    bench_decode_variants(bench)
-    print(f"[{bench.elapsed():6.1f}s] decode variants done", flush=True)
-    bench_prefill_tuning(bench)
-    print(f"[{bench.elapsed():6.1f}s] prefill tuning done", flush=True)
+    if "write_kv" in sections:
+        bench_write_kv(bench)
+    if "decode" in sections:
+        flex, reason = compiled_flex()
+        if flex is None:
+            bench.emit(op="decode", impl="flex", ok=None, skipped=reason)
+        for head_dim in DECODE_DIMS:
+            for ctx in DECODE_CTX:
+                for batch in decode_batches:
+                    bench_decode_point(bench, head_dim, ctx, batch, flex)
+                    print(f"[{bench.elapsed():6.1f}s] decode D={head_dim} ctx={ctx} B={batch} done", flush=True)
+    for name, run in (("prefill", bench_prefill), ("decode_tuning", bench_decode_tuning), ("variants", bench_decode_variants),
+                      ("prefill_tuning", bench_prefill_tuning)):
+        if name in sections:
+            run(bench)
+            print(f"[{bench.elapsed():6.1f}s] {name} done", flush=True)
 
     print_table(bench.records)
     summary = {"out": args.out, "records": len(bench.records), "seconds": round(bench.elapsed(), 1),
