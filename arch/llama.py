@@ -12,7 +12,9 @@ checkpoint's state dict loads without renaming. Attention runs in one of two way
 
 On impl="triton" (`PagedBatch.impl`) `forward_paged` runs fused kernels: each residual add inside
 the RMSNorm kernel after it, q/k/v as one GEMV (`Attention.qkv_weight`) with RoPE on q and k in one
-kernel, gate/up as one GEMV (`MLP.gate_up_weight`) and SwiGLU in one kernel. The fused weights are
+kernel, gate/up as one GEMV (`MLP.gate_up_weight`) and SwiGLU in one kernel; every projection and
+the head go through `kernels.gemv.linear` (the Triton GEMV where it measured faster than cuBLAS
+for that shape, decode rows only). The fused weights are
 the only copy: `q_proj.weight` etc. are views into them (see `fuse_linears`), so HF names still load
 and save, and parameter counts stay right. `forward` and impl="ref" keep the plain reference math.
 
@@ -29,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from arch.checkpoint import CheckpointError, assign_weights, config_from_dict, load_weights, read_json
-from kernels import paged_attention, rmsnorm, rotary, swiglu
+from kernels import gemv, paged_attention, rmsnorm, rotary, swiglu
 
 
 @dataclass
@@ -206,7 +208,7 @@ class Attention(FusedLinears):
     def qkv_fused(self, x, positions, rope: Rotary):
         """Triton path of `qkv` for packed x [N, d]: one GEMV for q, k and v, then RoPE on q and k
         in one kernel, in place; q, k, v are views into the one projection output."""
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias).unflatten(-1, (self.n_heads + 2 * self.n_kv, self.head_dim))
+        qkv = gemv.linear(x, self.qkv_weight, self.qkv_bias, impl="triton").unflatten(-1, (self.n_heads + 2 * self.n_kv, self.head_dim))
         q, k, v = qkv.split([self.n_heads, self.n_kv, self.n_kv], dim=-2)  # [N, H, D] each
         cos, sin = rope.tables()
         rotary.apply_rotary(q, k, positions, cos, sin, impl="triton", inplace=True)
@@ -236,6 +238,8 @@ class Attention(FusedLinears):
                 q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.cu_seqlens_q, self.scale,
                 causal=batch.causal, impl=batch.impl, max_seqlen_q=batch.max_seqlen_q,
             )
+        if fused:
+            return gemv.linear(out.flatten(-2), self.o_proj.weight, impl="triton")
         return self.o_proj(out.flatten(-2))
 
 
@@ -254,7 +258,8 @@ class MLP(FusedLinears):
 
     def forward_fused(self, x):
         """Triton path: one GEMV for gate and up, SwiGLU in one kernel, then down."""
-        return self.down_proj(swiglu.silu_mul(F.linear(x, self.gate_up_weight), impl="triton"))
+        act = swiglu.silu_mul(gemv.linear(x, self.gate_up_weight, impl="triton"), impl="triton")
+        return gemv.linear(act, self.down_proj.weight, impl="triton")
 
 
 class Block(nn.Module):
@@ -342,7 +347,7 @@ class Llama(nn.Module):
             h, x = block.forward_fused(h, x, lambda h, b=block, i=i: b.self_attn.forward_paged(h, positions, self.rotary, batch, i), next_norm)
         if logit_index is not None:
             h = h[logit_index]
-        return F.linear(h, self.head_weight)
+        return gemv.linear(h, self.head_weight, impl="triton")
 
     def init_random(self, seed: int = 0):
         """Random weights with the usual 0.02-std normal init (norms at 1), deterministic in `seed`."""

@@ -22,7 +22,9 @@ The model runs three ways, all through `kernels.ssd`:
   the rows `rows` of the batched state buffers; returns the last position's hidden state;
 - `step(tokens [B], conv, ssm)`: one token per sequence, both states updated in place; its norms go
   through `kernels.mamba2_norm` (one launch each on the Triton path: embedding + pre-norm, residual add +
-  pre-norm, gated norm), so a layer is five launches: add + norm, in_proj, decode step, gated norm, out_proj.
+  pre-norm, gated norm), so a layer is five launches: add + norm, in_proj, decode step, gated norm, out_proj;
+  the projections and the head go through `kernels.gemv.linear` (the Triton GEMV where it measured
+  faster than cuBLAS for that shape).
 """
 
 import json
@@ -36,7 +38,7 @@ from torch import nn
 
 from arch.checkpoint import CheckpointError, assign_weights, config_from_dict, load_weights, read_json
 from arch.llama import RMSNorm
-from kernels import mamba2_norm, ssd
+from kernels import gemv, mamba2_norm, ssd
 
 
 @dataclass
@@ -163,7 +165,7 @@ class Mixer(nn.Module):
         z, xBC and dt stay strided views of the in-projection, read in place by the kernels.
         """
         c = self.config
-        z, xBC, dt = self.split(self.in_proj(h))
+        z, xBC, dt = self.split(gemv.linear(h, self.in_proj.weight, self.in_proj.bias, impl=impl))
         y = ssd.mamba2_decode_step(
             xBC,
             dt,
@@ -183,7 +185,7 @@ class Mixer(nn.Module):
         y = mamba2_norm.gated_rmsnorm(
             y.reshape(h.shape[0], c.d_inner), z, self.norm.weight, self.norm.group_size, self.norm.eps, impl=impl
         )
-        return self.out_proj(y)
+        return gemv.linear(y, self.out_proj.weight, self.out_proj.bias, impl=impl)
 
 
 class Block(nn.Module):
@@ -261,7 +263,7 @@ class Mamba2LM(nn.Module):
         for i, block in enumerate(layers):
             out = block.mixer.step(h, conv[i], ssm[i], impl)
             h, r = mamba2_norm.add_rmsnorm(out, r, norms[i + 1].weight, norms[i + 1].eps, impl=impl)
-        return F.linear(h, self.head_weight())
+        return gemv.linear(h, self.head_weight(), impl=impl)
 
     def init_random(self, seed: int = 0):
         """Random weights as mamba-ssm initialises them (A in [1, 16], dt in [1e-3, 0.1]), deterministic in `seed`."""

@@ -26,7 +26,8 @@ Three ways to run it, all on the same modules:
   from a carried state, which they update; padded positions leave the state untouched;
 - `forward_step(tokens [B], shift, wkv)`: one token per sequence, state updated in place. With
   impl="triton" it runs the fused step (`fused_step`): the same math in 12 kernels per layer
-  (kernels.rwkv7_fused around 6 GEMMs and the WKV-7 step) instead of about 60.
+  (kernels.rwkv7_fused around 6 GEMMs and the WKV-7 step) instead of about 60; the GEMMs and the
+  head go through `kernels.gemv.linear` (the Triton GEMV where it measured faster than cuBLAS).
 
 The fused step reads the projections through packed weights: on its first call a layer's six mixes
 become rows of one `[6, C]` tensor, the r/k/v projections and the LoRA down-projections rows of one
@@ -47,6 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from arch.checkpoint import CheckpointError, assign_weights, config_from_dict, load_weights, read_json
+from kernels import gemv
 from kernels.rwkv7_fused import add_norm_shift, gate_output, lora_hidden, sqrelu, time_mix_inputs
 from kernels.wkv7 import wkv7_chunk, wkv7_step
 
@@ -233,7 +235,7 @@ class TimeMix(nn.Module):
         if 6 * B <= CROSS_ROWS:
             # [6B, 3C + R]: every mixed input times every down-projection; only the diagonal blocks
             # are used, but the weights are read once, which is what the step costs
-            y = xs.view(6 * B, C) @ pack.down.T
+            y = gemv.linear(xs.view(6 * B, C), pack.down, impl="triton")
             r, k, v = (y[j * B : (j + 1) * B, j * C : (j + 1) * C] for j in range(3))
             lo = [y[(g0 + j) * B : (g0 + j + 1) * B, 3 * C + offs[j] : 3 * C + offs[j + 1]] for j in range(nb)]
         else:
@@ -243,7 +245,7 @@ class TimeMix(nn.Module):
             d = xs[g0:].reshape(nb * B, C) @ pack.down[3 * C :].T
             lo = [d[j * B : (j + 1) * B, offs[j] : offs[j + 1]] for j in range(nb)]
         # [nb * B, R] block-diagonal activations, then [nb * B, C]: row block j is LoRA j's output
-        u = lora_hidden(lo, [act for _, act in self.loras()], impl="triton") @ pack.up.T
+        u = gemv.linear(lora_hidden(lo, [act for _, act in self.loras()], impl="triton"), pack.up, impl="triton")
         bias_v = self.v_lora.lora[2].bias if self.layer else None
         x, w = time_mix_inputs(
             r, k, v, u, self.w_lora.lora[2].bias, self.a_lora.lora[2].bias, bias_v, self.k_k, self.k_a,
@@ -253,7 +255,7 @@ class TimeMix(nn.Module):
         o = wkv7_step(r, self.heads(w), k, v, a, b, state, impl="triton")
         g = u[(nb - 1) * B :]
         out = gate_output(o, r, k, v, g, self.r_k, self.g_norm.weight, self.g_norm.bias, eps=self.g_norm.eps, impl="triton")
-        return self.o_proj(out), (x[2] if self.layer == 0 else v_first)
+        return gemv.linear(out, self.o_proj.weight, impl="triton"), (x[2] if self.layer == 0 else v_first)
 
 
 class ChannelMix(nn.Module):
@@ -398,11 +400,12 @@ class RWKV7(nn.Module):
             n, ffn = block.ffn_norm, block.ffn
             # [1, B, C]
             xk = add_norm_shift(x, out, n.weight, n.bias, shift[i, 1], ffn.x_k.view(1, -1), eps=n.eps, impl="triton")
-            delta = ffn.value(sqrelu(ffn.key(xk[0]), impl="triton"))
+            hidden = sqrelu(gemv.linear(xk[0], ffn.key.weight, impl="triton"), impl="triton")
+            delta = gemv.linear(hidden, ffn.value.weight, impl="triton")
         n = self.model.norm
         h = add_norm_shift(x, delta, n.weight, n.bias, eps=n.eps, impl="triton")
         w = self.model.embeddings.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        return F.linear(h, w)
+        return gemv.linear(h, w, impl="triton")
 
     def init_random(self, seed: int = 0):
         """Random weights in the ranges a trained RWKV-7 has, deterministic in `seed`.

@@ -1,0 +1,227 @@
+"""Small-batch GEMV: Triton against the float32 reference, and `linear`'s choice per shape.
+
+On the CPU the kernel runs under the Triton interpreter in float32 (it computes tl.dot wrongly on
+bf16), with odd N and K, every kind of configuration (FMA in registers or cp.async-pipelined, the
+3-D FMA for several rows, tl.dot, split-K), the grouped form, strided x rows, a bias, and outputs
+pre-filled with NaN. Tests marked `gpu` run bf16 on CUDA: every configuration, autotuning, and
+`linear` (its choice per shape, equal to F.linear within bf16 rounding, inside a CUDA graph).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import gemv as G_
+from kernels.gemv import gemv, gemv_ref, linear
+
+GPU = torch.cuda.is_available()
+DEVICE = "cuda" if GPU else "cpu"
+
+
+def gpu_only(test):
+    """Marks a test `gpu` and skips it without a CUDA device."""
+    return pytest.mark.gpu(pytest.mark.skipif(not GPU, reason="needs a GPU")(test))
+
+
+def rel(a, b):
+    """||a - b|| / ||b|| in float32."""
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def configs():
+    from kernels.gemv.triton import CONFIGS
+
+    return CONFIGS
+
+
+# One of each kind: registers, pipelined, 3-D FMA, two split-K FMA, dot, dot split-K.
+KINDS = {
+    "fma": dict(DOT=False, BLOCK_N=4, BLOCK_K=128, SPLIT_K=1),
+    "fma-pipelined": dict(DOT=False, BLOCK_N=8, BLOCK_K=64, SPLIT_K=1, LOOP_STAGES=3),
+    "fma-split3": dict(DOT=False, BLOCK_N=4, BLOCK_K=64, SPLIT_K=3),
+    "fma-split4-pipelined": dict(DOT=False, BLOCK_N=16, BLOCK_K=32, SPLIT_K=4, LOOP_STAGES=2),
+    "dot": dict(DOT=True, BLOCK_N=16, BLOCK_K=64, SPLIT_K=1),
+    "dot-split2": dict(DOT=True, BLOCK_N=32, BLOCK_K=32, SPLIT_K=2),
+}
+
+
+@pytest.mark.parametrize("M,N,K", [(1, 1, 1), (1, 17, 100), (3, 100, 17), (8, 33, 1000), (1, 1000, 100)])
+def test_gemv_default_config_matches_ref(M, N, K, nan_empty):
+    x, w = torch.randn(M, K, device=DEVICE), torch.randn(N, K, device=DEVICE)
+    got = gemv(x, w, impl="triton")
+    assert got.shape == (M, N) and got.dtype == x.dtype
+    assert rel(got, gemv_ref(x, w)) < 1e-5
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("M,N,K", [(1, 17, 100), (3, 33, 201), (8, 20, 17)])
+def test_gemv_every_kind_matches_ref(kind, M, N, K, nan_empty):
+    from kernels.gemv.triton import gemv_triton
+
+    x, w = torch.randn(M, K, device=DEVICE), torch.randn(N, K, device=DEVICE)
+    got = gemv_triton(x, w, config=KINDS[kind])
+    assert rel(got, gemv_ref(x, w)) < 1e-5
+
+
+@pytest.mark.parametrize("kind", ["fma", "fma-split3", "dot-split2"])
+def test_gemv_grouped_strided_bias_out(kind):
+    """G=3 products in one launch, x rows with a stride != K, a bias, written into a given out."""
+    from kernels.gemv.triton import gemv_triton
+
+    Gn, M, N, K = 3, 2, 37, 150
+    x = torch.randn(Gn, M, 2 * K, device=DEVICE)[:, :, 5:5 + K]
+    w, b = torch.randn(Gn, N, K, device=DEVICE), torch.randn(Gn, N, device=DEVICE)
+    out = torch.full((Gn, M, N), float("nan"), device=DEVICE)
+    got = gemv_triton(x, w, b, out=out, config=KINDS[kind])
+    assert got is out
+    assert rel(got, gemv_ref(x, w, b)) < 1e-5
+
+
+def test_gemv_strided_rows_and_out(nan_empty):
+    M, N, K = 3, 100, 1000
+    x = torch.randn(M, 3 * K, device=DEVICE)[:, K:2 * K]
+    assert x.stride(0) == 3 * K
+    w = torch.randn(N, K, device=DEVICE)
+    out = torch.full((M, N), float("nan"), device=DEVICE)
+    assert gemv(x, w, impl="triton", out=out) is out
+    assert rel(out, gemv_ref(x, w)) < 1e-5
+    # The output may itself be rows of a wider buffer.
+    wide = torch.full((M, N + 7), float("nan"), device=DEVICE)
+    gemv(x, w, impl="triton", out=wide[:, :N])
+    assert rel(wide[:, :N], gemv_ref(x, w)) < 1e-5
+    assert wide[:, N:].isnan().all()
+
+
+def test_gemv_bias_and_ref_impl():
+    x, w, b = torch.randn(2, 50, device=DEVICE), torch.randn(30, 50, device=DEVICE), torch.randn(30, device=DEVICE)
+    torch.testing.assert_close(gemv(x, w, b, impl="triton"), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gemv(x, w, b, impl="ref"), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    out = torch.empty(2, 30, device=DEVICE)
+    assert gemv(x, w, impl="ref", out=out) is out
+
+
+def test_split_k_leaves_counters_at_zero():
+    """The last split resets its counter: the workspace is reusable (and CUDA-graph safe)."""
+    from kernels.gemv import triton as tri
+
+    x, w = torch.randn(2, 300, device=DEVICE), torch.randn(50, 300, device=DEVICE)
+    for _ in range(2):
+        assert rel(tri.gemv_triton(x, w, config=KINDS["fma-split3"]), gemv_ref(x, w)) < 1e-5
+    assert not tri._workspaces[str(x.device)][1].any()
+
+
+def test_gemv_rejects_bad_shapes():
+    x = torch.randn(2, 8, device=DEVICE)
+    with pytest.raises(ValueError):
+        gemv(x, torch.randn(4, 9, device=DEVICE), impl="triton")
+    with pytest.raises(ValueError):
+        gemv(x, torch.randn(8, 4, device=DEVICE).t(), impl="triton")
+    with pytest.raises(ValueError):
+        gemv(x, torch.randn(4, 8, device=DEVICE), impl="triton", out=torch.empty(2, 5, device=DEVICE))
+    with pytest.raises(ValueError):
+        gemv(x, torch.randn(4, 8, device=DEVICE), impl="auto")
+
+
+def test_config_pruning_keeps_fma_accumulators_small():
+    from kernels.gemv.triton import config_fits
+
+    for cfg in configs():
+        for M in (1, 4, 8, 16):
+            if config_fits(cfg, M, 2048) and not cfg.kwargs["DOT"]:
+                pad = 1 << (M - 1).bit_length()
+                assert pad * cfg.kwargs["BLOCK_N"] * cfg.kwargs["BLOCK_K"] <= 64 * 32 * cfg.num_warps
+    # Several rows always keep some candidate.
+    assert any(config_fits(c, 16, 2048) for c in configs())
+
+
+def test_linear_on_cpu_is_f_linear(monkeypatch):
+    """On the CPU `linear` never runs the interpreter: it is F.linear, whatever impl."""
+    from kernels.gemv import triton as tri
+
+    def boom(*args, **kwargs):
+        raise AssertionError("linear ran the Triton kernel on the CPU")
+
+    monkeypatch.setattr(tri, "gemv_triton", boom)
+    x, w, b = torch.randn(2, 3, 40), torch.randn(24, 40), torch.randn(24)
+    for impl in ("triton", "ref"):
+        torch.testing.assert_close(linear(x, w, impl=impl), F.linear(x, w), rtol=0, atol=0)
+        torch.testing.assert_close(linear(x, w, b, impl=impl), F.linear(x, w, b), rtol=0, atol=0)
+
+
+# ---- GPU: bf16 on the compiled kernels ----
+
+
+@gpu_only
+@pytest.mark.parametrize("M,N,K", [(1, 2048, 2048), (4, 3000, 2000), (8, 1000, 8192), (1, 8512, 2048), (16, 513, 96)])
+def test_gpu_every_config_bf16(M, N, K):
+    from kernels.gemv.triton import config_fits, config_name, gemv_triton
+
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(N, K, device="cuda") * K ** -0.5).to(torch.bfloat16)
+    want = gemv_ref(x.float(), w.float())
+    for cfg in configs():
+        if config_fits(cfg, M, K):
+            assert rel(gemv_triton(x, w, config=cfg), want) < 1e-2, config_name(cfg)
+    assert rel(gemv(x, w, impl="triton"), want) < 1e-2
+
+
+@gpu_only
+def test_gpu_grouped_bf16():
+    x = torch.randn(3, 1, 2048, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(3, 2048, 2048, device="cuda") * 2048 ** -0.5).to(torch.bfloat16)
+    assert rel(gemv(x, w, impl="triton"), gemv_ref(x.float(), w.float())) < 1e-2
+
+
+@gpu_only
+def test_gpu_linear_picks_per_shape_and_matches_f_linear():
+    for M, N, K in [(1, 2048, 2048), (4, 2048, 8192), (2, 1000, 300)]:
+        x = torch.randn(1, M, K, device="cuda", dtype=torch.bfloat16)
+        w = (torch.randn(N, K, device="cuda") * K ** -0.5).to(torch.bfloat16)
+        got = linear(x, w, impl="triton")
+        assert got.shape == (1, M, N)
+        assert rel(got, F.linear(x, w)) < 1e-2
+        rec = G_.choices()[(M, N, K, "bfloat16", False)]
+        assert rec["impl"] in ("triton", "torch") and rec["triton_us"] > 0 and rec["torch_us"] > 0
+    # More rows than MAX_ROWS: plain F.linear, no choice recorded.
+    x = torch.randn(G_.MAX_ROWS + 1, 256, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+    torch.testing.assert_close(linear(x, w, impl="triton"), F.linear(x, w))
+    assert (G_.MAX_ROWS + 1, 64, 256, "bfloat16", False) not in G_.choices()
+
+
+@gpu_only
+@pytest.mark.parametrize("force", ["triton", "torch"])
+def test_gpu_linear_in_cuda_graph(force):
+    M, N, K = 1, 2048, 4096
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(N, K, device="cuda") * K ** -0.5).to(torch.bfloat16)
+    linear(x, w, impl="triton")  # warm-up outside capture: autotune + the choice
+    G_._CHOICES[(M, N, K, "bfloat16", False, x.device.index)]["impl"] = force
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        linear(x, w, impl="triton")
+    torch.cuda.current_stream().wait_stream(stream)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = linear(x, w, impl="triton")
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        g.replay()
+        torch.cuda.synchronize()
+        assert rel(y, F.linear(x, w)) < 1e-2
+
+
+@gpu_only
+def test_gpu_linear_unseen_shape_during_capture_uses_f_linear():
+    x = torch.randn(1, 1536, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(640, 1536, device="cuda", dtype=torch.bfloat16)
+    F.linear(x, w)  # cuBLAS warm-up before capture; records no choice
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = linear(x, w, impl="triton")
+    g.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(y, F.linear(x, w))
+    assert (1, 640, 1536, "bfloat16", False) not in G_.choices()
