@@ -9,17 +9,17 @@ accumulation. The grouped form runs G independent products in one launch: x `[G,
 - `gemv(x, weight, bias=None, *, impl, out=None) -> [M, N] | [G, M, N]`
 - `linear(x, weight, bias=None, *, impl) -> [..., N]`: the drop-in for `F.linear` in the models.
   On a CUDA device with impl="triton" and at most MAX_ROWS rows it runs, per (M, N, K, dtype,
-  bias) shape, the faster of the Triton GEMV and `F.linear`, measured once when the shape is first
-  seen (outside CUDA-graph capture; during capture an unseen shape runs `F.linear`, unrecorded);
-  everywhere else (CPU, impl="ref", more rows) it is `F.linear`.
-- `choices() -> {(M, N, K, dtype, has_bias): {"impl", "triton_us", "torch_us", "config"}}`: what
-  `linear` picked so far, for benchmarks and logs.
+  bias) shape, the fastest of `F.linear` and every Triton configuration that fits, measured once
+  when the shape is first seen: each candidate replayed from a CUDA graph over enough copies of
+  the weight to overflow L2, as the calls of a decode step run (outside capture; during capture an
+  unseen shape runs `F.linear`, unrecorded). Everywhere else (CPU, impl="ref", more rows) it is
+  `F.linear`.
+- `choices() -> {(M, N, K, dtype, has_bias): {"impl", "torch_us", "triton_us", "triton_config",
+  "times_us"}}`: what `linear` picked so far and every candidate's time, for benchmarks and logs.
 
 Inside a CUDA graph: call `linear` (or `gemv` with impl="triton") once per shape before capture,
-so that autotuning, the measurement and the split-K workspace all happen outside it.
+so that compilation, the measurement and the split-K workspace all happen outside it.
 """
-
-import statistics
 
 import torch
 import torch.nn.functional as F
@@ -49,46 +49,52 @@ def gemv(x, weight, bias=None, *, impl, out=None):
 
 
 def choices() -> dict:
-    """`linear`'s choice per shape so far: {(M, N, K, dtype, has_bias): record} (device index dropped)."""
-    return {key[:5]: dict(rec) for key, rec in _CHOICES.items()}
+    """`linear`'s choice per shape so far: {(M, N, K, dtype, has_bias): record} (device index dropped;
+    the record's config as its name)."""
+    return {key[:5]: {k: v for k, v in rec.items() if k != "config"} for key, rec in _CHOICES.items()}
 
 
-def _time_us(fns, device, reps=25):
-    """Median µs of each callable, interleaved, each call after the L2 cache was overwritten."""
-    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 64 << 20) or (64 << 20)
-    flush = torch.empty(2 * l2, dtype=torch.int8, device=device)
-    for fn in fns:
-        fn()
-    samples = [[] for _ in fns]
-    events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-              for _ in fns]
+def _graph_us(call, weights, device, replays=5) -> float:
+    """µs per call of `call(w)`, one call per weight copy, replayed from a CUDA graph: as in a decode
+    step, calls run back to back and every weight comes from HBM (the copies overflow L2)."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for w in weights:  # compiles, allocates any workspace, outside the capture
+            call(w)
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for w in weights:
+            call(w)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
     torch.cuda.synchronize(device)
-    # Hold the GPU (~10 ms) while every rep is queued, so no call waits for its own launch from
-    # Python (a Triton launch costs more CPU time than a cuBLAS one, and more than a flush takes).
-    torch.cuda._sleep(20_000_000)
-    for r in range(reps):
-        for fn, ev in zip(fns, events):
-            # The weight comes from HBM in a decode step; the flush keeps it from being L2-hot here.
-            flush.zero_()
-            ev[r][0].record()
-            fn()
-            ev[r][1].record()
-    torch.cuda.synchronize(device)
-    for ev, s in zip(events, samples):
-        s.extend(a.elapsed_time(b) * 1e3 for a, b in ev)
-    return [statistics.median(s) for s in samples]
+    return start.elapsed_time(end) * 1e3 / (replays * len(weights))
 
 
 def _choose(x2, weight, bias, key):
-    from kernels.gemv.triton import config_name, gemv_triton, tuned_config
+    """Time every Triton configuration that fits this shape and F.linear the same way; keep the fastest."""
+    from kernels.gemv.triton import CONFIGS, config_fits, config_name, gemv_triton
 
     M, N, K = key[:3]
-    # The first Triton call autotunes this shape (its own benchmark, outside any capture).
-    gemv_triton(x2, weight, bias)
-    t_tri, t_torch = _time_us([lambda: gemv_triton(x2, weight, bias), lambda: F.linear(x2, weight, bias)], x2.device)
-    cfg = tuned_config(M, N, K, 1, bias is not None, x2.dtype)
-    rec = {"impl": "triton" if t_tri < t_torch else "torch", "triton_us": t_tri, "torch_us": t_torch,
-           "config": config_name(cfg) if cfg is not None else None}
+    device = x2.device
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 64 << 20) or (64 << 20)
+    copies = min(64, max(2, -(-2 * l2 // (weight.numel() * weight.element_size()))))
+    weights = [weight] + [weight.clone() for _ in range(copies - 1)]
+    times = {"torch": _graph_us(lambda w: F.linear(x2, w, bias), weights, device)}
+    configs = {config_name(c): c for c in CONFIGS if config_fits(c, M, K)}
+    for name, cfg in configs.items():
+        times[name] = _graph_us(lambda w, cfg=cfg: gemv_triton(x2, w, bias, config=cfg), weights, device)
+    del weights
+    best = min(times, key=times.get)
+    fastest = min((n for n in times if n != "torch"), key=times.get, default=None)
+    rec = {"impl": "torch" if best == "torch" else "triton", "config": configs.get(best), "torch_us": times["torch"],
+           "triton_us": times[fastest] if fastest else None, "triton_config": fastest, "times_us": times}
     _CHOICES[key] = rec
     return rec
 
@@ -119,4 +125,4 @@ def linear(x, weight, bias=None, *, impl):
         return F.linear(x, weight, bias)
     from kernels.gemv.triton import gemv_triton
 
-    return gemv_triton(x2, weight, bias).view(*x.shape[:-1], N)
+    return gemv_triton(x2, weight, bias, config=rec["config"]).view(*x.shape[:-1], N)

@@ -186,16 +186,16 @@ def main():
         else:
             emit({"kind": "skipped", **base, "what": "triton configs", "reason": f"time budget {args.budget:.0f}s spent"})
         per_config.append((label, times))
-        # linear's own choice (it autotunes the shape first); the grouped form has no linear.
+        # linear's own choice (its graph-timed sweep); the grouped form has no linear: the autotuner's pick.
         if grouped:
             gemv_triton(x, ws[0])
             pick, choice = tuned_config(M, N, K, G, False, dtype), None
+            pick_name = config_name(pick) if pick is not None else None
         else:
             G_.linear(x, ws[0], impl="triton")
-            pick = tuned_config(M, N, K, 1, False, dtype)
             choice = G_.choices().get((M, N, K, "bfloat16", False))
+            pick_name = choice["triton_config"] if choice else None
             emit({"kind": "choice", **base, **(choice or {})})
-        pick_name = config_name(pick) if pick is not None else None
         best = min(times, key=times.get) if times else None
         summary_rows.append((label, t_torch, best, times.get(best), pick_name, choice, nbytes))
         ws = x = want = out = None  # free this case's weights before the next one allocates
@@ -211,10 +211,10 @@ def main():
     print(f"{'case':<24}" + "".join(f"{'c%d' % i:>8}" for i in range(len(CONFIGS))))
     for label, times in per_config:
         print(f"{label:<24}" + "".join(f"{times[i]:>8.2f}" if i in times else f"{'-':>8}" for i in range(len(CONFIGS))))
-    print(f"\n{'case':<24}{'F.linear':>16}{'best Triton':>16}  {'best config':<26}{'autotuned':<26}linear picks")
+    print(f"\n{'case':<24}{'F.linear':>16}{'best Triton':>16}  {'best config':<26}{'linear / autotuned':<26}linear picks")
     for label, t_torch, best, t_best, pick_name, choice, nbytes in summary_rows:
         tb = f"{t_best:6.2f} ({frac(t_best, nbytes):4.0%})" if t_best else f"{'-':>13}"
-        lin = f"{choice['impl']} ({choice['triton_us']:.2f} vs {choice['torch_us']:.2f} µs)" if choice else "-"
+        lin = f"{choice['impl']} ({choice['triton_us'] or float('nan'):.2f} vs {choice['torch_us']:.2f} µs)" if choice else "-"
         print(f"{label:<24}{t_torch:6.2f} ({frac(t_torch, nbytes):4.0%}){tb:>16}  "
               f"{config_name(CONFIGS[best]) if best is not None else '-':<26}{pick_name or '-':<26}{lin}")
     summary = {"bench": "gemv", "out": args.out, "failures": failures, "seconds": round(time.monotonic() - start, 1)}
