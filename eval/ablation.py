@@ -1,15 +1,18 @@
 """The matched-model quality ablation: train one small model per family on one corpus, then compare.
 
     python -m eval.ablation --corpus corpus/ --tokens 300000000 --out results/quality/
+    python -m eval.ablation --corpus corpus/ --time-budget 3600 --out results/quality/   # one GPU-hour of training
 
 1. checks that the size presets (default configs/{llama,mamba2,rwkv7,maskpredict}-30m.json) have
    parameter counts within 10% of each other, and records them;
-2. trains each preset with `eval.train` on the same tokenizer (a BPE of --tokenizer trained once on
+2. (with --time-budget) measures each preset's training tokens/s for a few steps and sets the one
+   token budget that trains all of them within that many seconds;
+3. trains each preset with `eval.train` on the same tokenizer (a BPE of --tokenizer trained once on
    the corpus, saved in <out>/tokenizer), the same tokenised data (<out>/data) and the same token
    budget, schedule and seed, into <out>/runs/<preset> (an interrupted run resumes when rerun);
-3. makes the offline tasks (`eval.tasks.make`) with the corpus's test split (its validation split
+4. makes the offline tasks (`eval.tasks.make`) with the corpus's test split (its validation split
    when the folder has no test*) as the text of declab_ppl and declab_cloze, into <out>/tasks;
-4. runs `eval.quality` on the four checkpoints (Mask-Predict at each of --mp-iterations), writing
+5. runs `eval.quality` on the four checkpoints (Mask-Predict at each of --mp-iterations), writing
    quality.jsonl, quality.md, mqar.png and maskpredict_iterations.png into <out>.
 
 Every record is a JSON line with environment(): <out>/ablation.jsonl (presets, parameter counts,
@@ -30,10 +33,26 @@ PRESETS = ["llama-30m", "mamba2-30m", "rwkv7-30m", "maskpredict-30m"]
 TASKS = ["declab_mqar", "declab_copy", "declab_ppl", "declab_cloze"]
 
 
+def budget_tokens(a, presets: list[str], device: str) -> int:
+    """The token budget (whole steps) that trains every preset within a.time_budget seconds in all,
+    from each preset's measured training throughput; the probe is recorded in ablation.jsonl."""
+    tokenizer = train.load_or_make_tokenizer(a.tokenizer, str(a.corpus), a.out)
+    rates = {p: train.throughput(p, tokenizer, batch=a.batch, seq_len=a.seq_len, device=device, seed=a.seed) for p in presets}
+    step = a.batch * a.seq_len
+    tokens = max(1, int(a.time_budget / sum(1 / r for r in rates.values())) // step) * step
+    append_jsonl(a.out / "ablation.jsonl", {"kind": "throughput", "tokens_per_s": rates, "time_budget_s": a.time_budget,
+                                            "tokens": tokens, **environment(device)})
+    print("training tokens/s: " + ", ".join(f"{p} {r:,.0f}" for p, r in rates.items()) + f"; budget {tokens:,} tokens per model")
+    return tokens
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m eval.ablation", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--corpus", required=True, help="corpus folder (train-*.txt.gz + valid.txt.gz), file or datasets name")
-    p.add_argument("--tokens", type=int, required=True, help="training tokens per model")
+    budget = p.add_mutually_exclusive_group(required=True)
+    budget.add_argument("--tokens", type=int, help="training tokens per model")
+    budget.add_argument("--time-budget", type=float, help="seconds of training for all the models together: a short throughput "
+                        "probe of each preset sets the one token budget they all train for")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--presets", default=",".join(PRESETS), help="comma-separated size presets, one per family")
     p.add_argument("--tokenizer", default="bpe:8192")
@@ -51,6 +70,8 @@ def main(argv=None):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     presets = a.presets.split(",")
     counts = train.check_matched(presets)
+    if a.time_budget is not None:
+        a.tokens = budget_tokens(a, presets, device)
     append_jsonl(out / "ablation.jsonl", {"kind": "presets", "params": counts, "tokens": a.tokens, **environment(device)})
     checkpoints = []
     for preset in presets:

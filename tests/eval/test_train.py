@@ -102,3 +102,18 @@ def test_gpu_bf16_training_lowers_loss(tmp_path, corpus, preset):
     assert vals[-1]["val_loss"] < 0.8 * vals[0]["val_loss"]
     dec = decoders.load(out, device="cuda", dtype=torch.bfloat16)
     assert dec.impl == "triton"
+
+
+def test_ablation_time_budget_sets_one_token_budget_from_throughput(tmp_path, corpus):
+    from argparse import Namespace
+
+    from eval import ablation
+
+    presets = ["llama-tiny", "mamba2-tiny"]
+    a = Namespace(tokenizer="byte", corpus=corpus, out=tmp_path, batch=2, seq_len=16, seed=0, time_budget=5.0)
+    tokens = ablation.budget_tokens(a, presets, "cpu")
+    rec = json.loads((tmp_path / "ablation.jsonl").read_text().splitlines()[-1])
+    assert rec["kind"] == "throughput" and set(rec["tokens_per_s"]) == set(presets) and rec["tokens"] == tokens
+    assert tokens > 0 and tokens % (2 * 16) == 0
+    # All presets train `tokens` tokens within the budget at the measured rates (whole steps, rounded down).
+    assert sum(tokens / r for r in rec["tokens_per_s"].values()) <= 5.0
