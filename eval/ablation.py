@@ -61,6 +61,7 @@ def main(argv=None):
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--tasks", default=",".join(TASKS))
     p.add_argument("--mp-iterations", default="1,2,4,8,16")
+    p.add_argument("--task-docs", type=int, default=200, help="examples per MQAR, copy and cloze task, and documents of declab_ppl")
     p.add_argument("--eval-args", default="dtype=bfloat16,max_length=2048,batch_size=16", help="declab model_args for the evaluation")
     p.add_argument("--limit", type=float, help="examples per task (testing only)")
     p.add_argument("--seed", type=int, default=0)
@@ -85,7 +86,7 @@ def main(argv=None):
         checkpoints.append(str(run))
     # Test bits per byte and cloze on the held-out test split when the corpus folder has one.
     split = "test" if Path(a.corpus).is_dir() and any(Path(a.corpus).glob("test*")) else "valid"
-    make.make(out / "tasks", seed=a.seed, text=str(a.corpus), text_split=split)
+    make.make(out / "tasks", seed=a.seed, text=str(a.corpus), text_split=split, n_docs=a.task_docs, ppl_docs_n=a.task_docs)
     append_jsonl(out / "ablation.jsonl", {"kind": "tasks", "text_split": split, **environment(device)})
     limit = int(a.limit) if a.limit and a.limit >= 1 else a.limit
     quality.quality(checkpoints, a.tasks.split(","), out, include_path=str(out / "tasks"), model_args=quality.parse_model_args(a.eval_args),
