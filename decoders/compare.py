@@ -104,22 +104,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iterations", default="4", help="Mask-Predict: comma list of refinement passes T")
     p.add_argument("--block", type=int, default=None, help="Mask-Predict: semi-autoregressive block length")
     p.add_argument("--peers", default=None, help="comma list of peers run on the same points: hf, mamba_ssm, fla")
+    p.add_argument("--peers-only", action="store_true", help="run only the peers' points (the lab's own rows come from another sweep)")
     p.add_argument("--out", default="results/compare.jsonl", help="JSON lines file, appended point by point")
     p.add_argument("--plot", default=None, help="PNG: decode tokens/s against context, one line per model and peer")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
 
-def plan_points(models, ctxs, batches, iterations, peer_names=(), device=None):
+def plan_points(models, ctxs, batches, iterations, peer_names=(), device=None, own=True):
     """(model, family, T, batch, ctx, peer) in sweep order; T only for Mask-Predict models. After a
-    model's own points (peer None) come its peers' points (a `peers.Peer`), each peer's contexts in a
-    row; a peer that cannot run the model is one point (a `peers.Absent`, batch and ctx None)."""
+    model's own points (peer None; left out when not `own`) come its peers' points (a `peers.Peer`),
+    each peer's contexts in a row; a peer that cannot run the model is one point (a `peers.Absent`,
+    batch and ctx None)."""
     import decoders
     from decoders import peers
 
     for model in models:
         family = decoders.family_of(model)
-        for it in iterations if family == "maskpredict" else [None]:
+        for it in (iterations if family == "maskpredict" else [None]) if own else []:
             for batch in batches:
                 for ctx in ctxs:
                     yield model, family, it, batch, ctx, None
@@ -247,9 +249,11 @@ def run(args) -> int:
     if args.new_tokens >= min(ctxs):
         raise ArgError(f"--new-tokens {args.new_tokens} leaves no prompt at context {min(ctxs)}")
     peer_names = parse_peers(args.peers) if args.peers is not None else []
+    if args.peers_only and not peer_names:
+        raise ArgError("--peers-only needs --peers")
     device = torch.device(args.device or ("cuda" if on_gpu else "cpu"))
 
-    plan = list(plan_points(models, ctxs, batches, iterations, peer_names, device))
+    plan = list(plan_points(models, ctxs, batches, iterations, peer_names, device, own=not args.peers_only))
     env = environment(device)
     ceiling = harness.ceilings(device)
     print(f"ceilings on {env['device']}: copy {ceiling['copy_bytes_per_s'] / 1e12:.2f} TB/s, matmul {ceiling['matmul_flops'] / 1e12:.1f} TFLOP/s", file=sys.stderr)

@@ -2,7 +2,7 @@
 # One call on a CUDA machine: the GPU tests, the kernel benchmarks and the compare sweeps, each stage
 # bounded in time, results and logs written under OUT_DIR (JSON lines, one file per stage).
 #
-#   scripts/gpu_suite.sh OUT_DIR tests fused profile gemv kernels compare-triton compare-batch peers compare-mid compare-ref
+#   scripts/gpu_suite.sh OUT_DIR tests fused profile gemv kernels compare-triton compare-batch peers compare-ref
 #
 # Peers (flash-linear-attention, mamba-ssm) are used when importable; put wheels in WHEEL_DIR
 # (default .whl) to have them installed into a scratch folder first. On a copy of the tree without
@@ -49,13 +49,10 @@ for s in "$@"; do
       stage wkv7 120 python3 -m kernels.wkv7.bench --out "$out/wkv7.jsonl" ;;
     gemv) stage gemv 120 python3 -m kernels.gemv.bench --out "$out/gemv.jsonl" ;;
     compare-batch) stage compare_batch 240 python3 -m decoders.compare --no-progress --impl triton \
-        --models llama-1b,mamba2-1.3b,rwkv7-1.5b --ctx 4k,32k --batch 16,64 --new-tokens 16 --out "$out/compare_batch.jsonl" ;;
-    # The batch-1 sweep in two parts, into one file (redraw with python -m decoders.plot): the peers
-    # (each compiles or captures per context) at 4k, 32k and 128k, the lab alone in between.
-    peers) stage compare_peers 420 python3 -m decoders.compare --no-progress --impl triton --peers hf,mamba_ssm,fla \
-        --models llama-1b,mamba2-1.3b,rwkv7-1.5b --ctx 4k,32k,128k --batch 1 --out "$out/compare_b1.jsonl" ;;
-    compare-mid) stage compare_mid 200 python3 -m decoders.compare --no-progress --impl triton \
-        --models llama-1b,mamba2-1.3b,rwkv7-1.5b --ctx 8k,16k,64k --batch 1 --out "$out/compare_b1.jsonl" ;;
+        --models llama-1b,mamba2-1.3b,rwkv7-1.5b --ctx "${BATCH_CTX:-4k,32k}" --batch 16,64 --new-tokens 16 --out "$out/compare_batch.jsonl" ;;
+    # Peers alone (each compiles or captures per context) beside a compare-triton sweep of the lab.
+    peers) stage compare_peers "${PEER_LIMIT:-420}" python3 -m decoders.compare --no-progress --impl triton --peers hf,mamba_ssm,fla --peers-only \
+        --models llama-1b,mamba2-1.3b,rwkv7-1.5b --ctx "${PEER_CTX:-4k,32k,128k}" --batch 1 --out "$out/compare_peers.jsonl" ;;
     compare-triton) stage compare_triton 330 python3 -m decoders.compare --no-progress --impl triton \
         --models llama-1b,mamba2-1.3b,rwkv7-1.5b --ctx 4k..128k --batch 1 --out "$out/compare_triton.jsonl" --plot "$out/scaling.png" ;;
     compare-ref) stage compare_ref 300 python3 -m decoders.compare --no-progress --impl ref \

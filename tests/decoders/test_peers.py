@@ -74,6 +74,18 @@ def test_hf_eager_runs_beside_the_lab_on_the_same_points(tmp_path, capsys):
     assert plot.stat().st_size > 0
 
 
+def test_peers_only_runs_no_lab_point(tmp_path, capsys):
+    code, records, _, err = sweep(tmp_path, capsys, "--models", "llama-tiny", "--peers", "hf", "--peers-only", "--ctx", "256", "--new-tokens", "4")
+    assert code == 0, err
+    assert records and all("peer" in r for r in records)
+    assert any(r["peer"] == "hf-eager" and r["status"] == "ok" for r in records)
+
+
+def test_peers_only_without_peers_is_refused(tmp_path, capsys):
+    code, records, _, err = sweep(tmp_path, capsys, "--models", "llama-tiny", "--peers-only", "--ctx", "256")
+    assert code == 2 and "--peers-only needs --peers" in err and records == []
+
+
 def test_unavailable_and_not_applicable_peers_are_rows_with_reasons(tmp_path, capsys, monkeypatch):
     real = peers.import_reason
     monkeypatch.setattr(peers, "import_reason", lambda module: "ImportError: mamba-ssm is not installed" if module == "mamba_ssm" else real(module))
