@@ -3,8 +3,22 @@
 `resolve_impl` turns the user's choice ("auto", "triton", "ref") into the implementation that
 will actually run. It is called once per model load; the result is logged and recorded in every
 benchmark record. There is no silent fallback: asking for Triton where it cannot run is an error.
+
+`pdl(device)` says whether the Triton kernels of a decode step launch with programmatic dependent
+launch (PDL, `launch_pdl=True` plus the `PDL` constexpr of each kernel): True only on a CUDA device
+of compute capability >= 9.0 (Hopper), outside the interpreter (TRITON_INTERPRET != "1"), and
+unless the environment variable DECLAB_PDL is "0" (the switch for users and benchmarks; default on).
+Under PDL a kernel may start while the one before it on the stream is still running: every program
+calls `gdc_launch_dependents()` at its start (the next PDL kernel may then launch) and
+`gdc_wait()` (griddepcontrol.wait: the previous grid has completed and its memory is visible)
+before it loads anything an earlier kernel may have written and before its first store. Only data
+that no kernel of the step writes (weights, norm weights, biases) is loaded before the wait, so a
+weight must not be written by the kernel launched right before the one reading it without a wait
+in between (weights loaded at model load, many launches and a sync earlier, are fine). The flag is
+read at every launch; a CUDA graph keeps what it was when captured.
 """
 
+import functools
 import logging
 import os
 
@@ -25,6 +39,31 @@ def triton_available(device: torch.device | str | None = None) -> bool:
             return False
         return torch.cuda.is_available()
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def pdl(device: torch.device | str | int | None = None) -> bool:
+    """Whether kernels launched for tensors on `device` use programmatic dependent launch (see the
+    module docstring): a CUDA device of compute capability >= 9, TRITON_INTERPRET != "1" and
+    DECLAB_PDL != "0". `device` None means the current CUDA device (False without one)."""
+    if os.environ.get("DECLAB_PDL") == "0" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    if device is None:
+        if not torch.cuda.is_available():
+            return False
+        index = torch.cuda.current_device()
+    else:
+        if isinstance(device, int):
+            device = torch.device("cuda", device)
+        device = torch.device(device)
+        if device.type != "cuda" or not torch.cuda.is_available():
+            return False
+        index = device.index if device.index is not None else torch.cuda.current_device()
+    return _capability(index)[0] >= 9
 
 
 def check_impl(impl: str) -> None:

@@ -5,7 +5,9 @@
 - `copy_bandwidth(device)`: bytes read + written per second by a large device-to-device copy, the
   ceiling that achieved bandwidth and MBU are reported against.
 - `matmul_tflops(device)`: a large bf16 matrix product, the arithmetic ceiling.
-- `environment()`: git sha (and dirty flag), device name, torch/triton versions, for every record.
+- `environment()`: git sha (and dirty flag), device name, torch/triton versions, whether the Triton
+  kernels launch with programmatic dependent launch (`kernels.pdl`; DECLAB_PDL=0 turns it off), for
+  every record.
 """
 
 import json
@@ -17,6 +19,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from kernels import pdl
 
 
 def time_samples_ms(fn, *, warmup: int = 10, iters: int = 50, graph: bool = False) -> list[float]:
@@ -114,6 +118,7 @@ def environment(device) -> dict:
         "torch": torch.__version__,
         "triton": triton_version,
         "python": sys.version.split()[0],
+        "pdl": pdl(device),
         "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
     }
 

@@ -73,6 +73,9 @@ def compile_report(rows=(1, 4, 8)):
                 continue
             consts = dict(G=1, stride_xg=0, stride_wg=0, stride_bg=0, stride_og=0,
                           M_POW2=triton.next_power_of_2(M), HAS_BIAS=False, DOT_PREC="tf32", **cfg.kwargs)
+            # The other constexprs (PDL, PDL_TILES) at their defaults: launched without PDL.
+            consts.update({p.name: p.default for p in _gemv_kernel.params
+                           if p.is_constexpr and p.has_default and p.name not in consts})
             if M == 1:
                 consts["M"] = 1
             sig = {}

@@ -13,6 +13,11 @@ ticket from a per-(g, n-block) int32 counter; the last one sums the SPLIT_K part
 workspace has a fixed size and is zero again after every call: CUDA-graph safe.
 
 Base offsets are int64 (G * N * K can pass 2^31); in-tile offsets stay int32.
+
+PDL (constexpr, `kernels.pdl`, launched with launch_pdl): every program calls
+gdc_launch_dependents() first, loads its first W tiles (PDL_TILES; -1: two for FMA, one for DOT),
+then gdc_wait() (the previous kernel has finished and its writes are visible) before it reads x or
+writes anything; the K loop runs over the remaining tiles. Without PDL the kernel is unchanged.
 """
 
 import os
@@ -20,6 +25,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from kernels import pdl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -85,13 +92,27 @@ def _prune(configs, nargs, **kwargs):
 
 
 @triton.jit
+def _gemv_tile(acc, w, x_rows, k, k_hi, m_mask, DOT: tl.constexpr, BLOCK_M: tl.constexpr, DOT_PREC: tl.constexpr):
+    """acc + the products of the W tile `w` (columns k) with the x tile of the same columns."""
+    xt = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & (k < k_hi)[None, :], other=0.0,
+                 eviction_policy="evict_last")
+    if DOT:
+        acc += tl.dot(xt, tl.trans(w), input_precision=DOT_PREC)
+    elif BLOCK_M == 1:
+        acc += w.to(tl.float32) * xt.to(tl.float32)
+    else:
+        acc += w.to(tl.float32)[None, :, :] * xt.to(tl.float32)[:, None, :]
+    return acc
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr,
     M, N, K, G,
     stride_xg, stride_xm, stride_wg, stride_wn, stride_bg, stride_og, stride_om,
     M_POW2: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr,
     DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    LOOP_STAGES: tl.constexpr = None,
+    LOOP_STAGES: tl.constexpr = None, PDL: tl.constexpr = False, PDL_TILES: tl.constexpr = -1,
 ):
     # tl.dot needs at least 16 rows: x is padded with masked (zero) rows.
     BLOCK_M: tl.constexpr = 16 if DOT and M_POW2 < 16 else M_POW2
@@ -119,20 +140,37 @@ def _gemv_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=LOOP_STAGES):
+    k_start = k_lo
+    if PDL:
+        # Programmatic dependent launch: let the next kernel's programs launch now, fetch the first
+        # weight tiles (no kernel of a decode step writes a weight) while the previous kernel is
+        # still finishing, and only then wait for it: x, the output, the split-K partials and
+        # counters are all touched after the wait. Two tiles for FMA (+0..8 registers), one for DOT:
+        # its tile is held in the mma operand layout, ~45 registers more a tile (kept at the
+        # occupancy shared memory already allows), where two would halve the resident programs.
+        PEEL: tl.constexpr = (1 if DOT else 2) if PDL_TILES < 0 else PDL_TILES
+        tl.extra.cuda.gdc_launch_dependents()
+        k_a = k_lo + offs_k
+        k_b = k_a + BLOCK_K
+        if PEEL > 0:
+            w_a = tl.load(w_rows + k_a[None, :], mask=n_mask[:, None] & (k_a < k_hi)[None, :], other=0.0,
+                          eviction_policy="evict_first")
+        if PEEL > 1:
+            w_b = tl.load(w_rows + k_b[None, :], mask=n_mask[:, None] & (k_b < k_hi)[None, :], other=0.0,
+                          eviction_policy="evict_first")
+        tl.extra.cuda.gdc_wait()
+        if PEEL > 0:
+            acc = _gemv_tile(acc, w_a, x_rows, k_a, k_hi, m_mask, DOT, BLOCK_M, DOT_PREC)
+        if PEEL > 1:
+            acc = _gemv_tile(acc, w_b, x_rows, k_b, k_hi, m_mask, DOT, BLOCK_M, DOT_PREC)
+        k_start = k_lo + PEEL * BLOCK_K
+    for k0 in tl.range(k_start, k_hi, BLOCK_K, num_stages=LOOP_STAGES):
         k = k0 + offs_k
         k_mask = k < k_hi
         # W is read once: evict it first so x and the outputs stay in L2.
         w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0,
                     eviction_policy="evict_first")
-        xt = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0,
-                     eviction_policy="evict_last")
-        if DOT:
-            acc += tl.dot(xt, tl.trans(w), input_precision=DOT_PREC)
-        elif BLOCK_M == 1:
-            acc += w.to(tl.float32) * xt.to(tl.float32)
-        else:
-            acc += w.to(tl.float32)[None, :, :] * xt.to(tl.float32)[:, None, :]
+        acc = _gemv_tile(acc, w, x_rows, k, k_hi, m_mask, DOT, BLOCK_M, DOT_PREC)
     if DOT:
         res = acc
     elif BLOCK_M == 1:
@@ -248,16 +286,21 @@ def gemv_triton(x, weight, bias=None, *, out=None, config=None):
     args = (x, weight, bias if has_bias else x, out, part, cnt,
             M, N, K, G,
             gs(x), x.stride(-2), gs(weight), weight.stride(-2), gs(bias) if has_bias else 0, gs(out), out.stride(-2))
-    consts = dict(M_POW2=_m_pow2(M), HAS_BIAS=has_bias, DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32")
+    use_pdl = pdl(x.device)
+    consts = dict(M_POW2=_m_pow2(M), HAS_BIAS=has_bias, DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
+                  PDL=use_pdl)
     if config is None:
         def grid(meta):
             return triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"], G
 
-        _gemv_tuned[grid](*args, **consts)
+        # The autotuner passes keyword arguments that are no config's on to every launch (its
+        # benchmark's and the real one), launch options such as launch_pdl included.
+        _gemv_tuned[grid](*args, **consts, launch_pdl=use_pdl)
     else:
         kw = config.kwargs
         grid = (triton.cdiv(N, kw["BLOCK_N"]), kw["SPLIT_K"], G)
-        _gemv_kernel[grid](*args, **consts, **kw, num_warps=config.num_warps, num_stages=config.num_stages)
+        _gemv_kernel[grid](*args, **consts, **kw, num_warps=config.num_warps, num_stages=config.num_stages,
+                           launch_pdl=use_pdl)
     return out
 
 

@@ -8,6 +8,12 @@ rows through that formula, so any power-of-two page size works.
 Decode is CUDA-graph safe: the grid depends only on host integers (batch, heads, and the split
 count fixed in a `DecodeWorkspace`), the per-sequence split length is computed on the device from
 `seq_lens`, and no call reads a device value on the host.
+
+PDL (`kernels.pdl`): the KV write and the decode kernel take a `PDL` constexpr and are launched with
+launch_pdl; every program calls gdc_launch_dependents() and gdc_wait() before its first load (the
+slot mapping, seq_lens, block tables, the cache and q may all come from earlier kernels), so the
+split-K counters and partials are only touched after the previous kernel has finished. Prefill is
+launched as before.
 """
 
 from dataclasses import dataclass
@@ -15,6 +21,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from kernels import pdl
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 256
@@ -158,7 +166,11 @@ def _write_kv_kernel(
     stride_kn, stride_kh, stride_vn, stride_vh,
     stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
     H: tl.constexpr, D: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     n = tl.program_id(0)
     slot = tl.load(slot_ptr + n).to(tl.int64)
     if slot >= 0:
@@ -183,13 +195,14 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping):
         raise ValueError("write_kv: k and v need a contiguous last dimension")
     if n == 0:
         return
+    use_pdl = pdl(k.device)
     _write_kv_kernel[(n,)](
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         H=num_heads, D=head_dim, H_PAD=triton.next_power_of_2(num_heads), D_PAD=_pad_dim(head_dim),
-        PAGE=k_cache.shape[1], num_warps=4,
+        PAGE=k_cache.shape[1], PDL=use_pdl, num_warps=4, launch_pdl=use_pdl,
     )
 
 
@@ -207,8 +220,11 @@ def _decode_split_kernel(
     num_splits,
     G: tl.constexpr, G_PAD: tl.constexpr, G_R: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
-    S_PAD: tl.constexpr, FLAT_MERGE: tl.constexpr, EARLY_V: tl.constexpr,
+    S_PAD: tl.constexpr, FLAT_MERGE: tl.constexpr, EARLY_V: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     split = tl.program_id(0)
     hk = tl.program_id(1)
     b = tl.program_id(2)
@@ -374,6 +390,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *
     d_pad = _pad_dim(head_dim)
     s_pad = triton.next_power_of_2(splits)
     chunk = max(1, REDUCE_ELEMS // (g_r * d_pad))
+    use_pdl = pdl(q.device)
     _decode_split_kernel[(splits, num_kv_heads, batch)](
         q, k_cache, v_cache, block_tables, seq_lens, lse, part, cnt, out,
         scale * LOG2E,
@@ -390,7 +407,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *
         CHUNK=min(chunk, s_pad) if spec.flat_merge else chunk,
         # S_PAD only shapes the flat merge; fixed otherwise so the default compiles once for all split counts.
         S_PAD=s_pad if spec.flat_merge else 1, FLAT_MERGE=spec.flat_merge,
-        EARLY_V=spec.early_v, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        EARLY_V=spec.early_v, PDL=use_pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=use_pdl,
     )
     return out
 

@@ -1,8 +1,13 @@
-"""Fused residual add + RMSNorm in Triton: one program per row, the whole row in registers."""
+"""Fused residual add + RMSNorm in Triton: one program per row, the whole row in registers.
+
+PDL (constexpr, see `kernels.pdl`): the norm weight is loaded before gdc_wait(), the row after it.
+"""
 
 import torch
 import triton
 import triton.language as tl
+
+from kernels import pdl
 
 
 @triton.jit
@@ -10,11 +15,16 @@ def _add_rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     d, eps,
     stride_x, stride_r, stride_o, stride_ro,
-    HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < d
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        # The weight is no kernel's output: fetched while the previous kernel finishes.
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.extra.cuda.gdc_wait()
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RES:
         res = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
@@ -27,7 +37,8 @@ def _add_rms_norm_kernel(
     rstd = tl.rsqrt(tl.sum(rf * rf, axis=0) / d + eps)
     # HF rounds the normalised row to the model dtype before scaling by the weight.
     h = (rf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if not PDL:
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, (h * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -50,10 +61,11 @@ def add_rms_norm_triton(x, residual, weight, eps, *, out=None):
     # About 8 elements a thread: 8 warps for a 2048-wide row.
     warps = min(16, max(1, block // 256))
     has_res = residual is not None
+    use_pdl = pdl(x.device)
     _add_rms_norm_kernel[(N,)](
         x, residual if has_res else x, weight, out, new_res,
         d, eps,
         x.stride(0), residual.stride(0) if has_res else 0, out.stride(0), new_res.stride(0),
-        HAS_RES=has_res, BLOCK=block, num_warps=warps,
+        HAS_RES=has_res, BLOCK=block, PDL=use_pdl, num_warps=warps, launch_pdl=use_pdl,
     )
     return out, new_res

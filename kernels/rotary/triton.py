@@ -1,8 +1,13 @@
-"""RoPE on q and k in one Triton kernel: one program per token rotates all its q and k heads."""
+"""RoPE on q and k in one Triton kernel: one program per token rotates all its q and k heads.
+
+PDL (constexpr, see `kernels.pdl`): gdc_wait() first, since the positions select the cos/sin rows.
+"""
 
 import torch
 import triton
 import triton.language as tl
+
+from kernels import pdl
 
 
 @triton.jit
@@ -29,8 +34,11 @@ def _rotary_kernel(
     stride_qon, stride_qoh, stride_kon, stride_koh,
     stride_cos, stride_sin,
     HQ, HKV, HALF,
-    BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     n = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + n).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
@@ -53,6 +61,7 @@ def apply_rotary_triton(q, k, positions, cos, sin, *, inplace=False):
     q_out, k_out = (q, k) if inplace else (torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty_like(k, memory_format=torch.contiguous_format))
     if N == 0:
         return q_out, k_out
+    use_pdl = pdl(q.device)
     _rotary_kernel[(N,)](
         q, k, q_out, k_out, positions, cos, sin,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
@@ -60,6 +69,6 @@ def apply_rotary_triton(q, k, positions, cos, sin, *, inplace=False):
         cos.stride(0), sin.stride(0),
         HQ, HKV, D // 2,
         BLOCK_HQ=triton.next_power_of_2(HQ), BLOCK_HKV=triton.next_power_of_2(HKV), BLOCK_D=triton.next_power_of_2(D // 2),
-        num_warps=4,
+        PDL=use_pdl, num_warps=4, launch_pdl=use_pdl,
     )
     return q_out, k_out

@@ -10,12 +10,17 @@ a decode step built from them can be captured in a CUDA graph.
 - `_time_mix_inputs_kernel` and `_gate_output_kernel`, grid (H, B): one program per head, since the
   key normalisation, the group norm and the r_k bonus reduce over a head.
 - `_sqrelu_kernel`, grid (cdiv(n, BLOCK),).
+
+PDL (constexpr of every kernel, see `kernels.pdl`): gdc_launch_dependents() and gdc_wait() before
+the first load of an activation; `_add_norm_shift_kernel` and `_gate_output_kernel` load their norm
+weight and bias before the wait.
 """
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
 from kernels.rwkv7_fused.ref import ACTS, W_SCALE
 
 # why: a jitted kernel may only read globals that are constexpr
@@ -37,10 +42,18 @@ def _add_norm_shift_kernel(
     x, delta, weight, bias, prev, mix, out,
     s_x, s_d, s_p, B, C, eps,
     M: tl.constexpr, BC: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SHIFT: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     i_b = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BC)
     m = c < C
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        # The norm's weight and bias are no kernel's output: fetched while the previous kernel finishes.
+        wv = tl.load(weight + c, mask=m, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            bv = tl.load(bias + c, mask=m, other=0.0).to(tl.float32)
+        tl.extra.cuda.gdc_wait()
     xv = tl.load(x + i_b * s_x + c, mask=m, other=0.0)
     if HAS_DELTA:
         # why: rounded to the residual's dtype before the norm, as the unfused x = x + out is
@@ -50,9 +63,14 @@ def _add_norm_shift_kernel(
     mean = tl.sum(xf, axis=0) / C
     xc = tl.where(m, xf - mean, 0.0)
     var = tl.sum(xc * xc, axis=0) / C
-    h = xc * tl.rsqrt(var + eps) * tl.load(weight + c, mask=m, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        h += tl.load(bias + c, mask=m, other=0.0).to(tl.float32)
+    if PDL:
+        h = xc * tl.rsqrt(var + eps) * wv
+        if HAS_BIAS:
+            h += bv
+    else:
+        h = xc * tl.rsqrt(var + eps) * tl.load(weight + c, mask=m, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            h += tl.load(bias + c, mask=m, other=0.0).to(tl.float32)
     hq = h.to(out.dtype.element_ty)
     if HAS_SHIFT:
         p = tl.load(prev + i_b * s_p + c, mask=m, other=0.0).to(tl.float32)
@@ -83,13 +101,14 @@ def add_norm_shift_triton(x, delta, weight, bias, prev=None, mixes=None, *, eps,
     elif out.shape != shape or not out.is_contiguous():
         raise ValueError(f"rwkv7_fused: out must be contiguous {list(shape)}, got {tuple(out.shape)}")
     BC = triton.next_power_of_2(C)
+    use_pdl = pdl(x.device)
     _add_norm_shift_kernel[(B,)](
         x, x if delta is None else delta, weight, weight if bias is None else bias,
         x if prev is None else prev, weight if mixes is None else mixes, out,
         x.stride(0), 0 if delta is None else delta.stride(0), 0 if prev is None else prev.stride(0), B, C, eps,
         M=1 if mixes is None else mixes.shape[0], BC=BC,
-        HAS_DELTA=delta is not None, HAS_BIAS=bias is not None, HAS_SHIFT=prev is not None,
-        num_warps=_row_warps(C),
+        HAS_DELTA=delta is not None, HAS_BIAS=bias is not None, HAS_SHIFT=prev is not None, PDL=use_pdl,
+        num_warps=_row_warps(C), launch_pdl=use_pdl,
     )
     return out
 
@@ -112,7 +131,11 @@ def _lora_hidden_kernel(
     p0, p1, p2, p3, out,
     s0, s1, s2, s3, B, o1, o2, o3, D,
     NB: tl.constexpr, A0: tl.constexpr, A1: tl.constexpr, A2: tl.constexpr, A3: tl.constexpr, BD: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     i_b = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BD)
     _hidden_block(p0, s0, i_b, 0, o1, out + i_b * D, cols, D, A0)
@@ -142,10 +165,11 @@ def lora_hidden_triton(blocks, acts, *, out=None):
     p = list(blocks) + [blocks[0]] * (4 - NB)
     codes = [ACTS.index(a) for a in acts] + [0] * (4 - NB)
     o3 = offs[3] if NB == 4 else D
+    use_pdl = pdl(out.device)
     _lora_hidden_kernel[(B,)](
         *p, out, *(t.stride(0) for t in p), B, offs[1], offs[2], o3, D,
-        NB=NB, A0=codes[0], A1=codes[1], A2=codes[2], A3=codes[3], BD=triton.next_power_of_2(D),
-        num_warps=_row_warps(D),
+        NB=NB, A0=codes[0], A1=codes[1], A2=codes[2], A3=codes[3], BD=triton.next_power_of_2(D), PDL=use_pdl,
+        num_warps=_row_warps(D), launch_pdl=use_pdl,
     )
     return out
 
@@ -154,8 +178,11 @@ def lora_hidden_triton(blocks, acts, *, out=None):
 def _time_mix_inputs_kernel(
     r, k, v, u_v, u_w, u_a, bias_w, bias_a, bias_v, k_k, k_a, v_first, x, w_out,
     s_r, s_k, s_v, s_vf, B, C, D,
-    HAS_VLORA: tl.constexpr, BD: tl.constexpr,
+    HAS_VLORA: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     i_h = tl.program_id(0)
     i_b = tl.program_id(1).to(tl.int64)
     d = tl.arange(0, BD)
@@ -205,11 +232,12 @@ def time_mix_inputs_triton(r, k, v, u, bias_w, bias_a, bias_v, k_k, k_a, v_first
     # u's row blocks: (v, w, a, g), or (w, a, g) without a value LoRA
     jw = 1 if v_first is not None else 0
     u_v, u_w, u_a = u[:B], u[jw * B : (jw + 1) * B], u[(jw + 1) * B : (jw + 2) * B]
+    use_pdl = pdl(r.device)
     _time_mix_inputs_kernel[(H, B)](
         r, k, v, u_v, u_w, u_a, bias_w, bias_a, bias_w if bias_v is None else bias_v, k_k, k_a,
         r if v_first is None else v_first, x, w,
         r.stride(0), k.stride(0), v.stride(0), 0 if v_first is None else v_first.stride(0), B, C, head_dim,
-        HAS_VLORA=v_first is not None, BD=BD, num_warps=max(1, min(4, BD // 32)),
+        HAS_VLORA=v_first is not None, BD=BD, PDL=use_pdl, num_warps=max(1, min(4, BD // 32)), launch_pdl=use_pdl,
     )
     return x, w
 
@@ -218,19 +246,29 @@ def time_mix_inputs_triton(r, k, v, u, bias_w, bias_a, bias_v, k_k, k_a, v_first
 def _gate_output_kernel(
     o, r, k, v, g, r_k, norm_w, norm_b, out,
     s_o, s_x, s_g, C, D, eps,
-    BD: tl.constexpr,
+    BD: tl.constexpr, PDL: tl.constexpr = False,
 ):
     i_h = tl.program_id(0)
     i_b = tl.program_id(1).to(tl.int64)
     d = tl.arange(0, BD)
     m = d < D
     c = i_h * D + d
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        # The group norm's weight and bias are no kernel's output: fetched before the wait.
+        nw = tl.load(norm_w + c, mask=m, other=0.0).to(tl.float32)
+        nb = tl.load(norm_b + c, mask=m, other=0.0).to(tl.float32)
+        tl.extra.cuda.gdc_wait()
     of = tl.load(o + i_b * s_o + c, mask=m, other=0.0).to(tl.float32)
     mean = tl.sum(of, axis=0) / D
     oc = tl.where(m, of - mean, 0.0)
     var = tl.sum(oc * oc, axis=0) / D
-    y = oc * tl.rsqrt(var + eps) * tl.load(norm_w + c, mask=m, other=0.0).to(tl.float32)
-    y += tl.load(norm_b + c, mask=m, other=0.0).to(tl.float32)
+    if PDL:
+        y = oc * tl.rsqrt(var + eps) * nw
+        y += nb
+    else:
+        y = oc * tl.rsqrt(var + eps) * tl.load(norm_w + c, mask=m, other=0.0).to(tl.float32)
+        y += tl.load(norm_b + c, mask=m, other=0.0).to(tl.float32)
     rr = tl.load(r + i_b * s_x + c, mask=m, other=0.0).to(tl.float32)
     kk = tl.load(k + i_b * s_x + c, mask=m, other=0.0).to(tl.float32)
     vv = tl.load(v + i_b * s_x + c, mask=m, other=0.0).to(tl.float32)
@@ -255,16 +293,20 @@ def gate_output_triton(o, r, k, v, g, r_k, norm_weight, norm_bias, *, eps, out=N
     elif out.shape != (B, C) or not out.is_contiguous():
         raise ValueError(f"rwkv7_fused: out must be contiguous [{B}, {C}], got {tuple(out.shape)}")
     BD = triton.next_power_of_2(D)
+    use_pdl = pdl(o.device)
     _gate_output_kernel[(H, B)](
         o, r, k, v, g, r_k, norm_weight, norm_bias, out,
         o.stride(0), r.stride(0), g.stride(0), C, D, eps,
-        BD=BD, num_warps=max(1, min(4, BD // 32)),
+        BD=BD, PDL=use_pdl, num_warps=max(1, min(4, BD // 32)), launch_pdl=use_pdl,
     )
     return out
 
 
 @triton.jit
-def _sqrelu_kernel(x, n, BLOCK: tl.constexpr):
+def _sqrelu_kernel(x, n, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
     y = tl.maximum(tl.load(x + i, mask=m, other=0.0).to(tl.float32), 0.0)
@@ -276,5 +318,7 @@ def sqrelu_triton(x):
     if not x.is_contiguous():
         raise ValueError("rwkv7_fused: sqrelu needs a contiguous tensor")
     BLOCK = 1024
-    _sqrelu_kernel[(triton.cdiv(x.numel(), BLOCK),)](x, x.numel(), BLOCK=BLOCK, num_warps=4)
+    use_pdl = pdl(x.device)
+    _sqrelu_kernel[(triton.cdiv(x.numel(), BLOCK),)](x, x.numel(), BLOCK=BLOCK, PDL=use_pdl, num_warps=4,
+                                                     launch_pdl=use_pdl)
     return x

@@ -9,6 +9,9 @@ stored, so there is no `[B, nc, G, L, L]` buffer):
 
 `_causal_conv1d_kernel`: depthwise causal conv over `[B, T, C]` with a carried window.
 `_decode_step_kernel`: one fused token step (conv window shift + conv + SiLU + SSM update + output).
+It alone takes a `PDL` constexpr (`kernels.pdl`, launched with launch_pdl): gdc_launch_dependents()
+and gdc_wait() before its first load, so the states, windows and semaphore are touched only after
+the previous kernel has finished.
 
 Base offsets are int64 (a 512k-token prompt times H*P overflows int32); in-tile offsets stay int32.
 """
@@ -19,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
 from kernels.ssd.ref import DEFAULT_DT_LIMIT
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -404,8 +408,11 @@ def _decode_step_kernel(
     lim_lo, lim_hi,
     H: tl.constexpr, P: tl.constexpr, G: tl.constexpr, N: tl.constexpr, W: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_Z: tl.constexpr, HAS_LIMIT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_Z: tl.constexpr, HAS_LIMIT: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     b = tl.program_id(0)
     h = tl.program_id(1)
     pid_p = tl.program_id(2)
@@ -469,7 +476,8 @@ def _decode_step_kernel(
         bc_mask = n_mask[:, None] & w_mask
         tl.store(cst_row + ch_B[:, None] * s_cc + offs_w[None, :] * s_ck, B_win.to(cdt), mask=bc_mask)
         tl.store(cst_row + ch_C[:, None] * s_cc + offs_w[None, :] * s_ck, C_win.to(cdt), mask=bc_mask)
-        # The next launch is ordered after this one by the stream, so a relaxed reset suffices.
+        # The next launch is ordered after this one by the stream (under PDL by its gdc_wait, which
+        # waits for this grid to complete), so a relaxed reset suffices.
         tl.atomic_xchg(counter, 0, sem="relaxed")
 
 
@@ -517,6 +525,7 @@ def mamba2_decode_step(xBC, dt, conv_state, conv_weight, conv_bias, ssm_state, A
     has_limit = tuple(dt_limit) != DEFAULT_DT_LIMIT
     block_p = block_p or decode_block_p(P)
     block_n = triton.next_power_of_2(N)
+    use_pdl = pdl(xBC.device)
     _decode_step_kernel[(Bsz, H, triton.cdiv(P, block_p))](
         xBC, dt, conv_state, conv_weight, conv_bias if conv_bias is not None else conv_weight, ssm_state,
         A, D, dt_bias, zz, out, _semaphore(xBC.device, Bsz * G),
@@ -524,7 +533,7 @@ def mamba2_decode_step(xBC, dt, conv_state, conv_weight, conv_bias, ssm_state, A
         *ssm_state.stride(), *zz.stride(), *out.stride(),
         float(dt_limit[0]), float(dt_limit[1]) if has_limit else 0.0,
         H=H, P=P, G=G, N=N, W=W, BLOCK_P=block_p, BLOCK_N=block_n, BLOCK_W=triton.next_power_of_2(W),
-        HAS_BIAS=conv_bias is not None, HAS_Z=z is not None, HAS_LIMIT=has_limit,
-        num_warps=4 if block_p * block_n <= 4096 else 8,
+        HAS_BIAS=conv_bias is not None, HAS_Z=z is not None, HAS_LIMIT=has_limit, PDL=use_pdl,
+        num_warps=4 if block_p * block_n <= 4096 else 8, launch_pdl=use_pdl,
     )
     return out

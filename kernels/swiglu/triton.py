@@ -1,14 +1,22 @@
-"""SwiGLU activation in Triton: silu(gate) * up from one fused gate/up projection, one elementwise pass."""
+"""SwiGLU activation in Triton: silu(gate) * up from one fused gate/up projection, one elementwise pass.
+
+PDL (constexpr, see `kernels.pdl`): gdc_wait() first (everything it reads is an activation).
+"""
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+
 BLOCK = 1024
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, I, stride_gu, stride_o, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gu_ptr, out_ptr, I, stride_gu, stride_o, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < I
@@ -29,5 +37,7 @@ def silu_mul_triton(gate_up, *, out=None):
     if out.shape != (N, I) or out.stride(-1) != 1:
         raise ValueError("silu_mul: out must be [N, I] with a contiguous last dimension")
     if N:
-        _silu_mul_kernel[(N, triton.cdiv(I, BLOCK))](gate_up, out, I, gate_up.stride(0), out.stride(0), BLOCK=BLOCK, num_warps=4)
+        use_pdl = pdl(gate_up.device)
+        _silu_mul_kernel[(N, triton.cdiv(I, BLOCK))](gate_up, out, I, gate_up.stride(0), out.stride(0), BLOCK=BLOCK,
+                                                     PDL=use_pdl, num_warps=4, launch_pdl=use_pdl)
     return out

@@ -3,6 +3,8 @@
 - `_step_kernel`: one token, state `[B, H, K, V]` float32 updated in place. A program owns one
   (batch, head, V-block): the columns S[:, vblock] are independent, since both a^T S and the
   update act column by column. No allocation when `out` is given, no host sync: CUDA-graph safe.
+  The only kernel here with a `PDL` constexpr (`kernels.pdl`, launched with launch_pdl):
+  gdc_launch_dependents() and gdc_wait() before its first load.
 - `_chunk_prep_kernel` (pass 1, parallel over every chunk of every head): everything in a chunk
   that does not depend on the state entering it. With X = (I - A_ab)^-1 it writes
   W = X (a * exp(gp)) and U = X A_ak v (so that u = a^T S_{t-1} = W S + U), R = scale * (r * exp(g)
@@ -27,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
 from kernels.wkv7 import CHUNK
 
 # Pass-1 buffers per segment are capped at this many float32 values (1 GiB).
@@ -49,8 +52,11 @@ def _step_kernel(
     r, w, k, v, a, b, state, out,
     s_xb, s_xh, s_vb, s_vh, s_sb, s_sh, s_sk, s_ob, s_oh,
     H, K, V, scale,
-    BK: tl.constexpr, BV: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     i_v = tl.program_id(0)
     i_h = tl.program_id(1).to(tl.int64)
     i_b = tl.program_id(2).to(tl.int64)
@@ -107,12 +113,13 @@ def wkv7_step_triton(r, w, k, v, a, b, state, *, scale=1.0, out=None, block_v=No
     BK = triton.next_power_of_2(K)
     BV = block_v or _step_block_v(V)
     grid = (triton.cdiv(V, BV), H, B)
+    use_pdl = pdl(r.device)
     _step_kernel[grid](
         r, w, k, v, a, b, state, out,
         r.stride(0), r.stride(1), v.stride(0), v.stride(1),
         state.stride(0), state.stride(1), state.stride(2), out.stride(0), out.stride(1),
         H, K, V, scale,
-        BK=BK, BV=BV, num_warps=num_warps or max(1, min(8, BK * BV // 512)),
+        BK=BK, BV=BV, PDL=use_pdl, num_warps=num_warps or max(1, min(8, BK * BV // 512)), launch_pdl=use_pdl,
     )
     return out
 
