@@ -17,7 +17,8 @@ Parameter names follow HF (`backbone.embeddings.weight`, `backbone.layers.N.mixe
 so an HF state dict loads unchanged; the state-spaces layout differs only in `backbone.embedding.`.
 The model runs three ways, all through `kernels.ssd`:
 
-- `forward(tokens [B, T])`: one parallel forward from zero state, logits [B, T, V];
+- `forward(tokens [B, T])`: one parallel forward from zero state, logits [B, T, V] (also the training
+  path: with impl="ref" it is autograd through the reference scan, in chunks of at most REF_CHUNK);
 - `forward_chunk(tokens [b, T], conv, ssm, rows)`: a prefill chunk that starts from, and writes back,
   the rows `rows` of the batched state buffers; returns the last position's hidden state;
 - `step(tokens [B], conv, ssm)`: one token per sequence, both states updated in place; its norms go
@@ -39,6 +40,11 @@ from torch import nn
 from arch.checkpoint import CheckpointError, assign_weights, config_from_dict, load_weights, read_json
 from arch.llama import RMSNorm
 from kernels import gemv, mamba2_norm, ssd
+
+# Largest chunk of the reference SSD scan (impl="ref", the training path; the Triton path uses the config's
+# chunk_size). Its intermediates cost about H (L + P N / L) floats per token, the [L, L] decays against the
+# per-chunk states: least near L = sqrt(P N), 64 for mamba2-30m; the config's 128 costs ~6% more time.
+REF_CHUNK = 64
 
 
 @dataclass
@@ -94,9 +100,10 @@ class RMSNormGated(nn.Module):
         self.eps = eps
 
     def forward(self, y, z):
-        h = y.float() * F.silu(z.float())
-        h = h.unflatten(-1, (-1, self.group_size))
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        # (y promotes to float32 inside the product: no float32 copy of it is made)
+        h = F.silu(z.float()) * y
+        # h * rsqrt(mean(h^2) + eps) per group, as one fused kernel forward and backward
+        h = F.rms_norm(h.unflatten(-1, (-1, self.group_size)), (self.group_size,), eps=self.eps)
         return self.weight * h.flatten(-2).to(y.dtype)
 
 
@@ -136,7 +143,7 @@ class Mixer(nn.Module):
             -torch.exp(self.A_log.float()),
             B.reshape(b, T, c.ngroups, c.d_state),
             C.reshape(b, T, c.ngroups, c.d_state),
-            chunk_size=c.chunk_size,
+            chunk_size=min(c.chunk_size, REF_CHUNK) if impl == "ref" else c.chunk_size,
             D=self.D,
             dt_bias=self.dt_bias,
             dt_softplus=True,

@@ -20,8 +20,9 @@ Time mixing of a token h with the previous token's h' (zeros before the first to
     o = WKV7(r, w, k, v, -kk, kk * a)                 state [H, K, V] float32 per sequence
     o = (groupnorm_per_head(o) + sum(r * k * r_k) v) * g; out = o_proj(o)
 
-Three ways to run it, all on the same modules:
-- `forward(tokens [B, T], impl=...)`: logits [B, T, V] from zero state (scoring, the parallel form);
+Three ways to run it, all on the same modules (impl="ref" runs WKV-7 as `wkv7_chunk_factored`, the
+differentiable, memory-light chunked form that training uses; impl="triton" as the Triton kernels):
+- `forward(tokens [B, T], impl=...)`: logits [B, T, V] from zero state (scoring, training: the parallel form);
 - `forward_chunk(tokens [B, T], lengths [B], shift, wkv)`: right-padded prompt chunks continuing
   from a carried state, which they update; padded positions leave the state untouched;
 - `forward_step(tokens [B], shift, wkv)`: one token per sequence, state updated in place. With
@@ -50,10 +51,11 @@ from torch import nn
 from arch.checkpoint import CheckpointError, assign_weights, config_from_dict, load_weights, read_json
 from kernels import gemv
 from kernels.rwkv7_fused import add_norm_shift, gate_output, lora_hidden, sqrelu, time_mix_inputs
-from kernels.wkv7 import wkv7_chunk, wkv7_step
+from kernels.wkv7 import wkv7_chunk, wkv7_chunk_factored, wkv7_step
 
 FAMILY = "rwkv7"
-# Chunk length of the reference WKV-7 scan (the Triton kernel keeps its own default).
+# Chunk length of the reference path's WKV-7 (`wkv7_chunk_factored`; the Triton kernel keeps its own
+# default): its exponents reach (REF_CHUNK / 2 + 1) * W_SCALE = 20.0, far inside its bound of 60.
 REF_CHUNK = 64
 # exp(-0.5): the largest per-token decay rate, so exp(w) stays in (0.545, 1).
 W_SCALE = 0.6065306597126334
@@ -175,12 +177,13 @@ class TimeMix(nn.Module):
         real tokens: at padded positions w, k and b are zeroed, so the state passes unchanged.
         Returns (out `[B, T, C]`, v_first, final state)."""
         r, w, k, v, a, b, v_first, g = self.inputs(h, prev, v_first)
-        # The reference loops over chunks in Python: longer chunks keep a 128k prompt to fewer launches.
-        sizes = {"chunk_size": REF_CHUNK} if impl == "ref" else {}
         if mask is not None:
             m = mask[..., None, None]
             w, k, b = w * m, k * m.to(k.dtype), b * m.to(b.dtype)
-        o, state = wkv7_chunk(r, w, k, v, a, b, initial_state=state, impl=impl, **sizes)
+        if impl == "ref":
+            o, state = wkv7_chunk_factored(r, w, k, v, a, b, initial_state=state, chunk_size=REF_CHUNK)
+        else:
+            o, state = wkv7_chunk(r, w, k, v, a, b, initial_state=state, impl=impl)
         return self.output(o, r, k, v, g), v_first, state
 
     def step(self, h, prev, v_first, state, *, impl):

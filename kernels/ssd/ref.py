@@ -5,7 +5,8 @@ Layouts follow mamba-ssm so results cross-check against `mamba_chunk_scan_combin
 x `[B, T, H, P]`, dt `[B, T, H]`, A `[H]` (negative), B/C `[B, T, G, N]`, state `[B, H, P, N]`.
 Head h reads group h // (H // G).
 
-- `ssd_chunk_scan`: the chunked algorithm of the paper's listing, memory O(T * chunk).
+- `ssd_chunk_scan`: the chunked algorithm of the paper's listing, memory O(T * chunk); differentiable,
+  it is also the training path of `arch.mamba2` (B and C stay per group, never copied per head).
 - `ssd_recurrent_ref`: the same recurrence one token at a time, the ground truth for the above.
 - `causal_conv1d`: depthwise causal convolution over `[B, T, C]` with a carried window.
 - `mamba2_decode_step`: one token of conv + SSM, updating both states in place.
@@ -46,56 +47,64 @@ def _heads(t, H):
 
 def ssd_chunk_scan(x, dt, A, B, C, *, chunk_size, D=None, z=None, dt_bias=None, dt_softplus=False,
                    dt_limit=DEFAULT_DT_LIMIT, initial_state=None):
-    """Chunked SSD scan. Returns y `[B, T, H, P]` (x's dtype) and the final state `[B, H, P, N]` fp32."""
+    """Chunked SSD scan. Returns y `[B, T, H, P]` (x's dtype) and the final state `[B, H, P, N]` fp32.
+
+    Heads are indexed (group g, head j within the group), h = g * J + j, so B and C are read per group
+    and never copied per head: C_l . B_s is one `[L, L]` matrix per chunk and group, shared by its J heads.
+    """
     Bsz, T, H, P = x.shape
-    L = chunk_size
+    G, N = B.shape[2], B.shape[3]
+    J, L = H // G, chunk_size
     dt = process_dt(dt, dt_bias, dt_softplus, dt_limit)
-    Bh, Ch = _heads(B, H), _heads(C, H)
     # Zero padding to whole chunks: a padded token has dt = 0, so it neither decays nor adds to the state.
     pad = (-T) % L
-    xs = F.pad(x.float(), (0, 0, 0, 0, 0, pad))
-    dt = F.pad(dt, (0, 0, 0, pad))
-    Bh = F.pad(Bh, (0, 0, 0, 0, 0, pad))
-    Ch = F.pad(Ch, (0, 0, 0, 0, 0, pad))
     nc = (T + pad) // L
-    # [B, c, l, H, P], [B, c, l, H], [B, c, l, H, N]
-    X = (xs * dt[..., None]).reshape(Bsz, nc, L, H, P)
-    dA = (dt * A.float()).reshape(Bsz, nc, L, H).permute(0, 3, 1, 2)
-    Bc = Bh.reshape(Bsz, nc, L, H, -1)
-    Cc = Ch.reshape(Bsz, nc, L, H, -1)
 
-    # 1. Chunk-local cumulative decay: dA_cs[b, h, c, l] = sum of dt*A over chunk c up to token l.
+    def chunks(t):
+        """`[B, T, ...]` -> `[B, nc, L, ...]`, zero-padded."""
+        if pad:
+            t = F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad))
+        return t.reshape(Bsz, nc, L, *t.shape[2:])
+
+    # [B, c, l, G, J, P], [B, c, G, J, l], [B, c, l, G, N]
+    X = chunks(dt[..., None] * x).view(Bsz, nc, L, G, J, P)
+    dA = chunks(dt * A.float()).view(Bsz, nc, L, G, J).permute(0, 1, 3, 4, 2)
+    Bc, Cc = chunks(B.float()), chunks(C.float())
+
+    # 1. Chunk-local cumulative decay: dA_cs[b, c, g, j, l] = sum of dt*A over chunk c up to token l.
     dA_cs = torch.cumsum(dA, dim=-1)
 
     # 2. Intra-chunk output (the diagonal blocks): y_l += sum_{s<=l} (C_l . B_s) exp(dA_cs_l - dA_cs_s) dt_s x_s.
-    decay = torch.exp(segsum(dA))
-    scores = torch.einsum("bclhn,bcshn->bhcls", Cc, Bc) * decay
-    y = torch.einsum("bhcls,bcshp->bclhp", scores, X)
+    CB = torch.einsum("bclgn,bcsgn->bcgls", Cc, Bc)
+    scores = CB[:, :, :, None] * torch.exp(segsum(dA))
+    y = torch.einsum("bcgjls,bcsgjp->bclgjp", scores, X)
 
     # 3. Chunk states: what each chunk adds to the state by its end, from a zero start.
     decay_to_end = torch.exp(dA_cs[..., -1:] - dA_cs)
-    states = torch.einsum("bclhn,bhcl,bclhp->bchpn", Bc, decay_to_end, X)
+    states = torch.einsum("bclgn,bclgjp->bcgjpn", Bc, X * decay_to_end.permute(0, 1, 4, 2, 3)[..., None])
 
     # 4. Inter-chunk recurrence: the state entering chunk c, passed across chunks one chunk at a time.
-    s = torch.zeros(Bsz, H, P, Bc.shape[-1], device=x.device) if initial_state is None else initial_state.float()
-    chunk_decay = torch.exp(dA_cs[..., -1])
+    s = torch.zeros(Bsz, H, P, N, device=x.device) if initial_state is None else initial_state.float()
+    s = s.view(Bsz, G, J, P, N)
+    # (unbind, not indexing: the backward of c indexed reads would each write a full-size gradient)
     entering = []
-    for c in range(nc):
+    for decay, state in zip(torch.exp(dA_cs[..., -1]).unbind(1), states.unbind(1)):
         entering.append(s)
-        s = chunk_decay[:, :, c, None, None] * s + states[:, c]
+        s = decay[..., None, None] * s + state
     entering = torch.stack(entering, dim=1)
 
     # 5. State to output: y_l += exp(dA_cs_l) C_l . state entering the chunk.
-    y = y + torch.einsum("bclhn,bchpn,bhcl->bclhp", Cc, entering, torch.exp(dA_cs))
+    to_out = torch.exp(dA_cs).permute(0, 1, 4, 2, 3)[..., None]
+    y = torch.addcmul(y, torch.einsum("bclgn,bcgjpn->bclgjp", Cc, entering), to_out)
 
     y = y.reshape(Bsz, nc * L, H, P)[:, :T]
-    return _finish(y, x, D, z), s
+    return _finish(y, x, D, z), s.reshape(Bsz, H, P, N)
 
 
 def _finish(y, x, D, z):
     """Skip connection and gate: y + D * x, then * silu(z); cast to x's dtype."""
     if D is not None:
-        y = y + D.float()[:, None] * x.float()
+        y = torch.addcmul(y, D.float()[:, None], x)
     if z is not None:
         y = y * F.silu(z.float())
     return y.to(x.dtype)

@@ -4,18 +4,21 @@
 
 Layouts follow flash-linear-attention's `chunk_rwkv7`: r, w (log-decay), k, a, b `[B, T, H, K]`,
 v `[B, T, H, V]`, state `[B, H, K, V]` float32. `impl` is "triton" or "ref" (already resolved by
-`kernels.resolve_impl`); there is no fallback from one to the other.
+`kernels.resolve_impl`); there is no fallback from one to the other. `wkv7_chunk(impl="ref")` is the
+literal chunked reference; `wkv7_chunk_factored` (no impl) is the same math, differentiable and
+memory-light, which the models' reference path (training included) runs.
 """
 
 from kernels import check_impl
-from kernels.wkv7.ref import wkv7_chunk_ref, wkv7_recurrent_ref, wkv7_step_ref
+from kernels.wkv7.ref import wkv7_chunk_factored, wkv7_chunk_ref, wkv7_recurrent_ref, wkv7_step_ref
 
 # Default chunk of the prefill. 32 rather than 16: pass 2's sequential chain costs about the same per
 # chunk at either size (its dots are latency-bound), so halving the chunk count nearly halves it,
 # while pass 1 (parallel over chunks) grows by less than that saves.
 CHUNK = 32
 
-__all__ = ["CHUNK", "wkv7_chunk", "wkv7_step", "wkv7_chunk_ref", "wkv7_recurrent_ref", "wkv7_step_ref"]
+__all__ = ["CHUNK", "wkv7_chunk", "wkv7_step", "wkv7_chunk_factored", "wkv7_chunk_ref", "wkv7_recurrent_ref",
+           "wkv7_step_ref"]
 
 
 def wkv7_chunk(r, w, k, v, a, b, *, scale=1.0, initial_state=None, chunk_size=CHUNK, impl):

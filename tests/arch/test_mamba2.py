@@ -1,5 +1,6 @@
 """Mamba-2 model and checkpoints: logits parity with transformers' `Mamba2ForCausalLM` (its PyTorch
-path), the state-spaces `mamba2-*` layout, the lab's own format, and one-line errors for bad folders."""
+path), the state-spaces `mamba2-*` layout, the lab's own format, one-line errors for bad folders, and the
+reference training path (its chunk and fused gated norm) against the config's chunk and the explicit norm."""
 
 import json
 
@@ -186,3 +187,31 @@ def test_step_equals_unfused_blocks_ref():
         r = r + block.mixer.step(block.norm(r), conv2[i], ssm2[i], "ref")
     assert torch.equal(logits, model.head(r))
     assert torch.equal(conv, conv2) and torch.equal(ssm, ssm2)
+
+
+def test_ref_training_forward_equals_the_config_chunk_and_unfused_norm(monkeypatch):
+    """The reference path trains with chunks of at most REF_CHUNK and a fused rms_norm in the gated norm:
+    logits and every parameter's gradient equal those of the config's chunk (256 here) and the explicit
+    rmsnorm(y * silu(z)) formula, with autograd recording (the training path)."""
+    values = {**read_json(CONFIG_DIR / "mamba2-tiny.json"), "chunk_size": 256}
+    model = mamba2.build(mamba2.preset_config(values, "mamba2-tiny"), None, "mamba2-tiny", seed=2).train()
+    x = torch.randint(0, 512, (2, 100), generator=torch.Generator().manual_seed(2))
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        logits = model(x, "ref")
+        torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten()).backward()
+        return logits.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+    def unfused_norm(self, y, z):
+        h = (y.float() * torch.nn.functional.silu(z.float())).unflatten(-1, (-1, self.group_size))
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.flatten(-2).to(y.dtype)
+
+    logits, grads = run()
+    monkeypatch.setattr(mamba2, "REF_CHUNK", 256)
+    monkeypatch.setattr(mamba2.RMSNormGated, "forward", unfused_norm)
+    want, want_grads = run()
+    assert rel(logits, want) < 1e-5
+    for name, g in grads.items():
+        assert rel(g, want_grads[name]) < 1e-4, name

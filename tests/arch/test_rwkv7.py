@@ -1,6 +1,8 @@
 """RWKV-7 model (arch.rwkv7): the chunked, resumed and one-token forms agree with the parallel forward,
-the Triton and reference WKV-7 kernels agree inside the model, checkpoints load with fla's names (and
-refuse missing or mis-shaped tensors), and logits match flash-linear-attention's own RWKV7ForCausalLM."""
+the reference path's training forward (logits and gradients) agrees with the literal chunked WKV-7
+reference, the Triton and reference WKV-7 kernels agree inside the model, checkpoints load with fla's
+names (and refuse missing or mis-shaped tensors), and logits match flash-linear-attention's own
+RWKV7ForCausalLM."""
 
 import json
 import os
@@ -11,6 +13,7 @@ import torch
 import decoders
 from arch import rwkv7
 from arch.checkpoint import CONFIG_DIR, CheckpointError, read_json
+from kernels.wkv7 import wkv7_chunk_ref
 
 TINY = read_json(CONFIG_DIR / "rwkv7-tiny.json")
 
@@ -67,6 +70,26 @@ def test_ref_right_padded_rows_keep_their_own_state():
         alone = model.forward_chunk(x[i : i + 1, :n], [n], s1, w1, impl="ref")
         assert rel(batched[i], alone[0]) < 1e-5
         assert rel(wkv[:, i], w1[:, 0]) < 1e-5 and rel(shift[:, :, i], s1[:, :, 0]) < 1e-5
+
+
+def test_ref_training_forward_equals_the_chunk_reference(monkeypatch):
+    """The reference path's WKV-7 (`wkv7_chunk_factored`) against the literal chunked reference it
+    replaced: logits and every parameter's gradient, with autograd recording (the training path)."""
+    model = tiny_model(seed=4).train()
+    x = tokens(2, 100, seed=4)
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        logits = model(x, impl="ref")
+        torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten()).backward()
+        return logits.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+    logits, grads = run()
+    monkeypatch.setattr(rwkv7, "wkv7_chunk_factored", wkv7_chunk_ref)
+    want, want_grads = run()
+    assert rel(logits, want) < 1e-5
+    for name, g in grads.items():
+        assert rel(g, want_grads[name]) < 1e-4, name
 
 
 @torch.inference_mode()

@@ -1,4 +1,5 @@
-"""WKV-7 tests: chunked reference vs recurrent reference, Triton chunk and step vs reference.
+"""WKV-7 tests: chunked reference vs recurrent reference, Triton chunk and step vs reference, and the
+factored (training) form's outputs and gradients vs the recurrence.
 
 On the CPU the Triton kernels run under the interpreter (small odd sizes, float32); the
 GPU-marked tests run the rwkv7-1.5b shape (H=32, K=V=64) with bf16 inputs.
@@ -8,7 +9,8 @@ import pytest
 import torch
 
 from kernels.wkv7 import wkv7_chunk, wkv7_step
-from kernels.wkv7.ref import rwkv7_inputs, wkv7_chunk_ref, wkv7_recurrent_ref, wkv7_step_ref
+from kernels.wkv7 import ref as wkv7_ref
+from kernels.wkv7.ref import rwkv7_inputs, wkv7_chunk_factored, wkv7_chunk_ref, wkv7_recurrent_ref, wkv7_step_ref
 from kernels.wkv7.triton import wkv7_chunk_triton, wkv7_step_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -231,3 +233,77 @@ def test_step_cuda_graph_gpu():
     s_ref = h0.clone()
     o_ref = wkv7_step_ref(*(y.float() for y in x), s_ref)
     assert rel(out, o_ref) < 1e-2 and rel(state, s_ref) < 1e-5
+
+
+def recurrence(r, w, k, v, a, b, h0, scale):
+    """The WKV-7 recurrence written without in-place updates, so autograd differentiates it (the
+    definition `wkv7_recurrent_ref` implements, in the inputs' dtype)."""
+    S, outs = h0, []
+    for t in range(r.shape[1]):
+        sa = torch.einsum("bhk,bhkv->bhv", a[:, t], S)
+        S = torch.exp(w[:, t])[..., None] * S + b[:, t, ..., None] * sa[:, :, None]
+        S = S + k[:, t, ..., None] * v[:, t, :, None, :]
+        outs.append(scale * torch.einsum("bhk,bhkv->bhv", r[:, t], S))
+    return torch.stack(outs, 1), S
+
+
+@pytest.mark.parametrize("T,chunk_size", [(1, 16), (37, 16), (100, 32), (130, 64)])
+@pytest.mark.parametrize("with_h0", [False, True])
+def test_chunk_factored_matches_recurrent_ref(T, chunk_size, with_h0):
+    x, h0 = make(2, T, 3, 16, 24, seed=T, device="cpu")
+    h0 = h0 if with_h0 else None
+    o_rec, s_rec = wkv7_recurrent_ref(*x, scale=0.7, initial_state=h0)
+    o, s = wkv7_chunk_factored(*x, scale=0.7, initial_state=h0, chunk_size=chunk_size)
+    assert o.dtype == torch.float32 and s.dtype == torch.float32
+    assert rel(o, o_rec) < 1e-5
+    assert rel(s, s_rec) < 1e-5
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float64, 1e-12)])
+@pytest.mark.parametrize("with_h0", [False, True])
+def test_chunk_factored_gradients_match_recurrence(dtype, tol, with_h0):
+    """Gradients w.r.t. r, w, k, v, a, b and the initial state, over a length that is not a multiple of
+    the chunk, against autograd through the token-by-token recurrence."""
+    x, h0 = make(2, 45, 2, 16, 12, seed=5, device="cpu")
+    assert rel(recurrence(*x, h0, 0.7)[0], wkv7_recurrent_ref(*x, scale=0.7, initial_state=h0)[0]) < 1e-5
+    g = torch.Generator().manual_seed(1)
+    go, gs = torch.randn(2, 45, 2, 12, generator=g, dtype=dtype), torch.randn(2, 2, 16, 12, generator=g, dtype=dtype)
+
+    def grads(fn):
+        leaves = [y.to(dtype).requires_grad_() for y in x] + ([h0.to(dtype).requires_grad_()] if with_h0 else [])
+        o, s = fn(*leaves[:6], leaves[6] if with_h0 else torch.zeros(2, 2, 16, 12, dtype=dtype))
+        return torch.autograd.grad((o * go).sum() + (s * gs).sum(), leaves)
+
+    want = grads(lambda *y: recurrence(*y, 0.7))
+    got = grads(lambda *y: wkv7_chunk_factored(*y[:6], scale=0.7, initial_state=y[6], chunk_size=16))
+    for gg, gw in zip(got, want):
+        assert gg.dtype == dtype and ((gg - gw).norm() / gw.norm()).item() < tol
+
+
+def test_chunk_factored_ignores_autocast():
+    """Under bf16 autocast the factored form still computes in float32: the same result bit for bit."""
+    x, h0 = make(2, 40, 2, 16, 16, seed=2, device="cpu")
+    o, s = wkv7_chunk_factored(*x, initial_state=h0, chunk_size=16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        o2, s2 = wkv7_chunk_factored(*x, initial_state=h0, chunk_size=16)
+    assert torch.equal(o, o2) and torch.equal(s, s2)
+
+
+def test_chunk_factored_segments_carry_the_state(monkeypatch):
+    """A tiny segment budget (one chunk per segment) gives the one-segment result."""
+    x, h0 = make(2, 77, 2, 16, 16, seed=4, device="cpu")
+    o, s = wkv7_chunk_factored(*x, initial_state=h0, chunk_size=16)
+    monkeypatch.setattr(wkv7_ref, "FACTORED_SEGMENT_FLOATS", 1)
+    o2, s2 = wkv7_chunk_factored(*x, initial_state=h0, chunk_size=16)
+    assert rel(o2, o) < 1e-6 and rel(s2, s) < 1e-6
+
+
+def test_chunk_factored_refuses_decay_beyond_its_bound():
+    """exp(-w) over half a chunk past exp(FACTORED_MAX_EXP) is refused, not silently overflowed."""
+    r, w, k, v, a, b = make(1, 64, 1, 16, 16, device="cpu")[0]
+    with pytest.raises(RuntimeError, match="FACTORED_MAX_EXP"):
+        wkv7_chunk_factored(r, torch.full_like(w, -3.0), k, v, a, b, chunk_size=64)
+    # the same decay in chunks of 16 stays within the bound (8 * 3 < 60) and matches the recurrence
+    o, s = wkv7_chunk_factored(r, torch.full_like(w, -3.0), k, v, a, b, chunk_size=16)
+    o_rec, s_rec = wkv7_recurrent_ref(r, torch.full_like(w, -3.0), k, v, a, b)
+    assert rel(o, o_rec) < 1e-5 and rel(s, s_rec) < 1e-5
