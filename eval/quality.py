@@ -3,6 +3,7 @@
     python -m eval.quality --checkpoints runs/llama-30m runs/mamba2-30m runs/rwkv7-30m runs/maskpredict-30m \
         --tasks declab_mqar,declab_copy,declab_ppl,declab_cloze --include-path eval/tasks/data \
         --mp-iterations 1,2,4,8,16 --out results/quality/
+    python -m eval.quality --from-jsonl results/quality/quality.jsonl --out results/quality/   # redraw
 
 Each checkpoint (a folder or a preset) is run once through lm-eval as the `declab` model;
 Mask-Predict checkpoints once per number of iterations T in --mp-iterations. Writes into --out:
@@ -142,6 +143,28 @@ def is_maskpredict(checkpoint: str) -> bool:
     return str(checkpoint).startswith("maskpredict")
 
 
+def runs_from_jsonl(path) -> list[dict]:
+    """The runs recorded in a quality.jsonl (one per checkpoint and T, in file order), e.g. of an
+    interrupted evaluation, in the form `markdown_table` and the plots take."""
+    runs = {}
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            r = json.loads(line)
+            run = runs.setdefault((r["checkpoint"], r["iterations"]), {"checkpoint": r["checkpoint"], "family": r["family"],
+                                                                        "iterations": r["iterations"], "results": {}})
+            run["results"][r["task"]] = r["metrics"]
+    return list(runs.values())
+
+
+def write_reports(runs: list[dict], out: Path) -> None:
+    """quality.md (also printed), mqar.png and maskpredict_iterations.png of `runs` into `out`."""
+    table = markdown_table(runs)
+    (out / "quality.md").write_text(table)
+    print(table)
+    plot_mqar(runs, out / "mqar.png")
+    plot_iterations(runs, out / "maskpredict_iterations.png")
+
+
 def quality(checkpoints: list[str], tasks: list[str], out: Path, *, include_path=None, model_args=None, limit=None, mp_iterations=()) -> list[dict]:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -156,11 +179,7 @@ def quality(checkpoints: list[str], tasks: list[str], out: Path, *, include_path
             for task, metrics in results.items():
                 append_jsonl(out / "quality.jsonl", {"checkpoint": str(checkpoint), "family": described["family"], "iterations": iterations,
                                                      "task": task, "metrics": metrics, "limit": limit, "decoder": described, **env})
-    table = markdown_table(runs)
-    (out / "quality.md").write_text(table)
-    print(table)
-    plot_mqar(runs, out / "mqar.png")
-    plot_iterations(runs, out / "maskpredict_iterations.png")
+    write_reports(runs, out)
     return runs
 
 
@@ -172,8 +191,10 @@ def parse_model_args(text: str) -> dict:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m eval.quality", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoints", nargs="+", required=True, help="checkpoint folders or presets")
-    p.add_argument("--tasks", required=True, help="comma-separated lm-eval tasks or groups")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoints", nargs="+", help="checkpoint folders or presets")
+    source.add_argument("--from-jsonl", type=Path, help="redraw the table and plots of an existing (possibly interrupted) quality.jsonl")
+    p.add_argument("--tasks", help="comma-separated lm-eval tasks or groups (with --checkpoints)")
     p.add_argument("--include-path", default=str(Path(__file__).resolve().parent / "tasks"), help="folder of task YAMLs (default eval/tasks)")
     p.add_argument("--model-args", default="", help="extra declab model_args, e.g. dtype=bfloat16,max_length=2048,batch_size=16")
     p.add_argument("--limit", type=float, help="examples per task (testing only)")
@@ -184,6 +205,14 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None):
     a = parser().parse_args(argv)
+    a.out.mkdir(parents=True, exist_ok=True)
+    if a.from_jsonl is not None:
+        if not a.from_jsonl.is_file():
+            raise decoders.UsageError(f"{a.from_jsonl}: no such file")
+        write_reports(runs_from_jsonl(a.from_jsonl), a.out)
+        return
+    if not a.tasks:
+        raise decoders.UsageError("--tasks is required with --checkpoints")
     iterations = [int(x) for x in a.mp_iterations.split(",") if x]
     limit = int(a.limit) if a.limit and a.limit >= 1 else a.limit
     quality(a.checkpoints, a.tasks.split(","), a.out, include_path=a.include_path, model_args=parse_model_args(a.model_args),
