@@ -7,7 +7,9 @@ Prefills a random prompt, takes the first decode step (eager; with CUDA graphs i
 graph), times `--steps` steps with the same timer as the harness, then records `--steps` more under
 the PyTorch profiler and sums the device time of each kernel (on the CPU: the self time of each
 operator). The table lists kernels by time per step; the summary splits the step into time spent in
-kernels and time between them (launch gaps, host work), beside the roofline of the same step.
+kernels and time between them (launch gaps, host work), beside the roofline of the same step. With
+programmatic dependent launch on (`kernels.pdl`, the default on Hopper) kernels overlap and each
+one's time includes its wait for the one before: run with DECLAB_PDL=0 for a per-kernel breakdown.
 """
 
 import argparse
@@ -96,6 +98,9 @@ def table(record: dict, top: int) -> str:
         summary += f", between kernels {record['gap_ms']:.3f} ms, {record['launches_per_step']:.0f} launches"
     if record.get("roofline_ms") is not None:
         summary += f"; roofline {record['roofline_ms']:.3f} ms (MBU {record['mbu']:.2f})"
+    if record.get("pdl") and record["gap_ms"] is not None:
+        summary += ("\nPDL is on: kernels overlap (each one's time includes waiting for the one before), so the"
+                    " shares add up to more than the step; DECLAB_PDL=0 gives a per-kernel breakdown")
     return "\n".join(lines + [summary])
 
 
