@@ -100,9 +100,12 @@ class Guard:
         if self.saved is not None:
             self.errors.append("gdc_launch_dependents called twice before a wait")
             return
-        self.saved = [t.clone() for t in self.watched]
-        for t in self.watched:
-            t.fill_(self._poison(t))
+        # why: cached workspaces (e.g. the SSD semaphore) may have been made by an earlier test in
+        # inference mode, and inference tensors only take in-place writes inside it
+        with torch.inference_mode():
+            self.saved = [t.clone() for t in self.watched]
+            for t in self.watched:
+                t.fill_(self._poison(t))
 
     def wait(self, *args, **kwargs):
         self.waits += 1
@@ -113,8 +116,9 @@ class Guard:
             untouched = t.isnan().all() if t.is_floating_point() else (t == 0).all()
             if not bool(untouched):
                 self.errors.append(f"watched tensor {i} {tuple(t.shape)} was stored to before gdc_wait")
-        for t, s in zip(self.watched, self.saved):
-            t.copy_(s)
+        with torch.inference_mode():
+            for t, s in zip(self.watched, self.saved):
+                t.copy_(s)
         self.saved = None
 
 
