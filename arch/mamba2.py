@@ -23,8 +23,10 @@ The model runs three ways, all through `kernels.ssd`:
   the rows `rows` of the batched state buffers; returns the last position's hidden state;
 - `step(tokens [B], conv, ssm)`: one token per sequence, both states updated in place; its norms go
   through `kernels.mamba2_norm` (one launch each on the Triton path: embedding + pre-norm, residual add +
-  pre-norm, gated norm), so a layer is five launches: add + norm, in_proj, decode step, gated norm, out_proj;
-  the projections and the head go through `kernels.gemv.linear` (the Triton GEMV where it measured
+  pre-norm, gated norm); the gated norm and out_proj go through `kernels.gemv.gated_norm_linear`, which
+  folds the norm into out_proj's GEMV prologue (one group, where it measured faster than the pair), so
+  a layer is four launches: add + norm, in_proj, decode step, gated norm + out_proj (five where the pair
+  is kept); in_proj and the head go through `kernels.gemv.linear` (the Triton GEMV where it measured
   faster than cuBLAS for that shape).
 """
 
@@ -188,11 +190,12 @@ class Mixer(nn.Module):
             dt_limit=c.dt_limit,
             impl=impl,
         )
-        # The gate goes inside the norm, rmsnorm(y * silu(z)), so it is not passed to the decode step.
-        y = mamba2_norm.gated_rmsnorm(
-            y.reshape(h.shape[0], c.d_inner), z, self.norm.weight, self.norm.group_size, self.norm.eps, impl=impl
+        # The gate goes inside the norm, rmsnorm(y * silu(z)), so it is not passed to the decode step; the
+        # norm runs in out_proj's GEMV prologue where that measured faster (one group).
+        return gemv.gated_norm_linear(
+            y.reshape(h.shape[0], c.d_inner), z, self.norm.weight, self.norm.eps, self.out_proj.weight,
+            self.out_proj.bias, group_size=self.norm.group_size, impl=impl,
         )
-        return gemv.linear(y, self.out_proj.weight, self.out_proj.bias, impl=impl)
 
 
 class Block(nn.Module):

@@ -18,6 +18,11 @@ PDL (constexpr, `kernels.pdl`, launched with launch_pdl): every program calls
 gdc_launch_dependents() first, loads its first W tiles (PDL_TILES; -1: two for FMA, one for DOT),
 then gdc_wait() (the previous kernel has finished and its writes are visible) before it reads x or
 writes anything; the K loop runs over the remaining tiles. Without PDL the kernel is unchanged.
+
+NORM (constexpr; `gemv_triton(..., norm=(z, norm_weight, eps))`, G == 1, one group of K channels):
+x is gated_rmsnorm(y, z) with y = x. Every program first computes each row's rstd over the whole
+row (split-K included; after gdc_wait with PDL), then rebuilds each x tile from y, z and the norm
+weight of its columns. NORM=False compiles as before.
 """
 
 import os
@@ -92,10 +97,35 @@ def _prune(configs, nargs, **kwargs):
 
 
 @triton.jit
-def _gemv_tile(acc, w, x_rows, k, k_hi, m_mask, DOT: tl.constexpr, BLOCK_M: tl.constexpr, DOT_PREC: tl.constexpr):
-    """acc + the products of the W tile `w` (columns k) with the x tile of the same columns."""
+def _gated_row_rstd(x_rows, z_rows, m_mask, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_M] float32: 1 / rms(y * silu(z)) over the whole row (K channels, one group) of each row,
+    y = x. Every program reads whole rows (split-K included), from L2."""
+    offs_k = tl.arange(0, BLOCK_K)
+    ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs_k
+        mask = m_mask[:, None] & (k < K)[None, :]
+        y = tl.load(x_rows + k[None, :], mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        z = tl.load(z_rows + k[None, :], mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        h = y * z * tl.sigmoid(z)
+        ss += tl.sum(h * h, axis=1)
+    return tl.rsqrt(ss / K + eps)
+
+
+@triton.jit
+def _gemv_tile(acc, w, x_rows, k, k_hi, m_mask, DOT: tl.constexpr, BLOCK_M: tl.constexpr, DOT_PREC: tl.constexpr,
+               NORM: tl.constexpr, z_rows, nw_ptr, rstd):
+    """acc + the products of the W tile `w` (columns k) with the x tile of the same columns. With NORM
+    the x tile is gated_rmsnorm(y, z) of those columns, y read from x_rows, rounded as the unfused
+    pair rounds it: rmsnorm(y * silu(z)) to y's dtype, times the norm weight, to W's dtype."""
     xt = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & (k < k_hi)[None, :], other=0.0,
                  eviction_policy="evict_last")
+    if NORM:
+        zt = tl.load(z_rows + k[None, :], mask=m_mask[:, None] & (k < k_hi)[None, :], other=0.0,
+                     eviction_policy="evict_last").to(tl.float32)
+        nw = tl.load(nw_ptr + k, mask=k < k_hi, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        h = xt.to(tl.float32) * zt * tl.sigmoid(zt) * rstd[:, None]
+        xt = (h.to(xt.dtype).to(tl.float32) * nw[None, :]).to(w.dtype)
     if DOT:
         acc += tl.dot(xt, tl.trans(w), input_precision=DOT_PREC)
     elif BLOCK_M == 1:
@@ -110,9 +140,11 @@ def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr,
     M, N, K, G,
     stride_xg, stride_xm, stride_wg, stride_wn, stride_bg, stride_og, stride_om,
+    z_ptr, nw_ptr, stride_zm, eps,
     M_POW2: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr,
     DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     LOOP_STAGES: tl.constexpr = None, PDL: tl.constexpr = False, PDL_TILES: tl.constexpr = -1,
+    NORM: tl.constexpr = False,
 ):
     # tl.dot needs at least 16 rows: x is padded with masked (zero) rows.
     BLOCK_M: tl.constexpr = 16 if DOT and M_POW2 < 16 else M_POW2
@@ -140,6 +172,11 @@ def _gemv_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    # NORM (G == 1, one group of K channels): x is gated_rmsnorm(y = x, z) with the norm weight nw.
+    z_rows = z_ptr + offs_m[:, None] * stride_zm
+    rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if NORM and not PDL:
+        rstd = _gated_row_rstd(x_rows, z_rows, m_mask, K, eps, BLOCK_M, BLOCK_K)
     k_start = k_lo
     if PDL:
         # Programmatic dependent launch: let the next kernel's programs launch now, fetch the first
@@ -159,10 +196,14 @@ def _gemv_kernel(
             w_b = tl.load(w_rows + k_b[None, :], mask=n_mask[:, None] & (k_b < k_hi)[None, :], other=0.0,
                           eviction_policy="evict_first")
         tl.extra.cuda.gdc_wait()
+        if NORM:
+            rstd = _gated_row_rstd(x_rows, z_rows, m_mask, K, eps, BLOCK_M, BLOCK_K)
         if PEEL > 0:
-            acc = _gemv_tile(acc, w_a, x_rows, k_a, k_hi, m_mask, DOT, BLOCK_M, DOT_PREC)
+            acc = _gemv_tile(acc, w_a, x_rows, k_a, k_hi, m_mask, DOT, BLOCK_M, DOT_PREC,
+                             NORM, z_rows, nw_ptr, rstd)
         if PEEL > 1:
-            acc = _gemv_tile(acc, w_b, x_rows, k_b, k_hi, m_mask, DOT, BLOCK_M, DOT_PREC)
+            acc = _gemv_tile(acc, w_b, x_rows, k_b, k_hi, m_mask, DOT, BLOCK_M, DOT_PREC,
+                             NORM, z_rows, nw_ptr, rstd)
         k_start = k_lo + PEEL * BLOCK_K
     for k0 in tl.range(k_start, k_hi, BLOCK_K, num_stages=LOOP_STAGES):
         k = k0 + offs_k
@@ -170,7 +211,8 @@ def _gemv_kernel(
         # W is read once: evict it first so x and the outputs stay in L2.
         w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0,
                     eviction_policy="evict_first")
-        acc = _gemv_tile(acc, w, x_rows, k, k_hi, m_mask, DOT, BLOCK_M, DOT_PREC)
+        acc = _gemv_tile(acc, w, x_rows, k, k_hi, m_mask, DOT, BLOCK_M, DOT_PREC,
+                         NORM, z_rows, nw_ptr, rstd)
     if DOT:
         res = acc
     elif BLOCK_M == 1:
@@ -211,7 +253,7 @@ def _autotune_bench(fn, quantiles):
 
 _gemv_tuned = triton.autotune(
     configs=CONFIGS[:1] if INTERPRET else CONFIGS,
-    key=["M", "N", "K", "G", "HAS_BIAS"],
+    key=["M", "N", "K", "G", "HAS_BIAS", "NORM"],
     prune_configs_by={"early_config_prune": _prune},
     do_bench=_autotune_bench,
 )(_gemv_kernel)
@@ -246,9 +288,38 @@ def _as_config(config):
     raise TypeError(f"gemv: config must be a triton.Config or a dict, got {type(config).__name__}")
 
 
-def gemv_triton(x, weight, bias=None, *, out=None, config=None):
+def _check_norm(x, norm):
+    """(z, norm weight, eps) for a NORM launch, checked: x [M, K], z [M, K], weight [K], one group."""
+    if len(norm) not in (3, 4):
+        raise ValueError("gemv: norm must be (z, norm_weight, eps) or (z, norm_weight, eps, group_size)")
+    z, nw, eps = norm[:3]
+    if x.dim() != 2:
+        raise ValueError(f"gemv: the gated-norm prologue takes x [M, K], got {tuple(x.shape)}")
+    K = x.shape[-1]
+    group_size = norm[3] if len(norm) == 4 and norm[3] is not None else K
+    if group_size != K:
+        raise ValueError(f"gemv: the gated-norm prologue supports one group (group_size == K = {K}), "
+                         f"got group_size {group_size}")
+    if tuple(z.shape) != tuple(x.shape) or tuple(nw.shape) != (K,):
+        raise ValueError(f"gemv: norm needs z {list(x.shape)} and weight [{K}], got {tuple(z.shape)} and {tuple(nw.shape)}")
+    if z.dtype != x.dtype or nw.dtype != x.dtype:
+        raise ValueError(f"gemv: y, z and the norm weight must share a dtype, got {x.dtype}, {z.dtype}, {nw.dtype}")
+    if z.stride(-1) != 1:
+        z = z.contiguous()
+    if nw.stride(0) != 1:
+        nw = nw.contiguous()
+    return z, nw, float(eps)
+
+
+def gemv_triton(x, weight, bias=None, *, out=None, config=None, norm=None):
     """See `kernels.gemv.gemv`. `config` (a `triton.Config` of CONFIGS or a dict with META keys and
-    optional num_warps / num_stages) launches that configuration instead of the autotuned one."""
+    optional num_warps / num_stages) launches that configuration instead of the autotuned one.
+
+    `norm=(z, norm_weight, eps)` (optionally a 4th item, group_size, which must be K): the product
+    is gated_rmsnorm(x, z) @ W^T, the norm (`kernels.mamba2_norm.gated_rmsnorm`, one group) computed
+    in the kernel's prologue: x [M, K] only, z [M, K] and norm_weight [K] in x's dtype."""
+    if norm is not None:
+        norm = _check_norm(x, norm)
     grouped = x.dim() == 3
     if x.dim() not in (2, 3) or weight.dim() != x.dim():
         raise ValueError(f"gemv: x [M, K] with weight [N, K], or x [G, M, K] with weight [G, N, K]; "
@@ -285,10 +356,11 @@ def gemv_triton(x, weight, bias=None, *, out=None, config=None):
     gs = (lambda t: t.stride(0)) if grouped else (lambda t: 0)
     args = (x, weight, bias if has_bias else x, out, part, cnt,
             M, N, K, G,
-            gs(x), x.stride(-2), gs(weight), weight.stride(-2), gs(bias) if has_bias else 0, gs(out), out.stride(-2))
+            gs(x), x.stride(-2), gs(weight), weight.stride(-2), gs(bias) if has_bias else 0, gs(out), out.stride(-2),
+            *((norm[0], norm[1], norm[0].stride(0), norm[2]) if norm is not None else (x, x, 0, 0.0)))
     use_pdl = pdl(x.device)
     consts = dict(M_POW2=_m_pow2(M), HAS_BIAS=has_bias, DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
-                  PDL=use_pdl)
+                  PDL=use_pdl, NORM=norm is not None)
     if config is None:
         def grid(meta):
             return triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"], G
@@ -304,9 +376,9 @@ def gemv_triton(x, weight, bias=None, *, out=None, config=None):
     return out
 
 
-def tuned_config(M, N, K, G=1, has_bias=False, dtype=torch.bfloat16):
+def tuned_config(M, N, K, G=1, has_bias=False, dtype=torch.bfloat16, norm=False):
     """The configuration autotuning chose for this shape (None before the first call)."""
     for key, cfg in _gemv_tuned.cache.items():
-        if key[:5] == (M, N, K, G, has_bias) and str(dtype) in key[5:]:
+        if key[:6] == (M, N, K, G, has_bias, norm) and str(dtype) in key[6:]:
             return cfg
     return None

@@ -225,3 +225,92 @@ def test_gpu_linear_unseen_shape_during_capture_uses_f_linear():
     torch.cuda.synchronize()
     torch.testing.assert_close(y, F.linear(x, w))
     assert (1, 640, 1536, "bfloat16", False) not in G_.choices()
+
+
+# ---------------------------------------------------------------------------------------------
+# gated_rmsnorm folded into the GEMV's prologue (Mamba-2's gated norm + out_proj)
+
+NORM_KINDS = {
+    "fma": dict(DOT=False, BLOCK_N=4, BLOCK_K=64, SPLIT_K=1),
+    "fma-3d-pipelined": dict(DOT=False, BLOCK_N=8, BLOCK_K=32, SPLIT_K=1, LOOP_STAGES=3),
+    "fma-split3": dict(DOT=False, BLOCK_N=4, BLOCK_K=32, SPLIT_K=3),
+    "dot": dict(DOT=True, BLOCK_N=16, BLOCK_K=64, SPLIT_K=1),
+    "dot-split2": dict(DOT=True, BLOCK_N=16, BLOCK_K=32, SPLIT_K=2),
+}
+
+
+def norm_inputs(M, N, K, dtype=torch.float32, bias=True):
+    """y [M, K], z a strided view (as the in-projection's slice), norm weight, W, bias."""
+    y = torch.randn(M, K, device=DEVICE, dtype=dtype)
+    z = torch.randn(M, 2 * K + 5, device=DEVICE, dtype=dtype)[:, 5:5 + K]
+    nw = (torch.rand(K, device=DEVICE) + 0.5).to(dtype)
+    w = (torch.randn(N, K, device=DEVICE) * K ** -0.5).to(dtype)
+    b = torch.randn(N, device=DEVICE, dtype=dtype) if bias else None
+    return y, z, nw, w, b
+
+
+def norm_ref(y, z, nw, w, b, eps=1e-5):
+    from kernels.mamba2_norm import gated_rmsnorm
+
+    return gemv_ref(gated_rmsnorm(y, z, nw, y.shape[-1], eps, impl="ref"), w, b)
+
+
+@pytest.mark.parametrize("kind", [None, *NORM_KINDS])
+@pytest.mark.parametrize("M,N,K", [(1, 17, 150), (3, 33, 201)])  # K not a multiple of BLOCK_K
+def test_gemv_norm_prologue_matches_ref(kind, M, N, K, nan_empty):
+    from kernels.gemv.triton import gemv_triton
+
+    y, z, nw, w, b = norm_inputs(M, N, K)
+    got = gemv_triton(y, w, b, config=NORM_KINDS.get(kind), norm=(z, nw, 1e-5))
+    assert got.shape == (M, N) and not got.isnan().any()
+    assert rel(got, norm_ref(y, z, nw, w, b)) < 1e-5
+
+
+def test_gemv_norm_prologue_into_out_no_bias():
+    from kernels.gemv.triton import gemv_triton
+
+    y, z, nw, w, _ = norm_inputs(2, 20, 70, bias=False)
+    out = torch.full((2, 20), float("nan"), device=DEVICE)
+    assert gemv_triton(y, w, out=out, config=NORM_KINDS["fma-split3"], norm=(z, nw, 1e-3, 70)) is out
+    assert rel(out, norm_ref(y, z, nw, w, None, eps=1e-3)) < 1e-5
+
+
+def test_gemv_norm_prologue_refuses_groups_and_bad_shapes():
+    from kernels.gemv.triton import gemv_triton
+
+    y, z, nw, w, b = norm_inputs(1, 8, 64)
+    with pytest.raises(ValueError, match="one group"):
+        gemv_triton(y, w, b, norm=(z, nw, 1e-5, 32))
+    with pytest.raises(ValueError):
+        gemv_triton(y, w, b, norm=(z[:, :32], nw, 1e-5))
+    with pytest.raises(ValueError):
+        gemv_triton(y.unsqueeze(0), w.unsqueeze(0), norm=(z, nw, 1e-5))
+
+
+@pytest.mark.parametrize("impl", ["ref", "triton"])
+@pytest.mark.parametrize("group_size", [96, 48])
+def test_gated_norm_linear_matches_the_pair(impl, group_size):
+    """On the CPU (and with several groups anywhere) it is the unfused pair; ref is its definition."""
+    from kernels.mamba2_norm import gated_rmsnorm
+
+    y, z, nw, w, b = norm_inputs(2, 24, 96)
+    got = G_.gated_norm_linear(y, z, nw, 1e-5, w, b, group_size=group_size, impl=impl)
+    want = F.linear(gated_rmsnorm(y, z, nw, group_size, 1e-5, impl="ref"), w, b)
+    assert got.shape == (2, 24)
+    assert rel(got, want) < 1e-5
+
+
+@gpu_only
+@pytest.mark.parametrize("M", [1, 3])
+def test_gpu_gemv_norm_prologue_bf16(M):
+    from kernels.gemv.triton import CONFIGS, config_fits, gemv_triton
+
+    N, K = 2048, 4096
+    y, z, nw, w, b = norm_inputs(M, N, K, dtype=torch.bfloat16, bias=False)
+    want = norm_ref(y.float(), z.float(), nw.float(), w.float(), None)
+    for cfg in [c for c in CONFIGS if config_fits(c, M, K)]:
+        assert rel(gemv_triton(y, w, config=cfg, norm=(z, nw, 1e-5)), want) < 1e-2
+    got = G_.gated_norm_linear(y, z, nw, 1e-5, w, group_size=K, impl="triton")
+    assert rel(got, want) < 1e-2
+    rec = G_.norm_choices()[(M, N, K, "bfloat16", False)]
+    assert rec["impl"] in ("triton", "torch") and rec["triton_us"] > 0 and rec["torch_us"] > 0

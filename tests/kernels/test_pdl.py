@@ -214,6 +214,25 @@ def test_gemv_pdl_path(monkeypatch, kind, M, N, K, tiles):
 
 
 @interpreter_only
+@pytest.mark.parametrize("kind", ["fma", "fma-split3", "dot", "dot-split2"])
+@pytest.mark.parametrize("M,N,K", [(1, 9, 20), (3, 17, 45), (2, 5, 150)])
+def test_gemv_norm_pdl_path(monkeypatch, kind, M, N, K):
+    """The gated-norm prologue: y and z (activations) are read only after the wait."""
+    gt = kmod("gemv")
+
+    def make():
+        y, w, b = randn(M, K, seed=1), randn(N, K, seed=2), randn(N, seed=3)
+        z = randn(M, 2 * K, seed=4)[:, K:]
+        nw = randn(K, seed=5)
+        part, cnt = gt._workspace(y.device, 4 * M * N, N)
+        out = torch.full((M, N), float("nan"), device=DEVICE)
+        return ((lambda: [gt.gemv_triton(y, w, b, out=out, config=GEMV_KINDS[kind], norm=(z, nw, 1e-5))]),
+                (y, z, out, part, cnt))
+
+    run_pdl(monkeypatch, "gemv", make)
+
+
+@interpreter_only
 def test_gemv_grouped_pdl_path(monkeypatch):
     gt = kmod("gemv")
 
