@@ -216,7 +216,7 @@ def measure_peer_point(args, dec, peer, peer_models, model, family, batch, ctx, 
     if build_error is not None:
         record.update(status="error", reason=f"building {peer.name} failed: {build_error}")
         return record
-    subject = peers.PeerDecoder(peer, built, dec, batch=batch, prompt_len=ctx - args.new_tokens)
+    subject = peers.PeerDecoder(peer, built, dec)
     if (why := harness.fits(subject, batch, ctx, args.new_tokens)) is not None:
         record.update(status="skipped", reason=why)
         return record

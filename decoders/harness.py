@@ -5,8 +5,8 @@ Per point: time to first token (prefill), per-step decode latency p50/p90/p99, d
 sequence and aggregate (tokens committed per step, so Mask-Predict passes count what they commit),
 prefill tokens/s, peak memory, state bytes, the roofline step time (bytes one step must move over
 the copy bandwidth measured in the same run) and MBU (roofline time / measured median step time).
-Warm-up (compilation, autotuning: a generation on a short prompt, then the timed generation once,
-untimed) runs before the timed generation and is reported separately.
+Warm-up (compilation, autotuning: the timed generation once, untimed) runs before the timed
+generation and is reported separately.
 
 `check_against_reference` is the correctness gate: a decoder whose kernels disagree with the
 reference path on a short sequence is not timed.
@@ -114,9 +114,9 @@ def measure(decoder: Decoder, *, ctx: int, batch: int, new_tokens: int, ceiling:
     cuda = decoder.device.type == "cuda"
 
     t0 = time.perf_counter()
-    decoder.generate(prompts[:, : min(prompt_len, 64)], max_new_tokens=new_tokens)
-    # The timed generation once untimed: kernels specialised on the prompt's length are compiled
-    # here, so the TTFT below is not compilation (it was 1.4 s of llama-1b's 4k TTFT).
+    # The timed generation once untimed: every kernel, including those specialised on the prompt's
+    # length, is compiled and tuned here, so the TTFT below is not compilation (it was 1.4 s of
+    # llama-1b's 4k TTFT when the warm-up used a short prompt).
     decoder.generate(prompts, max_new_tokens=new_tokens)
     warmup_s = time.perf_counter() - t0
     if cuda:

@@ -42,9 +42,6 @@ class Peer:
     module: str  # what must import for it to run
     cpu_reason: str | None  # why it does not run on the CPU, when it does not
     cuda_graphs: bool  # whether its decode steps replay CUDA graphs
-    # Its compiled or captured step depends on the sequence length (static cache, mamba-ssm's graph
-    # cache), so it warms up on the timed shape rather than on a short prompt.
-    shape_bound: bool
     timing: str  # how the per-token marks are taken
     build: Callable  # (lab config, device, dtype) -> model
     run: Callable  # (model, prompts [B, P] on the device, new tokens, timer) -> output ids [B, P + new]
@@ -187,18 +184,18 @@ def fla_rwkv7(config, device, dtype):
 
 PEERS = [
     Peer(name="hf-eager", package="hf", family="transformer", module="transformers", cpu_reason=None, cuda_graphs=False,
-         shape_bound=False, timing=HF_TIMING, build=lambda c, d, t: hf_llama(c, d, t, static=False), run=hf_generate),
+         timing=HF_TIMING, build=lambda c, d, t: hf_llama(c, d, t, static=False), run=hf_generate),
     Peer(name="hf-compile", package="hf", family="transformer", module="transformers",
          cpu_reason="transformers compiles generate's decode step on an accelerator only", cuda_graphs=True,
-         shape_bound=True, timing=HF_TIMING, build=lambda c, d, t: hf_llama(c, d, t, static=True), run=hf_generate_static),
+         timing=HF_TIMING, build=lambda c, d, t: hf_llama(c, d, t, static=True), run=hf_generate_static),
     Peer(name="hf-mamba2", package="hf", family="mamba2", module="transformers", cpu_reason=None, cuda_graphs=False,
-         shape_bound=False, timing=HF_TIMING, build=hf_mamba2, run=hf_generate),
+         timing=HF_TIMING, build=hf_mamba2, run=hf_generate),
     Peer(name="mamba_ssm-cg", package="mamba_ssm", family="mamba2", module="mamba_ssm",
          cpu_reason="generate(cg=True) captures CUDA graphs", cuda_graphs=True,
-         shape_bound=True, timing=MAMBA_SSM_TIMING, build=mamba_ssm_model, run=mamba_ssm_generate),
+         timing=MAMBA_SSM_TIMING, build=mamba_ssm_model, run=mamba_ssm_generate),
     Peer(name="fla-rwkv7", package="fla", family="rwkv7", module="fla",
          cpu_reason="fla's Triton kernels autotune on a GPU", cuda_graphs=False,
-         shape_bound=False, timing=HF_TIMING, build=fla_rwkv7, run=hf_generate),
+         timing=HF_TIMING, build=fla_rwkv7, run=hf_generate),
 ]
 
 
@@ -267,28 +264,24 @@ def build(peer: Peer, lab: Decoder, seed: int = 0):
 
 class PeerDecoder:
     """A peer behind what `harness.measure` calls (`generate`, `memory`, `device`, `vocab_size`,
-    `cuda_graphs`), for one point (`batch` sequences of `prompt_len` tokens)."""
+    `cuda_graphs`). The harness warms it up on the timed shape itself, which is what the peers whose
+    step is compiled or captured for one length (static cache, mamba-ssm's graph cache) need."""
 
     # For the harness this means "the first timed step captures a graph and is set apart"; a peer
     # compiles and captures in its warm-up run, so every timed step counts.
     cuda_graphs = False
 
-    def __init__(self, peer: Peer, model, lab: Decoder, *, batch: int, prompt_len: int):
+    def __init__(self, peer: Peer, model, lab: Decoder):
         self.peer, self.model, self.lab = peer, model, lab
         self.device = lab.device
         self.vocab_size = lab.vocab_size
-        self.shape = (batch, prompt_len)
 
     def memory(self, batch: int, ctx: int, *, new_tokens: int = 1) -> Memory:
         return self.lab.memory(batch, ctx, new_tokens=new_tokens)
 
     def generate(self, prompts, max_new_tokens: int) -> Generation:
         """One run of the peer's own generate (in its own grad mode) with a timer mark per new token."""
-        prompts = torch.as_tensor(prompts)
-        if self.peer.shape_bound and tuple(prompts.shape) != self.shape:
-            # The harness warms up on a short prompt; this peer's step is compiled for one length.
-            prompts = torch.zeros(self.shape, dtype=torch.long)
-        prompts = prompts.to(self.device)
+        prompts = torch.as_tensor(prompts).to(self.device)
         timer = Timer(self.device)
         out = self.peer.run(self.model, prompts, max_new_tokens, timer)
         times = timer.intervals()

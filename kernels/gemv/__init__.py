@@ -68,27 +68,12 @@ def norm_choices() -> dict:
     return {key[:5]: {k: v for k, v in rec.items() if k != "config"} for key, rec in _NORM_CHOICES.items()}
 
 
-def _graph_us(call, weights, device, replays=5) -> float:
+def _graph_us(call, weights) -> float:
     """µs per call of `call(w)`, one call per weight copy, replayed from a CUDA graph: as in a decode
     step, calls run back to back and every weight comes from HBM (the copies overflow L2)."""
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        for w in weights:  # compiles, allocates any workspace, outside the capture
-            call(w)
-    torch.cuda.current_stream(device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for w in weights:
-            call(w)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize(device)
-    return start.elapsed_time(end) * 1e3 / (replays * len(weights))
+    from kernels.benchtools import time_ms
+
+    return time_ms(lambda: [call(w) for w in weights], graph=True, warmup=1, iters=5) * 1e3 / len(weights)
 
 
 def _choose(x2, weight, bias, key, baseline=None, norm=None, table=_CHOICES):
@@ -104,10 +89,10 @@ def _choose(x2, weight, bias, key, baseline=None, norm=None, table=_CHOICES):
     if baseline is None:
         def baseline(w):
             return F.linear(x2, w, bias)
-    times = {"torch": _graph_us(baseline, weights, device)}
+    times = {"torch": _graph_us(baseline, weights)}
     configs = {config_name(c): c for c in CONFIGS if config_fits(c, M, K)}
     for name, cfg in configs.items():
-        times[name] = _graph_us(lambda w, cfg=cfg: gemv_triton(x2, w, bias, config=cfg, norm=norm), weights, device)
+        times[name] = _graph_us(lambda w, cfg=cfg: gemv_triton(x2, w, bias, config=cfg, norm=norm), weights)
     del weights
     best = min(times, key=times.get)
     fastest = min((n for n in times if n != "torch"), key=times.get, default=None)
