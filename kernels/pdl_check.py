@@ -118,7 +118,7 @@ def _signature(fn, ptrs, floats, consts):
 
 
 def compile_one(fn, ptrs, floats, consts, options, unaligned=()):
-    """(ptx, sass, registers, spill stores/loads) of one sm_90 compile."""
+    """(ptx, sass, registers, spill stores/loads, shared memory bytes) of one sm_90 compile."""
     import triton
     from triton import knobs
     from triton.backends.compiler import GPUTarget
@@ -144,7 +144,7 @@ def compile_one(fn, ptrs, floats, consts, options, unaligned=()):
     regs = re.search(r"Used (\d+) registers", log)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     return (ptx, sass, int(regs.group(1)) if regs else None,
-            f"{spills.group(1)}/{spills.group(2)}" if spills else "?")
+            f"{spills.group(1)}/{spills.group(2)}" if spills else "?", k.metadata.shared)
 
 
 def _body(ptx):

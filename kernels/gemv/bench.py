@@ -21,12 +21,8 @@ printed at the end (µs by configuration, then the summary), then one JSON line 
 import argparse
 import json
 import math
-import re
-import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -57,15 +53,10 @@ def compile_report(rows=(1, 4, 8)):
     """Compile every configuration for sm_90 offline (no GPU, TRITON_INTERPRET unset): registers,
     spills (ptxas -v), shared memory, whether the weight loads are cp.async-pipelined."""
     import triton
-    from triton import knobs
-    from triton.backends.compiler import GPUTarget
 
     from kernels.gemv.triton import CONFIGS, _gemv_kernel, config_fits, config_name
+    from kernels.pdl_check import compile_one
 
-    names = _gemv_kernel.arg_names
-    const_names = ("M_POW2", "HAS_BIAS", "DOT_PREC") + tuple(CONFIGS[0].kwargs)
-    # As the benchmark launches them: 16-byte aligned pointers, N, K and row strides multiples of 16.
-    aligned = ("x_ptr", "w_ptr", "b_ptr", "out_ptr", "part_ptr", "cnt_ptr", "N", "K", "stride_xm", "stride_wn", "stride_om")
     print(f"{'config':<28}{'M':>3}{'regs':>6}{'spill st/ld':>13}{'smem KB':>9}  weight loads")
     for cfg in CONFIGS:
         for M in rows:
@@ -73,34 +64,16 @@ def compile_report(rows=(1, 4, 8)):
                 continue
             consts = dict(G=1, stride_xg=0, stride_wg=0, stride_bg=0, stride_og=0,
                           M_POW2=triton.next_power_of_2(M), HAS_BIAS=False, DOT_PREC="tf32", **cfg.kwargs)
-            # The other constexprs (PDL, PDL_TILES) at their defaults: launched without PDL.
-            consts.update({p.name: p.default for p in _gemv_kernel.params
-                           if p.is_constexpr and p.has_default and p.name not in consts})
             if M == 1:
                 consts["M"] = 1
-            sig = {}
-            for n in names:
-                if n in consts or n in const_names:
-                    sig[n] = "constexpr"
-                elif n.endswith("ptr"):
-                    sig[n] = {"part_ptr": "*fp32", "cnt_ptr": "*i32"}.get(n, "*bf16")
-                else:
-                    sig[n] = "i32"
-            attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned if sig[n] != "constexpr"}
-            src = triton.compiler.ASTSource(fn=_gemv_kernel, signature=sig, constexprs=consts, attrs=attrs)
-            k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                               options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
-            with tempfile.TemporaryDirectory() as d:
-                ptx = Path(d) / "k.ptx"
-                ptx.write_text(k.asm["ptx"])
-                log = subprocess.run([knobs.nvidia.ptxas.path, "-arch=sm_90a", "-v", str(ptx), "-o", str(Path(d) / "k.o")],
-                                     capture_output=True, text=True).stderr
-            regs = re.search(r"Used (\d+) registers", log)
-            spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-            n_cp = k.asm["ptx"].count("cp.async.cg") + k.asm["ptx"].count("cp.async.ca")
+            # As the benchmark launches them (without PDL): 16-byte aligned pointers, N, K and row
+            # strides multiples of 16.
+            ptx, _, regs, spills, shared = compile_one(
+                _gemv_kernel, ptrs={"part_ptr": "*fp32", "cnt_ptr": "*i32"}, floats=("eps",), consts=consts,
+                options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages), unaligned=("M", "stride_zm"))
+            n_cp = ptx.count("cp.async.cg") + ptx.count("cp.async.ca")
             loads = f"cp.async ({n_cp} in the PTX)" if n_cp else "ld.global.v4 to registers"
-            print(f"{config_name(cfg):<28}{M:>3}{regs.group(1) if regs else '?':>6}"
-                  f"{(spills.group(1) + '/' + spills.group(2)) if spills else '?':>13}{k.metadata.shared / 1024:>9.1f}  {loads}")
+            print(f"{config_name(cfg):<28}{M:>3}{regs if regs is not None else '?':>6}{spills:>13}{shared / 1024:>9.1f}  {loads}")
 
 
 def main():
