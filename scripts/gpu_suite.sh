@@ -2,7 +2,7 @@
 # One call on a CUDA machine: the GPU tests, the kernel benchmarks and the compare sweeps, each stage
 # bounded in time, results and logs written under OUT_DIR (JSON lines, one file per stage).
 #
-#   scripts/gpu_suite.sh OUT_DIR tests fused profile gemv kernels compare-triton compare-batch peers compare-ref
+#   scripts/gpu_suite.sh OUT_DIR tests fused profile gemv kernels wkv7 compare-triton compare-8b compare-batch peers compare-ref
 #
 # Peers (flash-linear-attention, mamba-ssm) are used when importable; put wheels in WHEEL_DIR
 # (default .whl) to have them installed into a scratch folder first. On a copy of the tree without
@@ -47,14 +47,17 @@ for s in "$@"; do
       stage paged_attention 170 python3 -m kernels.paged_attention.bench --budget-s 120 --flex-budget-s 80 --out "$out/paged_attention.jsonl"
       stage ssd 120 python3 -m kernels.ssd.bench --out "$out/ssd.jsonl"
       stage wkv7 120 python3 -m kernels.wkv7.bench --out "$out/wkv7.jsonl" ;;
+    wkv7) stage wkv7 "${WKV7_LIMIT:-150}" python3 -m kernels.wkv7.bench --out "$out/wkv7.jsonl" ;;
     gemv) stage gemv 120 python3 -m kernels.gemv.bench --out "$out/gemv.jsonl" ;;
     compare-batch) stage compare_batch 240 python3 -m decoders.compare --no-progress --impl triton \
         --models llama-1b,mamba2-1.3b,rwkv7-1.5b --ctx "${BATCH_CTX:-4k,32k}" --batch 16,64 --new-tokens 16 --out "$out/compare_batch.jsonl" ;;
     # Peers alone (each compiles or captures per context) beside a compare-triton sweep of the lab.
-    peers) stage compare_peers "${PEER_LIMIT:-420}" python3 -m decoders.compare --no-progress --impl triton --peers hf,mamba_ssm,fla --peers-only \
+    peers) stage compare_peers "${PEER_LIMIT:-420}" python3 -m decoders.compare --no-progress --impl triton --peers "${PEERS:-hf,mamba_ssm,fla}" --peers-only \
         --models llama-1b,mamba2-1.3b,rwkv7-1.5b --ctx "${PEER_CTX:-4k,32k,128k}" --batch 1 --out "$out/compare_peers.jsonl" ;;
     compare-triton) stage compare_triton 330 python3 -m decoders.compare --no-progress --impl triton \
         --models llama-1b,mamba2-1.3b,rwkv7-1.5b --ctx 4k..128k --batch 1 --out "$out/compare_triton.jsonl" --plot "$out/scaling.png" ;;
+    compare-8b) stage compare_8b "${LIMIT_8B:-240}" python3 -m decoders.compare --no-progress --impl triton \
+        --models llama-8b --ctx "${CTX_8B:-4k,32k,128k}" --batch 1 --out "$out/compare_8b.jsonl" ;;
     compare-ref) stage compare_ref 300 python3 -m decoders.compare --no-progress --impl ref \
         --models llama-1b,mamba2-1.3b,rwkv7-1.5b --ctx 4k..128k --batch 1 --new-tokens 16 --out "$out/compare_ref.jsonl" ;;
     *) echo "unknown stage $s" ;;
