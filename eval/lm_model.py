@@ -11,7 +11,8 @@ Importing this module registers the model. Requests are answered as lm-eval's ow
   (`Decoder.logits`) and sum the log-softmax over the continuation; `is_greedy` is whether every
   continuation token is the argmax (which is greedy decoding). Mask-Predict answers with its
   Monte-Carlo bound (`Decoder.loglikelihood(..., samples=)`), and `is_greedy` is whether its own
-  greedy decoding (iterations, rule, ... from model_args) writes exactly the continuation.
+  greedy decoding (iterations, rule, ... from model_args) writes exactly the continuation (decoded
+  in one batch per continuation length; not decoded for rolling windows, which never read it).
 - `loglikelihood_rolling`: lm-eval's `get_rolling_token_windows` + `make_disjoint_window` with
   context 1, so every token is scored exactly once, in windows of `max_length`.
 - `generate_until`: the decoder's own prefill/step (Mask-Predict decodes its way), cut at the first
@@ -136,13 +137,24 @@ class DecLabLM(TemplateLM):
             out.append((ll, bool((lp.argmax(-1) == target).all())))
         return out
 
-    def score_montecarlo(self, ctx: list[int], cont: list[int]) -> tuple[float, bool]:
-        """Mask-Predict: the family's Monte-Carlo bound on log p(continuation | context), and whether the
-        family's own greedy decoding (a canvas of len(continuation)) writes exactly the continuation."""
-        ctx = ctx[-max(1, self.max_length - len(cont)) :]
-        ll = self.decoder.loglikelihood(ctx, cont, samples=self.samples)
-        decoded = self.decoder.generate([ctx], max_new_tokens=len(cont)).tokens[0]
-        return float(ll), decoded[: len(cont)] == cont
+    def score_montecarlo(self, batch: list[tuple[list[int], list[int], bool]]) -> list[tuple[float, bool]]:
+        """Mask-Predict, for each (context, continuation, wants_greedy): the family's Monte-Carlo bound
+        on log p(continuation | context), and whether the family's own greedy decoding (a canvas of
+        len(continuation)) writes exactly the continuation. The decoding runs once per continuation
+        length for all the requests of that length; a request that does not want it (a rolling
+        window: its is_greedy is never read) gets False without decoding."""
+        ctxs = [ctx[-max(1, self.max_length - len(cont)) :] for ctx, cont, _ in batch]
+        lls = [float(self.decoder.loglikelihood(ctx, cont, samples=self.samples)) for ctx, (_, cont, _) in zip(ctxs, batch)]
+        greedy = [False] * len(batch)
+        by_length: dict[int, list[int]] = {}
+        for i, (_, cont, wanted) in enumerate(batch):
+            if wanted:
+                by_length.setdefault(len(cont), []).append(i)
+        for n, rows in by_length.items():
+            decoded = self.decoder.generate([ctxs[i] for i in rows], max_new_tokens=n).tokens
+            for i, tokens in zip(rows, decoded):
+                greedy[i] = tokens[:n] == batch[i][1]
+        return list(zip(lls, greedy))
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         for _, ctx, cont in requests:
@@ -157,7 +169,8 @@ class DecLabLM(TemplateLM):
             if self.autoregressive:
                 answers = self.score([(ctx, cont) for _, ctx, cont in chunk])
             else:
-                answers = [self.score_montecarlo(ctx, cont) for _, ctx, cont in chunk]
+                # A request of None is a rolling window (loglikelihood_rolling), which needs no is_greedy.
+                answers = self.score_montecarlo([(ctx, cont, request is not None) for request, ctx, cont in chunk])
             for (request, _, _), answer in zip(chunk, answers):
                 if request is not None:
                     self.cache_hook.add_partial("loglikelihood", request, answer)

@@ -2,7 +2,7 @@
 # One call on a CUDA machine: the GPU tests, the kernel benchmarks and the compare sweeps, each stage
 # bounded in time, results and logs written under OUT_DIR (JSON lines, one file per stage).
 #
-#   scripts/gpu_suite.sh OUT_DIR tests fused profile gemv kernels wkv7 compare-triton compare-8b compare-batch peers compare-ref
+#   scripts/gpu_suite.sh OUT_DIR tests fused profile gemv kernels wkv7 compare-triton compare-8b compare-batch peers ablation compare-ref
 #
 # Peers (flash-linear-attention, mamba-ssm) are used when importable; put wheels in WHEEL_DIR
 # (default .whl) to have them installed into a scratch folder first. On a copy of the tree without
@@ -12,6 +12,8 @@ out=${1:?usage: scripts/gpu_suite.sh OUT_DIR STAGE...}
 shift
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
+# Autotuning results (fla's kernels tune for minutes) kept on disk, so later stages reuse them.
+export TRITON_CACHE_AUTOTUNING=1
 wheels=${WHEEL_DIR:-.whl}
 if compgen -G "$wheels/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/declab-peers "$wheels"/*.whl \
@@ -47,7 +49,7 @@ for s in "$@"; do
       stage paged_attention 170 python3 -m kernels.paged_attention.bench --budget-s 120 --flex-budget-s 80 --out "$out/paged_attention.jsonl"
       stage ssd 120 python3 -m kernels.ssd.bench --out "$out/ssd.jsonl"
       stage wkv7 120 python3 -m kernels.wkv7.bench --out "$out/wkv7.jsonl" ;;
-    wkv7) stage wkv7 "${WKV7_LIMIT:-150}" python3 -m kernels.wkv7.bench --out "$out/wkv7.jsonl" ;;
+    wkv7) stage wkv7 "${WKV7_LIMIT:-150}" python3 -m kernels.wkv7.bench --out "$out/wkv7.jsonl" ${WKV7_ARGS:-} ;;
     gemv) stage gemv 120 python3 -m kernels.gemv.bench --out "$out/gemv.jsonl" ;;
     compare-batch) stage compare_batch 240 python3 -m decoders.compare --no-progress --impl triton \
         --models llama-1b,mamba2-1.3b,rwkv7-1.5b --ctx "${BATCH_CTX:-4k,32k}" --batch 16,64 --new-tokens 16 --out "$out/compare_batch.jsonl" ;;
@@ -58,6 +60,17 @@ for s in "$@"; do
         --models llama-1b,mamba2-1.3b,rwkv7-1.5b --ctx 4k..128k --batch 1 --out "$out/compare_triton.jsonl" --plot "$out/scaling.png" ;;
     compare-8b) stage compare_8b "${LIMIT_8B:-240}" python3 -m decoders.compare --no-progress --impl triton \
         --models llama-8b --ctx "${CTX_8B:-4k,32k,128k}" --batch 1 --out "$out/compare_8b.jsonl" ;;
+    # The quality ablation (eval.ablation): lm-eval and its dependencies from EVAL_WHEEL_DIR (default
+    # .whl-eval), the corpus folder ABL_CORPUS (default .corpus, with an optional pre-trained
+    # tokenizer in ABL_CORPUS/tokenizer), the arguments in ABL_ARGS.
+    ablation)
+      if compgen -G "${EVAL_WHEEL_DIR:-.whl-eval}/*.whl" >/dev/null; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/declab-eval "${EVAL_WHEEL_DIR:-.whl-eval}"/*.whl
+      fi
+      mkdir -p "$out/ablation"
+      [ -d "${ABL_CORPUS:-.corpus}/tokenizer" ] && cp -r "${ABL_CORPUS:-.corpus}/tokenizer" "$out/ablation/"
+      PYTHONPATH="/tmp/declab-eval:$PYTHONPATH" HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 HF_HOME=/tmp/declab-hf \
+        stage ablation "${ABL_LIMIT:-540}" python3 -m eval.ablation --corpus "${ABL_CORPUS:-.corpus}" --out "$out/ablation" ${ABL_ARGS:---time-budget 190} ;;
     compare-ref) stage compare_ref 300 python3 -m decoders.compare --no-progress --impl ref \
         --models llama-1b,mamba2-1.3b,rwkv7-1.5b --ctx 4k..128k --batch 1 --new-tokens 16 --out "$out/compare_ref.jsonl" ;;
     *) echo "unknown stage $s" ;;

@@ -11,12 +11,12 @@ as it is measured:
    of copy bandwidth);
 3. the default prefill: self-check on a short prefix, then tokens/s per layer at 4k, 32k, 128k
    tokens, batch 1, and at 32k the device time of each of its kernels (pass 1 against pass 2);
-   then the non-default pass-2 / solve variants of `wkv7_chunk_triton` (PASS2_VARIANTS), each
-   self-checked, then timed at 32k (with its kernel times) and 128k;
 4. fla's `chunk_rwkv7` (w is the log-decay there too): its error against the reference, then the
-   same lengths, timed only if it matches;
-5. while the time budget lasts: other step launch shapes and fla's `fused_recurrent_rwkv7` step,
-   then other prefill (chunk, precision) variants, each self-checked before it is timed.
+   same lengths, timed only if it matches (its first call autotunes, which takes a minute or more);
+5. fla's `fused_recurrent_rwkv7` step at batch 1, 16, 128, the same way as ours;
+6. while the time budget lasts: the non-default pass-2 / solve variants of `wkv7_chunk_triton`
+   (PASS2_VARIANTS), each self-checked, then timed at 32k (with its kernel times) and 128k;
+   then other step launch shapes and other prefill (chunk, precision) variants.
 A kernel that fails its self-check is not timed and the run exits non-zero. A table is printed at
 the end, then one JSON line summarising the run.
 """
@@ -44,7 +44,7 @@ PRECISION = "tf32x3"
 PREFILL_VARIANTS = ((16, "tf32x3"), (64, "tf32x3"), (32, "ieee"))
 # (chunk_size, keyword arguments of wkv7_chunk_triton) timed right after the default prefill
 PASS2_VARIANTS = (
-    (32, dict(pass2="walk", solve="doubling")),
+    (32, dict(pass2="walk", solve="substitution")),
     (32, dict(pass2="transition", solve="doubling")),
     (32, dict(pass2="states", solve="doubling")),
     (64, dict(pass2="states", solve="doubling")),
@@ -142,7 +142,7 @@ def main():
     ap.add_argument("--out", required=True, help="JSON-lines file the records are appended to")
     ap.add_argument("--no-peers", action="store_true", help="skip fla")
     ap.add_argument("--budget", type=float, default=TIME_BUDGET_S,
-                    help="seconds after which optional measurements (step 5 of the docstring) are skipped")
+                    help="seconds after which optional measurements (step 6 of the docstring) are skipped")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("kernels.wkv7.bench needs a CUDA GPU")
@@ -234,13 +234,8 @@ def main():
 
     if check_chunk(CHUNK, PRECISION):
         time_chunk(CHUNK, PRECISION)
-    for C, kw in PASS2_VARIANTS:
-        if check_chunk(C, PRECISION, **kw):
-            time_chunk(C, PRECISION, VARIANT_T, **kw)
-        torch.cuda.empty_cache()
-
     # 4. fla's chunk_rwkv7: error against the reference, then the same lengths if it matches
-    if fla_chunk is not None and not over_budget("fla.chunk_rwkv7"):
+    if fla_chunk is not None:
         try:
             o, s = fla_chunk(r=xc[0], w=xc[1], k=xc[2], v=xc[3], a=xc[4], b=xc[5], scale=1.0,
                              initial_state=h0c.clone(), output_final_state=True)
@@ -250,8 +245,6 @@ def main():
                   "rel_err_o": err_o, "rel_err_state": err_s, "ok": ok},
                  ("selfcheck", "fla.chunk_rwkv7", f"T={CHECK_T}", "ok" if ok else "mismatch", f"o {err_o:.1e} state {err_s:.1e}"))
             for T in PREFILL_T if ok else ():
-                if over_budget(f"prefill T={T} fla.chunk_rwkv7"):
-                    break
                 x = inputs(1, T, device, seed=T)
                 ms = time_ms(lambda: fla_chunk(r=x[0], w=x[1], k=x[2], v=x[3], a=x[4], b=x[5], scale=1.0,
                                                output_final_state=True), warmup=2, iters=5)
@@ -265,14 +258,25 @@ def main():
                  ("prefill", "fla.chunk_rwkv7", "", "", f"error: {type(e).__name__}"))
         torch.cuda.empty_cache()
 
-    # 5. optional: other step launch shapes and fla's step, then other prefill variants
+    # 5. fla's fused_recurrent_rwkv7 step at each batch
+    for B, case in step_cases.items():
+        if fla_rec is not None:
+            time_fla_step(emit, bw, B, case, fla_rec)
+
+    # 6. the non-default pass-2 / solve variants at 32k and 128k
+    for C, kw in PASS2_VARIANTS:
+        if over_budget(f"prefill C={C} {kw}"):
+            break
+        if check_chunk(C, PRECISION, **kw):
+            time_chunk(C, PRECISION, VARIANT_T, **kw)
+        torch.cuda.empty_cache()
+
+    # 7. optional: other step launch shapes, then other prefill variants
     for B, case in step_cases.items():
         for bv, nw in STEP_VARIANTS:
             if over_budget(f"step B={B} block_v={bv} num_warps={nw}"):
                 break
             time_step(emit, bw, B, case, bv, nw, failures)
-        if fla_rec is not None and not over_budget(f"fla step B={B}"):
-            time_fla_step(emit, bw, B, case, fla_rec)
     for C, prec in PREFILL_VARIANTS:
         if over_budget(f"prefill C={C} {prec}"):
             break

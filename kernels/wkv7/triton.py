@@ -411,7 +411,7 @@ TRANSITION_WARPS = 8
 def wkv7_chunk_triton(
     r, w, k, v, a, b, *, scale=1.0, initial_state=None, chunk_size=CHUNK,
     out=None, final_state=None, block_v=None, precision="tf32x3", segment_floats=SEGMENT_FLOATS,
-    pass2="walk", pass2_precision=None, solve="substitution",
+    pass2="walk", pass2_precision=None, solve="doubling",
 ):
     """Chunked prefill. r, w, k, a, b `[B, T, H, K]`, v `[B, T, H, V]`, initial_state
     `[B, H, K, V]` float32 or None. Returns (o `[B, T, H, V]` in r's dtype, final state float32),
@@ -430,8 +430,9 @@ def wkv7_chunk_triton(
       S <- M S + D, storing the state entering each chunk, and a third, parallel kernel computes
       o = R S + O).
     - `pass2_precision`: input precision of the sequential kernel's products (default `precision`).
-    - `solve`: how pass 1 forms (I - A_ab)^-1: "substitution" (default, C dependent row updates)
-      or "doubling" (products of powers, 2 log2(C) - 1 tensor-core products).
+    - `solve`: how pass 1 forms (I - A_ab)^-1: "doubling" (default: products of powers,
+      2 log2(C) - 1 tensor-core products; 7.69 ms against 8.85 for a 32k-token layer on an H200)
+      or "substitution" (C dependent row updates).
     """
     if pass2 not in ("walk", "transition", "states"):
         raise ValueError(f"wkv7_chunk: pass2 must be 'walk', 'transition' or 'states', got {pass2!r}")

@@ -18,7 +18,7 @@ AUTOREGRESSIVE = ["llama-tiny", "mamba2-tiny", "rwkv7-tiny"]
 
 def make_lm(preset, **kwargs):
     try:
-        return DecLabLM(pretrained=preset, dtype="float32", device="cpu", impl="ref", max_length=48, batch_size=3, **kwargs)
+        return DecLabLM(pretrained=preset, **{"dtype": "float32", "device": "cpu", "impl": "ref", "max_length": 48, "batch_size": 3, **kwargs})
     except ImportError as e:
         pytest.skip(f"{preset}: family files missing ({e})")
 
@@ -124,9 +124,27 @@ def test_ref_maskpredict_montecarlo_and_greedy():
     assert ll == pytest.approx(lm.decoder.loglikelihood(ctx, [8], samples=4), rel=1e-5)
     cont = lm.decoder.generate([ctx], max_new_tokens=3).tokens[0]
     wrong = cont[:-1] + [(cont[-1] + 1) % 256]
-    (_, yes), (_, no) = lm._loglikelihood_tokens([(None, ctx, cont), (None, ctx, wrong)], disable_tqdm=True)
+    (_, yes), (_, no) = lm._loglikelihood_tokens([("req-a", ctx, cont), ("req-b", ctx, wrong)], disable_tqdm=True)
     assert yes is True and no is False
+    # A rolling window (request None) is scored without decoding: its is_greedy is never read.
+    (ll_window, greedy), = lm._loglikelihood_tokens([(None, ctx, cont)], disable_tqdm=True)
+    assert greedy is False and ll_window == pytest.approx(lm.decoder.loglikelihood(ctx, cont, samples=4), rel=1e-5)
     assert isinstance(gen(lm, "hello", until=[], max_gen_toks=6), str)
+
+
+def test_ref_maskpredict_batched_greedy_equals_one_at_a_time():
+    """is_greedy decoded in batches (one per continuation length) says what decoding each request
+    alone says, right and wrong continuations mixed, contexts of different lengths."""
+    alone = make_lm("maskpredict-tiny", samples=4, iterations=2, batch_size=1)
+    batched = make_lm("maskpredict-tiny", samples=4, iterations=2, batch_size=6)
+    requests = []
+    for n, ctx in enumerate([[256, 5, 6, 7], [256, 9], [256, 3, 1, 4, 1, 5], [256, 40, 41]]):
+        cont = alone.decoder.generate([ctx], max_new_tokens=1 + n % 3).tokens[0]
+        requests += [(f"right-{n}", ctx, cont), (f"wrong-{n}", ctx, cont[:-1] + [(cont[-1] + 1) % 256])]
+    got = batched._loglikelihood_tokens(requests, disable_tqdm=True)
+    want = alone._loglikelihood_tokens(requests, disable_tqdm=True)
+    assert [g for _, g in got] == [g for _, g in want] == [True, False] * 4
+    assert all(math.isclose(a, b, rel_tol=1e-4) for (a, _), (b, _) in zip(got, want))
 
 
 def test_ref_model_args_win_over_cli_defaults():
