@@ -85,6 +85,8 @@ class CanvasState:
     t: torch.Tensor | None = None  # [1] int64 passes done in the current block, on the device
     plans: tuple[PassPlan, PassPlan] | None = field(default=None, repr=False)
     block_lengths: torch.Tensor | None = None  # [E] int64 active columns of the current block
+    graph: "torch.cuda.CUDAGraph | None" = field(default=None, repr=False)  # the block's later pass, captured
+    graph_out: tuple | None = field(default=None, repr=False)  # its static outputs (see `_refine`)
 
     @property
     def canvas(self) -> torch.Tensor:
@@ -113,8 +115,8 @@ class MaskPredictDecoder(Decoder):
     def __init__(self, model, config, *, iterations: int | None = None, rule: str | None = None, block_length: int | None = None,
                  threshold: float | None = None, length_beam: int | None = None, prefix_cache: bool = True, page_size: int = 16, **kwargs):
         super().__init__(model, config, max_context=config.max_position_embeddings, **kwargs)
-        # Refinement passes run eagerly: capturing them in a CUDA graph is not done yet.
-        self.cuda_graphs = False
+        # A threshold decides on the host after every pass whether the block is done: no graph replay.
+        self.cuda_graphs = self.cuda_graphs and threshold is None
         self.iterations = _positive_int("iterations", iterations, allow_none=True)
         self.block_length = _positive_int("block_length", block_length, allow_none=True)
         self.length_beam = _positive_int("length_beam", length_beam, allow_none=True)
@@ -297,13 +299,12 @@ class MaskPredictDecoder(Decoder):
         tokens = sample(logp, state.sampling, state.generator)
         return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).exp()
 
-    @torch.inference_mode()
-    def step(self, state: CanvasState) -> StepOut:
+    def _refine(self, state: CanvasState, plan: PassPlan):
+        """One refinement pass of the current block on the device alone (what a CUDA graph captures):
+        the forward, the prediction, the rule's update of the block's tokens and confidences in place,
+        and the pass counter `t`. Returns (tokens [E, W], committed [E] int32, logits [R, V],
+        still_masked [E, W])."""
         k, W, T, E = state.block, state.width, state.iterations, len(state.seqs)
-        if state.plans is None:
-            state.plans = self._plans(state)
-            state.block_lengths = state.active[:, k * W : (k + 1) * W].sum(1)
-        plan = state.plans[0 if state.passes_in_block == 0 else 1]
         tokens = state.seq.view(-1)[plan.gather]
         logits = self.model.forward_paged(tokens, plan.positions, plan.batch, plan.logit_index)
         pred, conf = self._predict(logits, state)
@@ -339,6 +340,35 @@ class MaskPredictDecoder(Decoder):
         block.copy_(new_tokens)
         block_conf.copy_(new_conf)
         t.add_(1)
+        return new_tokens, committed, logits, still_masked
+
+    def _capture(self, state: CanvasState, plan: PassPlan):
+        """Record one later pass of the current block (recording runs nothing: the state is not advanced)."""
+        graph = torch.cuda.CUDAGraph()
+        if state.generator is not None:
+            graph.register_generator_state(state.generator)
+        torch.cuda.synchronize(self.device)
+        with torch.cuda.graph(graph):
+            out = self._refine(state, plan)
+        return graph, out
+
+    @torch.inference_mode()
+    def step(self, state: CanvasState) -> StepOut:
+        """One refinement pass. With CUDA graphs on, a block's second pass runs eagerly and is then
+        captured, when at least two passes of the block are left to replay it; the graph is dropped
+        when the block ends (the next block's views and plans differ)."""
+        k, W, T = state.block, state.width, state.iterations
+        if state.plans is None:
+            state.plans = self._plans(state)
+            state.block_lengths = state.active[:, k * W : (k + 1) * W].sum(1)
+        if state.graph is not None:
+            state.graph.replay()
+            new_tokens, committed, logits, still_masked = state.graph_out
+        else:
+            plan = state.plans[0 if state.passes_in_block == 0 else 1]
+            new_tokens, committed, logits, still_masked = self._refine(state, plan)
+            if self.cuda_graphs and state.passes_in_block >= 1 and T - state.passes_in_block - 1 >= 2:
+                state.graph, state.graph_out = self._capture(state, plan)
         state.passes_in_block += 1
         if self.threshold is not None:
             done = not bool(still_masked.any())
@@ -348,7 +378,8 @@ class MaskPredictDecoder(Decoder):
             state.block += 1
             state.passes_in_block = 0
             state.plans = None
-            t.zero_()
+            state.graph, state.graph_out = None, None
+            state.t.zero_()
         B = len(state.prompt_lens)
         return StepOut(tokens=new_tokens.reshape(B, state.beam * W), committed=committed.view(B, state.beam)[:, 0], logits=logits)
 

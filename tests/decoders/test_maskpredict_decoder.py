@@ -160,6 +160,45 @@ def test_output_never_contains_the_mask_token():
         assert sum(gen.committed) == 6
 
 
+class RecordedPass:
+    """Stands in for a CUDA graph on the CPU: `replay` reruns the recorded pass and copies its results
+    into the static outputs, as a graph replay would."""
+
+    def __init__(self, dec, state, plan, log):
+        self.dec, self.state, self.plan, self.log = dec, state, plan, log
+        E, W = len(state.seqs), state.width
+        self.out = (torch.empty(E, W, dtype=torch.int64), torch.empty(E, dtype=torch.int32),
+                    torch.empty(len(plan.logit_index), V), torch.empty(E, W, dtype=torch.bool))
+
+    def replay(self):
+        self.log.append(("replay", self.state.block, self.state.passes_in_block))
+        for static, new in zip(self.out, self.dec._refine(self.state, self.plan)):
+            static.copy_(new)
+
+
+@pytest.mark.parametrize("rule,T", [("mask-predict", 5), ("low-confidence", 4), ("mask-predict", 3)])
+def test_graph_bookkeeping_captures_the_second_pass_and_replays_the_rest(monkeypatch, rule, T):
+    """With graphs on, each block's second pass is captured when >= 2 passes are left, the rest of the
+    block replays it, the next block captures anew, and the canvases equal eager decoding."""
+    table = [{c: (3 + (c + t) % 9, 0.1 + 0.07 * ((5 * c + t) % 11)) for c in range(8)} for t in range(3 * T)]
+    eager, _ = oracle_decoder(table, rule=rule, iterations=T, block_length=4)
+    graphed, _ = oracle_decoder(table, rule=rule, iterations=T, block_length=4)
+    log = []
+
+    def capture(state, plan):
+        log.append(("capture", state.block, state.passes_in_block))
+        graph = RecordedPass(graphed, state, plan, log)
+        return graph, graph.out
+
+    monkeypatch.setattr(graphed, "_capture", capture)
+    graphed.cuda_graphs = True
+    want, got = run(eager, [3, 4], 8), run(graphed, [3, 4], 8)
+    assert got == want
+    expected = [] if T < 4 else [
+        event for block in (0, 1) for event in [("capture", block, 1)] + [("replay", block, p) for p in range(2, T)]]
+    assert log == expected
+
+
 @pytest.mark.parametrize("rule", ["mask-predict", "low-confidence"])
 def test_one_token_per_pass_is_deterministic(rule):
     dec = decoders.load("maskpredict-tiny", device="cpu", impl="ref", rule=rule, iterations=6)
@@ -336,7 +375,8 @@ def test_save_round_trip(tmp_path):
 
 
 @gpu_only
-@pytest.mark.parametrize("options", [dict(rule="low-confidence", iterations=2, block_length=16), dict(iterations=2, length_beam=2)])
+@pytest.mark.parametrize("options", [dict(rule="low-confidence", iterations=2, block_length=16), dict(iterations=2, length_beam=2),
+                                     dict(iterations=5, block_length=16)])
 def test_gpu_triton_passes_match_forward_bf16(options):
     dec = decoders.load("maskpredict-tiny", device="cuda", dtype="bf16", impl="triton", **options)
     check_passes_against_forward(dec, [list(range(3, 140)), [7, 8, 9]], 32, tol=3e-2)
@@ -345,7 +385,8 @@ def test_gpu_triton_passes_match_forward_bf16(options):
 @gpu_only
 @pytest.mark.parametrize("rule", ["mask-predict", "low-confidence"])
 def test_gpu_refinement_pass_does_not_synchronise(rule):
-    dec = decoders.load("maskpredict-tiny", device="cuda", dtype="bf16", impl="triton", rule=rule, iterations=4)
+    # Eager passes: capturing a graph synchronises by design.
+    dec = decoders.load("maskpredict-tiny", device="cuda", dtype="bf16", impl="triton", rule=rule, iterations=4, cuda_graphs=False)
     state = dec.prefill([[5, 6, 7], [8, 9]], max_new_tokens=16)
     dec.step(state)
     torch.cuda.synchronize()
@@ -356,3 +397,25 @@ def test_gpu_refinement_pass_does_not_synchronise(rule):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert dec.finished(state) and math.isfinite(state.confidence.float().sum().item())
+
+
+@gpu_only
+@pytest.mark.parametrize("options", [dict(rule="mask-predict", iterations=6, block_length=8), dict(rule="low-confidence", iterations=8),
+                                     dict(rule="mask-predict", iterations=4, length_beam=2)])
+def test_gpu_graph_replay_equals_eager_passes(options):
+    """Passes replayed from a block's graph write the same canvases as eager passes, block after
+    block (a new graph per block), and the graph is really used."""
+    prompts = [list(range(3, 40)), [7, 8, 9]]
+    runs = []
+    for graphs in (True, False):
+        dec = decoders.load("maskpredict-tiny", device="cuda", dtype="bf16", impl="triton", seed=1, cuda_graphs=graphs, **options)
+        state = dec.prefill(prompts, max_new_tokens=16)
+        canvases, replayed = [], 0
+        while not dec.finished(state):
+            replayed += state.graph is not None
+            dec.step(state)
+            canvases.append(state.canvas.clone())
+        runs.append((torch.stack(canvases), dec.output(state, []), replayed))
+    (graph_canvases, graph_out, replayed), (eager_canvases, eager_out, none) = runs
+    assert replayed > 0 and none == 0
+    assert torch.equal(graph_canvases, eager_canvases) and graph_out == eager_out
