@@ -205,13 +205,14 @@ class Attention(FusedLinears):
         v = self.v_proj(x).unflatten(-1, (self.n_kv, self.head_dim))
         return rotary(q, positions), rotary(k, positions), v
 
-    def qkv_fused(self, x, positions, rope: Rotary):
-        """Triton path of `qkv` for packed x [N, d]: one GEMV for q, k and v, then RoPE on q and k
-        in one kernel, in place; q, k, v are views into the one projection output."""
+    def qkv_fused_write_kv(self, x, positions, rope: Rotary, k_cache, v_cache, slot_mapping):
+        """Triton path of `qkv` + the cache write for packed x [N, d]: one GEMV for q, k and v, then
+        one kernel that rotates q and k in place and writes the rotated k and v into the pages at
+        `slot_mapping`; q, k, v are views into the one projection output."""
         qkv = gemv.linear(x, self.qkv_weight, self.qkv_bias, impl="triton").unflatten(-1, (self.n_heads + 2 * self.n_kv, self.head_dim))
         q, k, v = qkv.split([self.n_heads, self.n_kv, self.n_kv], dim=-2)  # [N, H, D] each
         cos, sin = rope.tables()
-        rotary.apply_rotary(q, k, positions, cos, sin, impl="triton", inplace=True)
+        rotary.apply_rotary_write_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping, impl="triton")
         return q, k, v
 
     def forward(self, x, positions, rotary, causal: bool):
@@ -226,9 +227,12 @@ class Attention(FusedLinears):
     def forward_paged(self, x, positions, rotary, batch: PagedBatch, layer: int):
         """Packed tokens x [N, d]: write their K/V into the pages, attend through the block table."""
         fused = batch.impl == "triton"
-        q, k, v = self.qkv_fused(x, positions, rotary) if fused else self.qkv(x, positions, rotary)
         k_cache, v_cache = batch.k_cache[layer], batch.v_cache[layer]
-        paged_attention.write_kv(k, v, k_cache, v_cache, batch.slot_mapping, impl=batch.impl)
+        if fused:
+            q, _, _ = self.qkv_fused_write_kv(x, positions, rotary, k_cache, v_cache, batch.slot_mapping)
+        else:
+            q, k, v = self.qkv(x, positions, rotary)
+            paged_attention.write_kv(k, v, k_cache, v_cache, batch.slot_mapping, impl=batch.impl)
         if batch.decode:
             out = paged_attention.paged_decode_attention(
                 q, k_cache, v_cache, batch.block_tables, batch.seq_lens, self.scale, impl=batch.impl, workspace=batch.workspace

@@ -6,12 +6,18 @@ positions * inv_freq). The rotation runs in float32; outputs are in the inputs' 
 "triton" or "ref" (already resolved by `kernels.resolve_impl`).
 
 - `apply_rotary(q, k, positions, cos, sin, *, impl, inplace=False) -> (q_rot, k_rot)`
+- `apply_rotary_write_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping, *, impl)
+  -> (q, k)`: q and k rotated in place, and the rotated k and v `[N, Hkv, D]` written into the
+  paged caches `[num_blocks, block_size, Hkv, D]` at flat slots `slot_mapping` `[N]` (slot s is
+  page s // block_size, row s % block_size; negative slots are skipped), as
+  `kernels.paged_attention.write_kv` does: one launch for RoPE and the cache write.
 """
 
 from kernels import check_impl
+from kernels.paged_attention.ref import write_kv as write_kv_ref
 from kernels.rotary.ref import apply_rotary_ref, rotate_ref
 
-__all__ = ["apply_rotary", "apply_rotary_ref", "rotate_ref"]
+__all__ = ["apply_rotary", "apply_rotary_ref", "apply_rotary_write_kv", "rotate_ref"]
 
 
 def apply_rotary(q, k, positions, cos, sin, *, impl, inplace=False):
@@ -27,3 +33,15 @@ def apply_rotary(q, k, positions, cos, sin, *, impl, inplace=False):
     from kernels.rotary.triton import apply_rotary_triton
 
     return apply_rotary_triton(q, k, positions, cos, sin, inplace=inplace)
+
+
+def apply_rotary_write_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping, *, impl):
+    """RoPE on q and k in place, then the rotated k and v into the paged caches; returns (q, k)."""
+    check_impl(impl)
+    if impl == "ref":
+        apply_rotary(q, k, positions, cos, sin, impl="ref", inplace=True)
+        write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+        return q, k
+    from kernels.rotary.triton import apply_rotary_write_kv_triton
+
+    return apply_rotary_write_kv_triton(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping)

@@ -274,6 +274,23 @@ def test_rotary_pdl_path(monkeypatch, inplace):
 
 
 @interpreter_only
+def test_rotary_write_kv_pdl_path(monkeypatch):
+    """RoPE + cache write: the caches (written by the previous step's kernels' consumers) are guarded too."""
+    f = kmod("rotary").apply_rotary_write_kv_triton
+
+    def make():
+        qkv = randn(3, 8 * 16, seed=1)
+        q, k, v = (qkv[:, a * 16 : b * 16].view(3, b - a if a < 4 else 2, 16) for a, b in ((0, 4), (4, 6), (6, 8)))
+        pos = torch.tensor([5, 0, 11], device=DEVICE)
+        cos, sin = randn(12, 8, seed=2), randn(12, 8, seed=3)
+        k_cache, v_cache = randn(3, 4, 2, 16, seed=4), randn(3, 4, 2, 16, seed=5)
+        slots = torch.tensor([9, -1, 2], device=DEVICE)
+        return (lambda: list(f(q, k, v, pos, cos, sin, k_cache, v_cache, slots)) + [k_cache, v_cache]), (qkv, pos, k_cache, v_cache, slots)
+
+    run_pdl(monkeypatch, "rotary", make)
+
+
+@interpreter_only
 def test_swiglu_pdl_path(monkeypatch):
     f = kmod("swiglu").silu_mul_triton
 
