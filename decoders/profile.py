@@ -10,6 +10,9 @@ operator). The table lists kernels by time per step; the summary splits the step
 kernels and time between them (launch gaps, host work), beside the roofline of the same step. With
 programmatic dependent launch on (`kernels.pdl`, the default on Hopper) kernels overlap and each
 one's time includes its wait for the one before: run with DECLAB_PDL=0 for a per-kernel breakdown.
+The record also lists `gemv_choices`: what `kernels.gemv` picked for each projection shape (cuBLAS
+or a Triton configuration; for Mamba-2's gated norm + out_proj, the fused prologue or the pair) and
+every candidate's time, so the GEMV rows of the table can be read with their choice.
 """
 
 import argparse
@@ -24,6 +27,7 @@ import decoders
 from decoders.base import Timer
 from decoders.compare import parse_size
 from decoders.harness import ceilings
+from kernels import gemv
 from kernels.benchtools import append_jsonl, environment
 
 
@@ -70,6 +74,10 @@ def profile_step(decoder, *, ctx: int, batch: int, steps: int, seed: int = 0) ->
             torch.cuda.synchronize(decoder.device)
     decoder.release(state)
     rows = [{"name": name, "calls_per_step": calls / steps, "us_per_step": total / steps} for name, calls, total in kernel_times(prof, on_gpu)]
+    # What `gemv.linear` / `gemv.gated_norm_linear` picked per shape ("torch": cuBLAS, or the unfused
+    # norm + linear pair), with every candidate's time: a step's GEMV kernels read with their choice.
+    picks = [{"op": op, "M": key[0], "N": key[1], "K": key[2], "dtype": key[3], "bias": key[4], **rec}
+             for op, table in (("linear", gemv.choices()), ("gated_norm_linear", gemv.norm_choices())) for key, rec in table.items()]
     kernel_ms = sum(r["us_per_step"] for r in rows) / 1e3
     mem = decoder.memory(batch, ctx)
     return {
@@ -82,6 +90,7 @@ def profile_step(decoder, *, ctx: int, batch: int, steps: int, seed: int = 0) ->
         "launches_per_step": sum(r["calls_per_step"] for r in rows) if on_gpu else None,
         "step_bytes": mem.step_bytes,
         "kernels": rows,
+        "gemv_choices": picks,
     }
 
 

@@ -20,6 +20,21 @@ def test_profile_step_accounts_for_the_step(model):
     assert rec["step_bytes"] == dec.memory(2, 64).step_bytes
 
 
+def test_record_lists_the_gemv_choices(monkeypatch):
+    """The picks of kernels.gemv (made on a GPU; none on the CPU) come out one row per shape."""
+    from kernels import gemv
+
+    dec = decoders.load("llama-tiny", impl="ref", device="cpu")
+    assert profile.profile_step(dec, ctx=32, batch=1, steps=1)["gemv_choices"] == []
+    pick = {"impl": "triton", "torch_us": 6.0, "triton_us": 4.5, "triton_config": "fma n4 k1024", "times_us": {"torch": 6.0}}
+    monkeypatch.setitem(gemv._CHOICES, (1, 2048, 2048, "bfloat16", False, 0), dict(pick, config=object()))
+    monkeypatch.setitem(gemv._NORM_CHOICES, (1, 2048, 4096, "bfloat16", False, 0), dict(pick, impl="torch", config=None))
+    rows = profile.profile_step(dec, ctx=32, batch=1, steps=1)["gemv_choices"]
+    assert rows == [dict(op="linear", M=1, N=2048, K=2048, dtype="bfloat16", bias=False, **pick),
+                    dict(op="gated_norm_linear", M=1, N=2048, K=4096, dtype="bfloat16", bias=False, **dict(pick, impl="torch"))]
+    json.dumps(rows)
+
+
 def test_main_writes_a_record(tmp_path, capsys):
     out = tmp_path / "p.jsonl"
     assert profile.main(["--model", "llama-tiny", "--ctx", "96", "--steps", "2", "--impl", "ref", "--device", "cpu", "--out", str(out)]) == 0
