@@ -12,8 +12,10 @@
    budget, schedule and seed, into <out>/runs/<preset> (an interrupted run resumes when rerun);
 4. makes the offline tasks (`eval.tasks.make`) with the corpus's test split (its validation split
    when the folder has no test*) as the text of declab_ppl and declab_cloze, into <out>/tasks;
-5. runs `eval.quality` on the four checkpoints (Mask-Predict at each of --mp-iterations), writing
-   quality.jsonl, quality.md, mqar.png and maskpredict_iterations.png into <out>.
+5. runs `eval.quality` on the four checkpoints (Mask-Predict at each of --mp-iterations, each T
+   also scored by the generative perplexity of its samples under the transformer run, the llama
+   preset's, on --genppl-prompts held-out prompts), writing quality.jsonl, quality.md, mqar.png and
+   maskpredict_iterations.png into <out>.
 
 Every record is a JSON line with environment(): <out>/ablation.jsonl (presets, parameter counts,
 runs), <out>/runs/*/train.jsonl (training), <out>/quality.jsonl (evaluation).
@@ -25,7 +27,7 @@ from pathlib import Path
 import torch
 
 import decoders
-from eval import quality, train
+from eval import quality, samples, train
 from eval.tasks import make
 from kernels.benchtools import append_jsonl, environment
 
@@ -63,6 +65,9 @@ def main(argv=None):
     p.add_argument("--mp-iterations", default="1,2,4,8,16")
     p.add_argument("--task-docs", type=int, default=200, help="examples per MQAR, copy and cloze task, and documents of declab_ppl")
     p.add_argument("--eval-args", default="dtype=bfloat16,max_length=2048,batch_size=16", help="declab model_args for the evaluation")
+    p.add_argument("--genppl-prompts", type=int, default=60, help="held-out prompts whose Mask-Predict continuations the "
+                   "transformer run scores (generative perplexity); 0: none")
+    p.add_argument("--genppl-tokens", type=int, default=64, help="tokens of each such prompt and continuation")
     p.add_argument("--limit", type=float, help="examples per task (testing only)")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
@@ -85,12 +90,17 @@ def main(argv=None):
         append_jsonl(out / "ablation.jsonl", {"kind": "trained", "preset": preset, "checkpoint": str(run), **environment(device)})
         checkpoints.append(str(run))
     # Test bits per byte and cloze on the held-out test split when the corpus folder has one.
-    split = "test" if Path(a.corpus).is_dir() and any(Path(a.corpus).glob("test*")) else "valid"
+    split = samples.held_out_split(str(a.corpus))
     make.make(out / "tasks", seed=a.seed, text=str(a.corpus), text_split=split, n_docs=a.task_docs, ppl_docs_n=a.task_docs)
     append_jsonl(out / "ablation.jsonl", {"kind": "tasks", "text_split": split, **environment(device)})
     limit = int(a.limit) if a.limit and a.limit >= 1 else a.limit
-    quality.quality(checkpoints, a.tasks.split(","), out, include_path=str(out / "tasks"), model_args=quality.parse_model_args(a.eval_args),
-                    limit=limit, mp_iterations=[int(x) for x in a.mp_iterations.split(",") if x])
+    model_args = quality.parse_model_args(a.eval_args)
+    scorer = next((run for preset, run in zip(presets, checkpoints) if preset.startswith("llama")), None)
+    genppl = None
+    if a.genppl_prompts > 0 and scorer is not None and any(quality.is_maskpredict(c) for c in checkpoints):
+        genppl = quality.genppl_setup(scorer, str(a.corpus), model_args=model_args, prompts=a.genppl_prompts, tokens=a.genppl_tokens)
+    quality.quality(checkpoints, a.tasks.split(","), out, include_path=str(out / "tasks"), model_args=model_args,
+                    limit=limit, mp_iterations=[int(x) for x in a.mp_iterations.split(",") if x], genppl=genppl)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,11 @@ Mask-Predict checkpoints once per number of iterations T in --mp-iterations. Wri
   tasks, acc otherwise), also printed;
 - mqar.png: MQAR accuracy against the number of key-value pairs, one line per run;
 - maskpredict_iterations.png: each task's main metric against T for the Mask-Predict runs.
+
+With --genppl-scorer (an autoregressive checkpoint of the same tokenizer) and --genppl-text (a
+corpus), each Mask-Predict run also writes continuations of held-out prompts with its own decoding
+and gets their generative perplexity under the scorer (`eval.samples`), recorded as the task
+`declab_genppl` (metrics gen_ppl, scorer_nll, distinct): the measure that T changes.
 """
 
 import argparse
@@ -27,20 +32,23 @@ import decoders
 from kernels.benchtools import append_jsonl, environment
 
 MQAR_TASK = re.compile(r"declab_mqar_(\d+)$")
-# The metric a table shows per task, first found: bits per byte (perplexity tasks), else accuracy.
-PRIMARY = ("bits_per_byte", "acc")
+# The metric a table shows per task, first found: bits per byte (perplexity tasks), accuracy, the
+# generative perplexity of samples (declab_genppl).
+PRIMARY = ("bits_per_byte", "acc", "gen_ppl")
+GENPPL_TASK = "declab_genppl"
 
 
 def primary_metric(metrics: dict) -> tuple[str, float] | None:
-    """The metric a table shows for one task: bits_per_byte when reported, else acc."""
+    """The metric a table shows for one task: bits_per_byte when reported, else acc, else gen_ppl."""
     for name in PRIMARY:
         if f"{name},none" in metrics:
             return name, metrics[f"{name},none"]
     return None
 
 
-def run_one(pretrained: str, tasks: list[str], *, include_path, model_args: dict, limit, iterations=None) -> tuple[dict, dict]:
-    """lm-eval results {task: metrics} and the decoder's description for one checkpoint (and T)."""
+def run_one(pretrained: str, tasks: list[str], *, include_path, model_args: dict, limit, iterations=None, genppl=None) -> tuple[dict, dict]:
+    """lm-eval results {task: metrics} and the decoder's description for one checkpoint (and T); with
+    `genppl` (scorer decoder, prompts, new tokens) also the generative perplexity of its samples."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
@@ -53,6 +61,12 @@ def run_one(pretrained: str, tasks: list[str], *, include_path, model_args: dict
     manager = TaskManager(include_path=include_path)
     out = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit, log_samples=False)
     results = {task: {k: v for k, v in metrics.items() if k != "alias"} for task, metrics in out["results"].items()}
+    if genppl is not None:
+        from eval.samples import generative_perplexity
+
+        scorer, prompts, new_tokens = genppl
+        measured = generative_perplexity(lm.decoder, scorer, prompts, new_tokens=new_tokens, batch_size=lm.batch_size)
+        results[GENPPL_TASK] = {f"{k},none": v for k, v in measured.items()}
     return results, lm.decoder.describe()
 
 
@@ -165,15 +179,35 @@ def write_reports(runs: list[dict], out: Path) -> None:
     plot_iterations(runs, out / "maskpredict_iterations.png")
 
 
-def quality(checkpoints: list[str], tasks: list[str], out: Path, *, include_path=None, model_args=None, limit=None, mp_iterations=()) -> list[dict]:
+def genppl_setup(scorer: str, text: str, *, model_args: dict, prompts: int, tokens: int):
+    """(scorer decoder, prompts, new tokens) for `run_one`: the scorer loaded with the evaluation's
+    dtype and device, `prompts` windows of `tokens` tokens from `text`'s held-out split (test when
+    the corpus folder has one, else valid)."""
+    from eval.samples import held_out_split, prompts_from_text
+    from eval.tokenizer import tokenizer_for
+
+    if prompts < 1 or tokens < 1:
+        raise decoders.UsageError(f"--genppl-prompts and --genppl-tokens must be at least 1, got {prompts} and {tokens}")
+    split = held_out_split(text)
+
+    dtype = model_args.get("dtype")
+    scorer_decoder = decoders.load(str(scorer), device=model_args.get("device"), dtype=None if dtype in (None, "auto") else dtype)
+    return scorer_decoder, prompts_from_text(tokenizer_for(scorer_decoder), text, split=split, n=prompts, length=tokens), tokens
+
+
+def quality(checkpoints: list[str], tasks: list[str], out: Path, *, include_path=None, model_args=None, limit=None, mp_iterations=(),
+            genppl=None) -> list[dict]:
+    """`genppl`: None, or (scorer decoder, prompts, new tokens) from `genppl_setup`, for the Mask-Predict runs."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     model_args = dict(model_args or {})
     env = environment(model_args.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
     runs = []
     for checkpoint in checkpoints:
-        for iterations in (list(mp_iterations) or [None]) if is_maskpredict(checkpoint) else [None]:
-            results, described = run_one(checkpoint, tasks, include_path=include_path, model_args=model_args, limit=limit, iterations=iterations)
+        mp = is_maskpredict(checkpoint)
+        for iterations in (list(mp_iterations) or [None]) if mp else [None]:
+            results, described = run_one(checkpoint, tasks, include_path=include_path, model_args=model_args, limit=limit, iterations=iterations,
+                                         genppl=genppl if mp else None)
             run = {"checkpoint": str(checkpoint), "family": described["family"], "iterations": iterations, "results": results}
             runs.append(run)
             for task, metrics in results.items():
@@ -199,6 +233,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model-args", default="", help="extra declab model_args, e.g. dtype=bfloat16,max_length=2048,batch_size=16")
     p.add_argument("--limit", type=float, help="examples per task (testing only)")
     p.add_argument("--mp-iterations", default="", help="comma-separated Mask-Predict iterations T to sweep")
+    p.add_argument("--genppl-scorer", help="autoregressive checkpoint (same tokenizer) scoring the Mask-Predict runs' samples")
+    p.add_argument("--genppl-text", help="corpus (folder, file or datasets name) whose test split gives the prompts")
+    p.add_argument("--genppl-prompts", type=int, default=60, help="prompts (default 60)")
+    p.add_argument("--genppl-tokens", type=int, default=64, help="tokens of each prompt and of each continuation (default 64)")
     p.add_argument("--out", type=Path, required=True)
     return p
 
@@ -215,8 +253,14 @@ def main(argv=None):
         raise decoders.UsageError("--tasks is required with --checkpoints")
     iterations = [int(x) for x in a.mp_iterations.split(",") if x]
     limit = int(a.limit) if a.limit and a.limit >= 1 else a.limit
-    quality(a.checkpoints, a.tasks.split(","), a.out, include_path=a.include_path, model_args=parse_model_args(a.model_args),
-            limit=limit, mp_iterations=iterations)
+    model_args = parse_model_args(a.model_args)
+    if (a.genppl_scorer is None) != (a.genppl_text is None):
+        raise decoders.UsageError("--genppl-scorer and --genppl-text go together")
+    genppl = None
+    if a.genppl_scorer:
+        genppl = genppl_setup(a.genppl_scorer, a.genppl_text, model_args=model_args, prompts=a.genppl_prompts, tokens=a.genppl_tokens)
+    quality(a.checkpoints, a.tasks.split(","), a.out, include_path=a.include_path, model_args=model_args,
+            limit=limit, mp_iterations=iterations, genppl=genppl)
 
 
 if __name__ == "__main__":
