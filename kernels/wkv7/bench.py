@@ -14,9 +14,9 @@ as it is measured:
 4. fla's `chunk_rwkv7` (w is the log-decay there too): its error against the reference, then the
    same lengths, timed only if it matches (its first call autotunes, which takes a minute or more);
 5. fla's `fused_recurrent_rwkv7` step at batch 1, 16, 128, the same way as ours;
-6. while the time budget lasts: the non-default pass-2 / solve variants of `wkv7_chunk_triton`
-   (PASS2_VARIANTS), each self-checked, then timed at 32k (with its kernel times) and 128k;
-   then other prefill (chunk, precision) variants (PREFILL_VARIANTS) and step launch shapes.
+6. while the time budget lasts: other prefill (chunk, precision) variants (PREFILL_VARIANTS, tf32
+   first); the non-default pass-2 / solve variants of `wkv7_chunk_triton` (PASS2_VARIANTS), each
+   self-checked, then timed at 32k (with its kernel times) and 128k; other step launch shapes.
 A kernel that fails its self-check is not timed and the run exits non-zero. A table is printed at
 the end, then one JSON line summarising the run.
 """
@@ -40,11 +40,11 @@ STEP_BATCHES = (1, 16, 128)
 STEP_VARIANTS = ((32, 2), (32, 8), (16, 2), (64, 4))
 PREFILL_T = (4096, 32768, 131072)
 PRECISION = "tf32x3"
-# (chunk_size, tl.dot input precision) tried after the pass-2 variants, in this order. "tf32" (one
-# TF32 product, ~1e-3 relative error in the state, fla chunk_rwkv7's accuracy) first: its pass 1
-# compiles to 2688 sm_90 instructions without spills against 5912 with 88 B of spills for tf32x3.
+# (chunk_size, tl.dot input precision) tried first among the optional variants, in this order.
+# "tf32" (one TF32 product, ~1e-3 relative error in the state: fla chunk_rwkv7's accuracy) leads:
+# its pass 1 compiles to 2688 sm_90 instructions without spills, tf32x3's to 5912 with 88 B.
 PREFILL_VARIANTS = ((32, "tf32"), (16, "tf32x3"), (64, "tf32x3"), (32, "ieee"))
-# (chunk_size, keyword arguments of wkv7_chunk_triton) timed right after the default prefill
+# (chunk_size, keyword arguments of wkv7_chunk_triton) timed after PREFILL_VARIANTS
 PASS2_VARIANTS = (
     (32, dict(pass2="walk", solve="substitution")),
     (32, dict(pass2="transition", solve="doubling")),
@@ -265,20 +265,19 @@ def main():
         if fla_rec is not None:
             time_fla_step(emit, bw, B, case, fla_rec)
 
-    # 6. the non-default pass-2 / solve variants at 32k and 128k
-    for C, kw in PASS2_VARIANTS:
-        if over_budget(f"prefill C={C} {kw}"):
-            break
-        if check_chunk(C, PRECISION, **kw):
-            time_chunk(C, PRECISION, VARIANT_T, **kw)
-        torch.cuda.empty_cache()
-
-    # 7. optional: other prefill (chunk, precision) variants, then other step launch shapes
+    # 6. while the budget lasts: other (chunk, precision) prefill variants, the non-default pass-2 /
+    #    solve variants at 32k and 128k, other step launch shapes
     for C, prec in PREFILL_VARIANTS:
         if over_budget(f"prefill C={C} {prec}"):
             break
         if check_chunk(C, prec):
             time_chunk(C, prec)
+        torch.cuda.empty_cache()
+    for C, kw in PASS2_VARIANTS:
+        if over_budget(f"prefill C={C} {kw}"):
+            break
+        if check_chunk(C, PRECISION, **kw):
+            time_chunk(C, PRECISION, VARIANT_T, **kw)
         torch.cuda.empty_cache()
     for B, case in step_cases.items():
         for bv, nw in STEP_VARIANTS:
