@@ -10,14 +10,18 @@ points on the same shapes, contexts and batches, each in its own row (`hf-eager:
 that is not installed or does not run the model's family is recorded as such, with the reason.
 
 Each finished point is appended to `--out` as one JSON object (an interrupted sweep keeps what it
-wrote); a point that does not fit in memory is recorded as skipped and the sweep goes on. The table
+wrote); a point that does not fit in memory is recorded as skipped and the sweep goes on, and with
+`--point-timeout S` a point (a peer's first one includes building it and its compiling) that has no
+result after S seconds is recorded as `timeout` and the sweep goes on. The table
 is printed at the end and the last stdout line is one JSON document with every point. Bad input is
 one line on stderr and exit code 2.
 """
 
 import argparse
+import contextlib
 import json
 import re
+import signal
 import sys
 import time
 
@@ -30,6 +34,31 @@ K = 1024
 
 class ArgError(UsageError):
     """A command-line value the CLI refuses."""
+
+
+class PointTimeout(BaseException):
+    """A point ran past --point-timeout. A BaseException, so that no `except Exception` on the way
+    (a peer's failure handling) records it as an error."""
+
+
+@contextlib.contextmanager
+def deadline(seconds: float | None):
+    """Raise PointTimeout in this (main) thread once `seconds` have passed; no limit when None.
+    The signal lands between Python bytecodes, so a long call into a library ends first."""
+    if not seconds:
+        yield
+        return
+
+    def expire(signum, frame):
+        raise PointTimeout(f"no result within {seconds:g} s (--point-timeout)")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def parse_size(text: str) -> int:
@@ -108,6 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="results/compare.jsonl", help="JSON lines file, appended point by point")
     p.add_argument("--plot", default=None, help="PNG: decode tokens/s against context, one line per model and peer")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--point-timeout", type=float, default=None,
+                   help="seconds after which a point (warm-up and measurement; a peer's first point also its build) is recorded as timeout")
     return p
 
 
@@ -251,6 +282,8 @@ def run(args) -> int:
     peer_names = parse_peers(args.peers) if args.peers is not None else []
     if args.peers_only and not peer_names:
         raise ArgError("--peers-only needs --peers")
+    if args.point_timeout is not None and not args.point_timeout > 0:
+        raise ArgError(f"--point-timeout must be a positive number of seconds, got {args.point_timeout}")
     device = torch.device(args.device or ("cuda" if on_gpu else "cpu"))
 
     plan = list(plan_points(models, ctxs, batches, iterations, peer_names, device, own=not args.peers_only))
@@ -291,10 +324,17 @@ def run(args) -> int:
                     gate = {"ok": False, "rel_rms": None, "tolerance": None, "error": first_line(e)}
                 loaded[key] = (dec, gate)
             dec, gate = loaded[key]
-            if peer is None:
-                record = measure_lab_point(args, dec, gate, model, it, batch, ctx, ceiling, env)
-            else:
-                record = measure_peer_point(args, dec, peer, peer_models, model, family, batch, ctx, ceiling, env)
+            try:
+                with deadline(args.point_timeout):
+                    if peer is None:
+                        record = measure_lab_point(args, dec, gate, model, it, batch, ctx, ceiling, env)
+                    else:
+                        record = measure_peer_point(args, dec, peer, peer_models, model, family, batch, ctx, ceiling, env)
+            except PointTimeout as e:
+                described = {"model": model, "iterations": it, **dec.describe()} if peer is None else \
+                    {"iterations": None, **peers.describe(peer, dec, model, family)}
+                record = {**described, **env, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "ctx": ctx, "batch": batch,
+                          "status": "timeout", "reason": str(e)}
             if record.get("decode_tok_s_per_seq"):
                 base = base_tok_s.setdefault((record["model"], it, batch), record["decode_tok_s_per_seq"])
                 record["decay"] = record["decode_tok_s_per_seq"] / base

@@ -54,7 +54,7 @@ for s in "$@"; do
     compare-batch) stage compare_batch 240 python3 -m decoders.compare --no-progress --impl triton \
         --models llama-1b,mamba2-1.3b,rwkv7-1.5b --ctx "${BATCH_CTX:-4k,32k}" --batch 16,64 --new-tokens 16 --out "$out/compare_batch.jsonl" ;;
     # Peers alone (each compiles or captures per context) beside a compare-triton sweep of the lab.
-    peers) stage compare_peers "${PEER_LIMIT:-420}" python3 -m decoders.compare --no-progress --impl triton --peers "${PEERS:-hf,mamba_ssm,fla}" --peers-only \
+    peers) stage compare_peers "${PEER_LIMIT:-420}" python3 -m decoders.compare --no-progress --impl triton --peers "${PEERS:-hf,mamba_ssm,fla}" --peers-only ${POINT_TIMEOUT:+--point-timeout $POINT_TIMEOUT} \
         --models llama-1b,mamba2-1.3b,rwkv7-1.5b --ctx "${PEER_CTX:-4k,32k,128k}" --batch 1 --out "$out/compare_peers.jsonl" ;;
     compare-triton) stage compare_triton 330 python3 -m decoders.compare --no-progress --impl triton \
         --models llama-1b,mamba2-1.3b,rwkv7-1.5b --ctx 4k..128k --batch 1 --out "$out/compare_triton.jsonl" --plot "$out/scaling.png" ;;

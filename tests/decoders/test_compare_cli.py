@@ -3,9 +3,11 @@
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
+from decoders import compare, harness
 from decoders.compare import ArgError, parse_ctx
 from decoders.plot import main as plot_main
 
@@ -42,6 +44,7 @@ def run_cli(*args, tmp_path):
         (["--models", "no-such-model", "--ctx", "256"], "unknown preset 'no-such-model'"),
         (["--models", "llama-tiny", "--ctx", "16k"], "over llama-tiny's maximum of 8192"),
         (["--models", "llama-tiny", "--ctx", "256", "--batch", "0"], "--batch values must be"),
+        (["--models", "llama-tiny", "--ctx", "256", "--point-timeout", "0"], "--point-timeout must be a positive"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_code_2(tmp_path, args, message):
@@ -77,3 +80,25 @@ def test_tiny_sweep_end_to_end(tmp_path):
     assert plot.stat().st_size > 0
     redrawn = tmp_path / "redrawn.png"
     assert plot_main([str(tmp_path / "out.jsonl"), "--out", str(redrawn)]) == 0 and redrawn.stat().st_size > 0
+
+
+def test_a_point_past_its_timeout_is_recorded_and_the_sweep_goes_on(tmp_path, monkeypatch, capsys):
+    """The 512-token point hangs (as a peer's first generate can, compiling and autotuning): it is
+    recorded as timeout with the reason, the points before and after it are measured."""
+    measure = harness.measure
+
+    def hangs_at_512(dec, *, ctx, **kwargs):
+        if ctx == 512:
+            time.sleep(60)
+        return measure(dec, ctx=ctx, **kwargs)
+
+    monkeypatch.setattr(harness, "measure", hangs_at_512)
+    out = tmp_path / "out.jsonl"
+    start = time.monotonic()
+    code = compare.main(["--no-progress", "--models", "llama-tiny", "--ctx", "256..1k", "--new-tokens", "4",
+                         "--point-timeout", "2", "--out", str(out)])
+    assert code == 0 and time.monotonic() - start < 50
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["ctx"], r["status"]) for r in records] == [(256, "ok"), (512, "timeout"), (1024, "ok")]
+    assert "no result within 2 s" in records[1]["reason"] and records[1]["model"] == "llama-tiny" and records[1]["git_sha"]
+    assert "llama-tiny: timeout: no result within 2 s" in capsys.readouterr().out
