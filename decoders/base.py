@@ -231,6 +231,19 @@ class ARState:
     graph_logits: torch.Tensor | None = None  # [B, V] the graph's static output
 
 
+def record_graph(device, generator, run):
+    """(graph, run()'s outputs, static) with run() recorded into a CUDA graph. Recording runs
+    nothing, so state that run() updates is not advanced; `generator` (or None), used by run()'s
+    sampling, is registered so that every replay draws fresh numbers."""
+    graph = torch.cuda.CUDAGraph()
+    if generator is not None:
+        graph.register_generator_state(generator)
+    torch.cuda.synchronize(device)
+    with torch.cuda.graph(graph):
+        out = run()
+    return graph, out
+
+
 class AutoregressiveDecoder(Decoder):
     """prefill/step/generate for families that add one token per sequence per forward."""
 
@@ -293,13 +306,7 @@ class AutoregressiveDecoder(Decoder):
 
     def capture(self, state: ARState):
         """Record one step into a CUDA graph (recording runs nothing, so the state is not advanced)."""
-        graph = torch.cuda.CUDAGraph()
-        if state.generator is not None:
-            graph.register_generator_state(state.generator)
-        torch.cuda.synchronize(self.device)
-        with torch.cuda.graph(graph):
-            logits = self.forward_and_sample(state)
-        return graph, logits
+        return record_graph(self.device, state.generator, lambda: self.forward_and_sample(state))
 
     def finished(self, state: ARState) -> bool:
         return state.steps_left <= 0

@@ -44,7 +44,7 @@ import torch
 
 from arch import llama, maskpredict
 from arch.checkpoint import load_tokenizer
-from decoders.base import Decoder, Memory, StepOut, UsageError
+from decoders.base import Decoder, Memory, StepOut, UsageError, record_graph
 from decoders.kv_cache import PagedKVCache
 from decoders.sampling import GREEDY, Sampling, sample
 
@@ -344,13 +344,7 @@ class MaskPredictDecoder(Decoder):
 
     def _capture(self, state: CanvasState, plan: PassPlan):
         """Record one later pass of the current block (recording runs nothing: the state is not advanced)."""
-        graph = torch.cuda.CUDAGraph()
-        if state.generator is not None:
-            graph.register_generator_state(state.generator)
-        torch.cuda.synchronize(self.device)
-        with torch.cuda.graph(graph):
-            out = self._refine(state, plan)
-        return graph, out
+        return record_graph(self.device, state.generator, lambda: self._refine(state, plan))
 
     @torch.inference_mode()
     def step(self, state: CanvasState) -> StepOut:

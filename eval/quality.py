@@ -189,7 +189,6 @@ def genppl_setup(scorer: str, text: str, *, model_args: dict, prompts: int, toke
     if prompts < 1 or tokens < 1:
         raise decoders.UsageError(f"--genppl-prompts and --genppl-tokens must be at least 1, got {prompts} and {tokens}")
     split = held_out_split(text)
-
     dtype = model_args.get("dtype")
     scorer_decoder = decoders.load(str(scorer), device=model_args.get("device"), dtype=None if dtype in (None, "auto") else dtype)
     return scorer_decoder, prompts_from_text(tokenizer_for(scorer_decoder), text, split=split, n=prompts, length=tokens), tokens
@@ -234,7 +233,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=float, help="examples per task (testing only)")
     p.add_argument("--mp-iterations", default="", help="comma-separated Mask-Predict iterations T to sweep")
     p.add_argument("--genppl-scorer", help="autoregressive checkpoint (same tokenizer) scoring the Mask-Predict runs' samples")
-    p.add_argument("--genppl-text", help="corpus (folder, file or datasets name) whose test split gives the prompts")
+    p.add_argument("--genppl-text", help="corpus (folder, file or datasets name) whose held-out split (test, else valid) gives the prompts")
     p.add_argument("--genppl-prompts", type=int, default=60, help="prompts (default 60)")
     p.add_argument("--genppl-tokens", type=int, default=64, help="tokens of each prompt and of each continuation (default 64)")
     p.add_argument("--out", type=Path, required=True)

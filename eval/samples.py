@@ -15,6 +15,7 @@ same tokenizer. `gen_ppl` = exp(mean negative log-likelihood per generated token
 token gets a low perplexity from most scorers.
 """
 
+import math
 import random
 from pathlib import Path
 
@@ -73,5 +74,5 @@ def generative_perplexity(generator, scorer: AutoregressiveDecoder, prompts: lis
             nll -= logp[row, len(p) - 1 : len(p) - 1 + len(s)].gather(-1, target[:, None]).sum().item()
             count += len(s)
     flat = [t for s in generated for t in s]
-    return {"gen_ppl": float(torch.tensor(nll / count).exp()), "scorer_nll": nll / count, "distinct": len(set(flat)) / len(flat),
+    return {"gen_ppl": math.exp(nll / count), "scorer_nll": nll / count, "distinct": len(set(flat)) / len(flat),
             "samples": len(prompts), "new_tokens": new_tokens}

@@ -190,7 +190,7 @@ def _write_kv_kernel(
 def write_kv(k, v, k_cache, v_cache, slot_mapping):
     """k, v `[N, Hkv, D]` into the caches at flat slots `slot_mapping` `[N]`; negative slots skipped."""
     n, num_heads, head_dim = k.shape
-    _check_cache(k_cache, v_cache)
+    check_cache(k_cache, v_cache)
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("write_kv: k and v need a contiguous last dimension")
     if n == 0:
@@ -364,7 +364,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *
     The workspace's variant picks tiles and merge; `config` overrides the tiles (the benchmark's sweep).
     """
     batch, num_q_heads, head_dim = q.shape
-    _check_cache(k_cache, v_cache)
+    check_cache(k_cache, v_cache)
     num_kv_heads = k_cache.shape[2]
     if num_q_heads % num_kv_heads != 0:
         raise ValueError(f"Hq={num_q_heads} is not a multiple of Hkv={num_kv_heads}")
@@ -512,7 +512,7 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seql
     `config` overrides `prefill_config(D)` (used by the benchmark's tile sweep).
     """
     total_q, num_q_heads, head_dim = q.shape
-    _check_cache(k_cache, v_cache)
+    check_cache(k_cache, v_cache)
     num_kv_heads = k_cache.shape[2]
     if num_q_heads % num_kv_heads != 0:
         raise ValueError(f"Hq={num_q_heads} is not a multiple of Hkv={num_kv_heads}")
@@ -541,7 +541,8 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seql
     return out
 
 
-def _check_cache(k_cache, v_cache):
+def check_cache(k_cache, v_cache):
+    """The paged caches' layout every kernel here (and kernels.rotary's cache write) relies on."""
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"caches must both be [num_blocks, block_size, Hkv, D], "
                          f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")

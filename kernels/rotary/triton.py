@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
+from kernels.paged_attention.triton import check_cache
 
 
 @triton.jit
@@ -114,11 +115,9 @@ def apply_rotary_write_kv_triton(q, k, v, positions, cos, sin, k_cache, v_cache,
     _check(q, k, positions, cos, sin)
     if v.shape != k.shape or v.stride(-1) != 1:
         raise ValueError(f"apply_rotary_write_kv: v must be k's shape {tuple(k.shape)} with a contiguous last dimension, got {tuple(v.shape)}")
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or tuple(k_cache.shape[2:]) != tuple(k.shape[1:]):
-        raise ValueError(f"apply_rotary_write_kv: caches must both be [num_blocks, block_size, Hkv, D] with Hkv, D = {tuple(k.shape[1:])}, "
-                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or k_cache.shape[1] & (k_cache.shape[1] - 1):
-        raise ValueError("apply_rotary_write_kv: caches need a contiguous last dimension and a power-of-two block size")
+    check_cache(k_cache, v_cache)
+    if tuple(k_cache.shape[2:]) != tuple(k.shape[1:]):
+        raise ValueError(f"apply_rotary_write_kv: the caches hold [Hkv, D] = {tuple(k_cache.shape[2:])} per row, k has {tuple(k.shape[1:])}")
     if slot_mapping.shape != (q.shape[0],):
         raise ValueError(f"apply_rotary_write_kv: slot_mapping must be [N] = [{q.shape[0]}], got {tuple(slot_mapping.shape)}")
     _launch(q, k, q, k, positions, cos, sin, v, k_cache, v_cache, slot_mapping)

@@ -280,7 +280,7 @@ def test_rotary_write_kv_pdl_path(monkeypatch):
 
     def make():
         qkv = randn(3, 8 * 16, seed=1)
-        q, k, v = (qkv[:, a * 16 : b * 16].view(3, b - a if a < 4 else 2, 16) for a, b in ((0, 4), (4, 6), (6, 8)))
+        q, k, v = (qkv[:, a * 16 : b * 16].view(3, b - a, 16) for a, b in ((0, 4), (4, 6), (6, 8)))
         pos = torch.tensor([5, 0, 11], device=DEVICE)
         cos, sin = randn(12, 8, seed=2), randn(12, 8, seed=3)
         k_cache, v_cache = randn(3, 4, 2, 16, seed=4), randn(3, 4, 2, 16, seed=5)
