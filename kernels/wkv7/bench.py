@@ -14,7 +14,7 @@ as it is measured:
 4. fla's `chunk_rwkv7` (w is the log-decay there too): its error against the reference, then the
    same lengths, timed only if it matches (its first call autotunes, which takes a minute or more);
 5. fla's `fused_recurrent_rwkv7` step at batch 1, 16, 128, the same way as ours;
-6. while the time budget lasts: other prefill (chunk, precision) variants (PREFILL_VARIANTS, tf32
+6. while the time budget lasts: other prefill (chunk, precision) variants (PREFILL_VARIANTS, tf32x3
    first); the non-default pass-2 / solve variants of `wkv7_chunk_triton` (PASS2_VARIANTS), each
    self-checked, then timed at 32k (with its kernel times) and 128k; other step launch shapes.
 A kernel that fails its self-check is not timed and the run exits non-zero. A table is printed at
@@ -39,11 +39,10 @@ STEP_BATCHES = (1, 16, 128)
 # (block_v, num_warps) tried after the default step, at every batch
 STEP_VARIANTS = ((32, 2), (32, 8), (16, 2), (64, 4))
 PREFILL_T = (4096, 32768, 131072)
-PRECISION = "tf32x3"
-# (chunk_size, tl.dot input precision) tried first among the optional variants, in this order.
-# "tf32" (one TF32 product, ~1e-3 relative error in the state: fla chunk_rwkv7's accuracy) leads:
-# its pass 1 compiles to 2688 sm_90 instructions without spills, tf32x3's to 5912 with 88 B.
-PREFILL_VARIANTS = ((32, "tf32"), (16, "tf32x3"), (64, "tf32x3"), (32, "ieee"))
+PRECISION = "tf32"
+# (chunk_size, tl.dot input precision) tried first among the optional variants, in this order:
+# float32-grade tf32x3 (the default before ca9826c) first.
+PREFILL_VARIANTS = ((32, "tf32x3"), (16, "tf32"), (64, "tf32"), (32, "ieee"))
 # (chunk_size, keyword arguments of wkv7_chunk_triton) timed after PREFILL_VARIANTS
 PASS2_VARIANTS = (
     (32, dict(pass2="walk", solve="substitution")),
@@ -207,7 +206,8 @@ def main():
     def check_chunk(C, prec, **kw):
         o, s = wkv7_chunk_triton(*xc, initial_state=h0c, chunk_size=C, precision=prec, **kw)
         err_o, err_s = rel(o, o_ref), rel(s, s_ref)
-        ok = err_o < 1e-2 and err_s < (1e-4 if "tf32" not in (prec, kw.get("pass2_precision")) else 1e-2)
+        # tf32 products: 3.5e-4 in the state at T=1000 on an H200 (fla chunk_rwkv7: 1.3e-3)
+        ok = err_o < 1e-2 and err_s < (1e-4 if "tf32" not in (prec, kw.get("pass2_precision")) else 2e-3)
         label = f"chunk C={C} {prec} {' '.join(map(str, kw.values()))}".rstrip()
         emit({"kind": "selfcheck", "op": "chunk", "chunk_size": C, "precision": prec, **kw, "T": CHECK_T,
               "rel_err_o": err_o, "rel_err_state": err_s, "ok": ok},
