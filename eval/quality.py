@@ -133,13 +133,19 @@ def plot_iterations(runs: list[dict], path: Path) -> bool:
                 sweeps.setdefault((run["checkpoint"], task, metric[0]), []).append((run["iterations"], metric[1]))
     if not sweeps:
         return False
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for (checkpoint, task, metric), points in sorted(sweeps.items()):
-        ax.plot(*zip(*sorted(points)), marker="o", label=f"{Path(checkpoint).name} {task} ({metric})")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("Mask-Predict iterations T")
-    ax.set_ylabel("metric")
-    ax.legend(fontsize=7)
+    # One panel per metric (accuracy, bits per byte, generative perplexity): their scales differ.
+    metrics = sorted({metric for _, _, metric in sweeps}, key=PRIMARY.index)
+    fig, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 4), squeeze=False)
+    for ax, name in zip(axes[0], metrics):
+        for (checkpoint, task, metric), points in sorted(sweeps.items()):
+            if metric == name:
+                ax.plot(*zip(*sorted(points)), marker="o", label=f"{Path(checkpoint).name} {task}")
+        ax.set_xscale("log", base=2)
+        if name == "gen_ppl":
+            ax.set_yscale("log")
+        ax.set_xlabel("Mask-Predict iterations T")
+        ax.set_ylabel(name)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
