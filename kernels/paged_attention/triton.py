@@ -27,6 +27,10 @@ from kernels import pdl
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 256
 MIN_SPLIT_TOKENS = 128
+# Prefill with few query tiles (a Mask-Predict block over its prefix): programs per SM the key
+# splits aim for (a prefill tile holds more registers than a decode one), and keys per split.
+PREFILL_PROGRAMS_PER_SM = 2
+MIN_PREFILL_SPLIT_TOKENS = 256
 # Programs per SM the split choice plans for: the decode tiles fit 5 per SM at D <= 128 (registers
 # and shared memory), so a grid of 4 per SM runs as one wave with room to spare.
 PROGRAMS_PER_SM = 4
@@ -414,19 +418,20 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, cu_ptr, out_ptr,
-    qk_scale,
+    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, cu_ptr, out_ptr, lse_ptr, part_ptr,
+    qk_scale, total_q,
     stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_btb,
     stride_ot, stride_oh,
     G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, SPLITS: tl.constexpr,
 ):
     # Query tiles in reverse so the longest causal tiles start first and the tail is short.
     m_block = tl.num_programs(0) - 1 - tl.program_id(0)
     h = tl.program_id(1)
-    b = tl.program_id(2)
+    b = tl.program_id(2) // SPLITS
+    split = tl.program_id(2) % SPLITS
     hk = h // G
     q_first = tl.load(cu_ptr + b)
     q_len = tl.load(cu_ptr + b + 1) - q_first
@@ -455,7 +460,12 @@ def _prefill_kernel(
         else:
             full_end = seq_len // BLOCK_N * BLOCK_N
             end = seq_len
-        for n0 in range(0, full_end, BLOCK_N):
+        # SPLITS > 1: this program takes the split-th of SPLITS equal runs of whole key tiles.
+        tiles_per_split = tl.cdiv(tl.cdiv(end, BLOCK_N), SPLITS)
+        lo = split * tiles_per_split * BLOCK_N
+        hi = tl.minimum(lo + tiles_per_split * BLOCK_N, end)
+        full_end = tl.maximum(tl.minimum(full_end, hi), lo)
+        for n0 in range(lo, full_end, BLOCK_N):
             pos = n0 + tl.arange(0, BLOCK_N)
             page = tl.load(bt_row + pos // PAGE).to(tl.int64)
             k_off = page * stride_kb + (pos % PAGE) * stride_kt + hk * stride_kh
@@ -474,7 +484,7 @@ def _prefill_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
         # Diagonal tiles (causal) and the partly filled last tile: masked.
-        for n0 in range(full_end, end, BLOCK_N):
+        for n0 in range(full_end, hi, BLOCK_N):
             pos = n0 + tl.arange(0, BLOCK_N)
             valid = pos < seq_len
             page = tl.load(bt_row + pos // PAGE, mask=valid, other=0).to(tl.int64)
@@ -492,24 +502,69 @@ def _prefill_kernel(
             else:
                 visible = valid[None, :]
             qk = tl.where(visible, qk, float("-inf"))
-            # Position 0 is visible to every row and comes first, so m_new is always finite here.
             m_new = tl.maximum(m_i, tl.max(qk, 1))
+            if SPLITS > 1:
+                # A causal row can see none of a later split's keys: exponents from 0, not -inf.
+                m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+            # (One split: position 0 is visible to every row and comes first, so m_new is finite.)
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(qk - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
-        out = acc / l_i[:, None]
-        o_ptrs = out_ptr + q_rows[:, None] * stride_ot + h * stride_oh + d[None, :]
-        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=qmask)
+        if SPLITS == 1:
+            out = acc / l_i[:, None]
+            o_ptrs = out_ptr + q_rows[:, None] * stride_ot + h * stride_oh + d[None, :]
+            tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=qmask)
+        else:
+            # This split's normalised output and log2-sum-exp (-inf where it saw no key), merged by
+            # _prefill_merge_kernel. Layout: part [SPLITS, total_q, Hq, D_PAD], lse [SPLITS, total_q, Hq].
+            seen = l_i > 0
+            n_heads = tl.num_programs(1)
+            row = (split * total_q + q_rows) * n_heads + h
+            l_safe = tl.where(seen, l_i, 1.0)
+            tl.store(lse_ptr + row, tl.where(seen, m_i + tl.log2(l_safe), float("-inf")), mask=offs_m < q_len)
+            part = tl.where(seen[:, None], acc / l_safe[:, None], 0.0)
+            tl.store(part_ptr + row[:, None] * D_PAD + d[None, :], part, mask=(offs_m[:, None] < q_len))
+
+
+@triton.jit
+def _prefill_merge_kernel(lse_ptr, part_ptr, out_ptr, total_q, stride_ot, stride_oh,
+                          SPLITS: tl.constexpr, S_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr):
+    """One (query row, head): out = sum_s 2^(lse_s - M) part_s / sum_s 2^(lse_s - M)."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    n_heads = tl.num_programs(1)
+    s = tl.arange(0, S_PAD)
+    d = tl.arange(0, D_PAD)
+    row = (s * total_q + t) * n_heads + h
+    lse = tl.load(lse_ptr + row, mask=s < SPLITS, other=float("-inf"))
+    # Split 0 holds the sequence's first key tile, visible to every query: M is finite.
+    w = tl.exp2(lse - tl.max(lse, 0))
+    part = tl.load(part_ptr + row[:, None] * D_PAD + d[None, :], mask=s[:, None] < SPLITS, other=0.0)
+    out = tl.sum(w[:, None] * part, 0) / tl.sum(w, 0)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
+
+
+def choose_prefill_splits(programs: int, max_kv_len: int, num_sms: int) -> int:
+    """Key splits per query tile for a prefill grid of `programs` (query tiles x heads x batch) over
+    at most `max_kv_len` keys: 1 while the tiles alone fill the GPU, else enough splits for about
+    PREFILL_PROGRAMS_PER_SM programs per SM, each with at least MIN_PREFILL_SPLIT_TOKENS keys."""
+    wanted = triton.cdiv(PREFILL_PROGRAMS_PER_SM * num_sms, max(programs, 1))
+    return max(1, min(wanted, triton.cdiv(max(max_kv_len, 1), MIN_PREFILL_SPLIT_TOKENS), MAX_SPLITS))
 
 
 def paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, *, causal,
-                            max_seqlen_q=None, config=None):
+                            max_seqlen_q=None, config=None, num_splits=None):
     """Varlen flash attention over the paged cache: q `[total_q, Hq, D]` -> `[total_q, Hq, D]`.
 
     `max_seqlen_q` (host int) sizes the grid; when None it is read from `cu_seqlens_q` (a sync).
-    `config` overrides `prefill_config(D)` (used by the benchmark's tile sweep).
+    `config` overrides `prefill_config(D)` (used by the benchmark's tile sweep), its query tile cut to
+    the longest query run when that is shorter. `num_splits` overrides `choose_prefill_splits`, whose
+    key bound is the block table's capacity (host integers only: the call can be graph-captured).
+    With more than one split each program walks its run of the keys into float32 partials that
+    `_prefill_merge_kernel` combines: the few-query case (a Mask-Predict block over a long prefix)
+    otherwise has one program per head walking the whole prefix.
     """
     total_q, num_q_heads, head_dim = q.shape
     check_cache(k_cache, v_cache)
@@ -525,19 +580,36 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seql
     if max_seqlen_q is None:
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     cfg = config or prefill_config(head_dim)
-    grid = (triton.cdiv(max(max_seqlen_q, 1), cfg.block_m), num_q_heads, batch)
-    _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out,
-        scale * LOG2E,
+    block_m = min(cfg.block_m, max(16, triton.next_power_of_2(max(max_seqlen_q, 1))))
+    m_blocks = triton.cdiv(max(max_seqlen_q, 1), block_m)
+    page = k_cache.shape[1]
+    if num_splits is None:
+        num_splits = choose_prefill_splits(m_blocks * num_q_heads * batch, block_tables.shape[1] * page, _num_sms(q.device))
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
+    d_pad = _pad_dim(head_dim)
+    if num_splits > 1:
+        lse = torch.empty(num_splits, total_q, num_q_heads, dtype=torch.float32, device=q.device)
+        part = torch.empty(num_splits, total_q, num_q_heads, d_pad, dtype=torch.float32, device=q.device)
+    else:
+        lse = part = out  # not read
+    _prefill_kernel[(m_blocks, num_q_heads, batch * num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, lse, part,
+        scale * LOG2E, total_q,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
-        G=num_q_heads // num_kv_heads, D=head_dim, D_PAD=_pad_dim(head_dim), PAGE=k_cache.shape[1],
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
+        G=num_q_heads // num_kv_heads, D=head_dim, D_PAD=d_pad, PAGE=page,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, SPLITS=num_splits,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    if num_splits > 1:
+        _prefill_merge_kernel[(total_q, num_q_heads)](
+            lse, part, out, total_q, out.stride(0), out.stride(1),
+            SPLITS=num_splits, S_PAD=triton.next_power_of_2(num_splits), D=head_dim, D_PAD=d_pad,
+        )
     return out
 
 

@@ -77,14 +77,20 @@ def run_decode(seq_lens, page, group, num_kv_heads, head_dim, *, shuffle=True, n
     assert rel_rms(got, want) < tol
 
 
-def run_prefill(q_lens, seq_lens, page, group, num_kv_heads, head_dim, causal, *, tol=TOL):
+def run_prefill(q_lens, seq_lens, page, group, num_kv_heads, head_dim, causal, *, tol=TOL, num_splits=None):
     k_cache, v_cache, block_tables, lens = make_cache(seq_lens, page, num_kv_heads, head_dim)
     cu = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32).to(DEVICE)
     q = torch.randn(sum(q_lens), group * num_kv_heads, head_dim, device=DEVICE).to(DTYPE)
     scale = head_dim**-0.5
     want = pa.paged_prefill_attention(q, k_cache, v_cache, block_tables, lens, cu, scale, causal=causal, impl="ref")
-    got = pa.paged_prefill_attention(q, k_cache, v_cache, block_tables, lens, cu, scale, causal=causal,
-                                     impl="triton", max_seqlen_q=max(q_lens))
+    if num_splits is None:
+        got = pa.paged_prefill_attention(q, k_cache, v_cache, block_tables, lens, cu, scale, causal=causal,
+                                         impl="triton", max_seqlen_q=max(q_lens))
+    else:
+        from kernels.paged_attention import triton as pa_triton
+
+        got = pa_triton.paged_prefill_attention(q, k_cache, v_cache, block_tables, lens, cu, scale, causal=causal,
+                                                max_seqlen_q=max(q_lens), num_splits=num_splits)
     assert not torch.isnan(got).any()
     assert got.dtype == q.dtype
     assert rel_rms(got, want) < tol
@@ -201,6 +207,32 @@ def test_decode_ref_vs_triton_workspace_shared_by_calls():
 )
 def test_prefill_ref_vs_triton(q_lens, seq_lens, page, group, num_kv_heads, head_dim, causal):
     run_prefill(q_lens, seq_lens, page, group, num_kv_heads, head_dim, causal)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("num_splits", [2, 3, 8])
+@pytest.mark.parametrize(
+    "q_lens,seq_lens,page,group,num_kv_heads,head_dim",
+    [
+        # a Mask-Predict block over a long prefix, and a second sequence whose later splits are empty
+        ([32, 5], [700, 5], 16, 4, 2, 64),
+        # a query run longer than the tile, prefix not a multiple of the key tile; D padded
+        ([150, 1], [333, 77], 32, 2, 1, 80),
+    ],
+)
+def test_prefill_key_splits_match_ref(q_lens, seq_lens, page, group, num_kv_heads, head_dim, causal, num_splits):
+    run_prefill(q_lens, seq_lens, page, group, num_kv_heads, head_dim, causal, num_splits=num_splits)
+
+
+def test_prefill_splits_only_when_the_query_tiles_leave_sms_idle():
+    from kernels.paged_attention.triton import choose_prefill_splits
+
+    # Many query tiles (a 4k-token prompt chunk): no split.
+    assert choose_prefill_splits(32 * 32, 131072, 132) == 1
+    # One 32-query block, 32 heads, over 32k keys: about two programs per SM.
+    assert choose_prefill_splits(32, 32768, 132) == 9
+    # A short prefix caps the splits at one per 256 keys.
+    assert choose_prefill_splits(32, 600, 132) == 3
 
 
 def test_prefill_triton_chunked_equals_one_shot():
