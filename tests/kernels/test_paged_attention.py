@@ -304,6 +304,8 @@ def test_gpu_decode_ref_vs_triton(seq_lens, page, group, num_kv_heads, head_dim)
         ([300, 1, 1000], [4097, 17, 1000], 64, 8, 1, 64),
         ([64, 1000], [1000, 4097], 256, 1, 4, 128),
         ([999, 17], [4097, 17], 128, 4, 2, 80),
+        # a Mask-Predict block over a 32k prefix: key splits
+        ([32], [32768], 16, 4, 8, 64),
     ],
 )
 def test_gpu_prefill_ref_vs_triton(q_lens, seq_lens, page, group, num_kv_heads, head_dim, causal):
