@@ -89,16 +89,17 @@ def test_a_point_past_its_timeout_is_recorded_and_the_sweep_goes_on(tmp_path, mo
 
     def hangs_at_512(dec, *, ctx, **kwargs):
         if ctx == 512:
-            time.sleep(60)
+            time.sleep(120)
         return measure(dec, ctx=ctx, **kwargs)
 
     monkeypatch.setattr(harness, "measure", hangs_at_512)
     out = tmp_path / "out.jsonl"
     start = time.monotonic()
     code = compare.main(["--no-progress", "--models", "llama-tiny", "--ctx", "256..1k", "--new-tokens", "4",
-                         "--point-timeout", "2", "--out", str(out)])
-    assert code == 0 and time.monotonic() - start < 50
+                         "--point-timeout", "20", "--out", str(out)])
+    # 20 s: the measured points take a few seconds each on a busy 2-core CPU; the hung one is cut.
+    assert code == 0 and time.monotonic() - start < 100
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["ctx"], r["status"]) for r in records] == [(256, "ok"), (512, "timeout"), (1024, "ok")]
-    assert "no result within 2 s" in records[1]["reason"] and records[1]["model"] == "llama-tiny" and records[1]["git_sha"]
-    assert "llama-tiny: timeout: no result within 2 s" in capsys.readouterr().out
+    assert "no result within 20 s" in records[1]["reason"] and records[1]["model"] == "llama-tiny" and records[1]["git_sha"]
+    assert "llama-tiny: timeout: no result within 20 s" in capsys.readouterr().out
