@@ -122,12 +122,13 @@ def _num_sms(device: torch.device) -> int:
     return 4
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int, *,
+def choose_num_splits(programs: int, max_seq_len: int, num_sms: int, *,
                       programs_per_sm: int = PROGRAMS_PER_SM, min_split_tokens: int = MIN_SPLIT_TOKENS) -> int:
-    """Splits of the sequence per (sequence, kv head) for a batch whose lengths are <= max_seq_len."""
+    """Key splits for a grid of `programs` programs without splits (decode: sequences x kv heads;
+    prefill: query tiles x heads x sequences) over sequences of length <= max_seq_len."""
     # About programs_per_sm programs per SM, rounded down so the grid stays one wave: rounding up
     # (16 x 8 x 5 = 640 programs where 528 fit) left a second, nearly empty wave of slow programs.
-    wanted = max(1, programs_per_sm * num_sms // (batch * num_kv_heads))
+    wanted = max(1, programs_per_sm * num_sms // max(programs, 1))
     # At least min_split_tokens per split: shorter runs spend more on the partials than they save.
     return max(1, min(wanted, triton.cdiv(max(max_seq_len, 1), min_split_tokens), MAX_SPLITS))
 
@@ -154,7 +155,7 @@ def decode_workspace(batch, num_q_heads, num_kv_heads, head_dim, max_seq_len, de
     device = torch.device(device)
     spec = _variant(variant)
     if num_splits is None:
-        num_splits = choose_num_splits(batch, num_kv_heads, max_seq_len, _num_sms(device),
+        num_splits = choose_num_splits(batch * num_kv_heads, max_seq_len, _num_sms(device),
                                        programs_per_sm=spec.programs_per_sm, min_split_tokens=spec.min_split_tokens)
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
@@ -546,22 +547,15 @@ def _prefill_merge_kernel(lse_ptr, part_ptr, out_ptr, total_q, stride_ot, stride
     tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
-def choose_prefill_splits(programs: int, max_kv_len: int, num_sms: int) -> int:
-    """Key splits per query tile for a prefill grid of `programs` (query tiles x heads x batch) over
-    at most `max_kv_len` keys: 1 while the tiles alone fill the GPU, else enough splits for about
-    PREFILL_PROGRAMS_PER_SM programs per SM, each with at least MIN_PREFILL_SPLIT_TOKENS keys."""
-    wanted = triton.cdiv(PREFILL_PROGRAMS_PER_SM * num_sms, max(programs, 1))
-    return max(1, min(wanted, triton.cdiv(max(max_kv_len, 1), MIN_PREFILL_SPLIT_TOKENS), MAX_SPLITS))
-
-
 def paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, *, causal,
                             max_seqlen_q=None, config=None, num_splits=None):
     """Varlen flash attention over the paged cache: q `[total_q, Hq, D]` -> `[total_q, Hq, D]`.
 
     `max_seqlen_q` (host int) sizes the grid; when None it is read from `cu_seqlens_q` (a sync).
     `config` overrides `prefill_config(D)` (used by the benchmark's tile sweep), its query tile cut to
-    the longest query run when that is shorter. `num_splits` overrides `choose_prefill_splits`, whose
-    key bound is the block table's capacity (host integers only: the call can be graph-captured).
+    the longest query run when that is shorter. `num_splits` overrides `choose_num_splits` (1 while the
+    query tiles alone fill the GPU), whose key bound here is the block table's capacity (host
+    integers only: the call can be graph-captured).
     With more than one split each program walks its run of the keys into float32 partials that
     `_prefill_merge_kernel` combines: the few-query case (a Mask-Predict block over a long prefix)
     otherwise has one program per head walking the whole prefix.
@@ -584,7 +578,8 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seql
     m_blocks = triton.cdiv(max(max_seqlen_q, 1), block_m)
     page = k_cache.shape[1]
     if num_splits is None:
-        num_splits = choose_prefill_splits(m_blocks * num_q_heads * batch, block_tables.shape[1] * page, _num_sms(q.device))
+        num_splits = choose_num_splits(m_blocks * num_q_heads * batch, block_tables.shape[1] * page, _num_sms(q.device),
+                                       programs_per_sm=PREFILL_PROGRAMS_PER_SM, min_split_tokens=MIN_PREFILL_SPLIT_TOKENS)
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
     d_pad = _pad_dim(head_dim)

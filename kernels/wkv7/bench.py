@@ -50,7 +50,6 @@ PASS2_VARIANTS = (
     (32, dict(pass2="states", solve="doubling")),
     (64, dict(pass2="states", solve="doubling")),
     (64, dict(pass2="transition", solve="doubling")),
-    (32, dict(pass2="states", solve="doubling", pass2_precision="tf32")),
 )
 VARIANT_T = (32768, 131072)
 CHECK_T = 1000

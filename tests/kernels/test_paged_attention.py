@@ -225,14 +225,18 @@ def test_prefill_key_splits_match_ref(q_lens, seq_lens, page, group, num_kv_head
 
 
 def test_prefill_splits_only_when_the_query_tiles_leave_sms_idle():
-    from kernels.paged_attention.triton import choose_prefill_splits
+    from kernels.paged_attention.triton import MIN_PREFILL_SPLIT_TOKENS, PREFILL_PROGRAMS_PER_SM, choose_num_splits
+
+    def splits(programs, max_kv_len):
+        return choose_num_splits(programs, max_kv_len, 132, programs_per_sm=PREFILL_PROGRAMS_PER_SM,
+                                 min_split_tokens=MIN_PREFILL_SPLIT_TOKENS)
 
     # Many query tiles (a 4k-token prompt chunk): no split.
-    assert choose_prefill_splits(32 * 32, 131072, 132) == 1
-    # One 32-query block, 32 heads, over 32k keys: about two programs per SM.
-    assert choose_prefill_splits(32, 32768, 132) == 9
+    assert splits(32 * 32, 131072) == 1
+    # One 32-query block, 32 heads, over 32k keys: two programs per SM, one wave (8 x 32 <= 264).
+    assert splits(32, 32768) == 8
     # A short prefix caps the splits at one per 256 keys.
-    assert choose_prefill_splits(32, 600, 132) == 3
+    assert splits(32, 600) == 3
 
 
 def test_prefill_triton_chunked_equals_one_shot():
