@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from arch.checkpoint import CheckpointError, assign_weights, config_from_dict, load_weights, read_json
-from kernels import gemv, paged_attention, rmsnorm, rotary, swiglu
+from kernels import gemv, paged_attention, rmsnorm, rotary
 
 
 @dataclass
@@ -69,7 +69,7 @@ class PagedBatch:
     v_cache: torch.Tensor  # [L, num_blocks, block_size, Hkv, D]
     block_tables: torch.Tensor  # [B, max_blocks] int32
     seq_lens: torch.Tensor  # [B] int32, valid K/V positions after this forward's tokens are written
-    slot_mapping: torch.Tensor  # [N] int64, cache slot of each packed token
+    slot_mapping: torch.Tensor | None  # [N] int64, cache slot of each packed token (None: Triton decode, whose kernel finds it)
     decode: bool  # one query per sequence (N == B)
     causal: bool = True
     cu_seqlens_q: torch.Tensor | None = None  # [B+1] int32, prefill only
@@ -228,6 +228,15 @@ class Attention(FusedLinears):
         """Packed tokens x [N, d]: write their K/V into the pages, attend through the block table."""
         fused = batch.impl == "triton"
         k_cache, v_cache = batch.k_cache[layer], batch.v_cache[layer]
+        if fused and batch.decode:
+            # One GEMV for q, k and v; the decode kernel rotates q and k and writes the K/V row itself.
+            qkv = gemv.linear(x, self.qkv_weight, self.qkv_bias, impl="triton").unflatten(-1, (self.n_heads + 2 * self.n_kv, self.head_dim))
+            q, k, v = qkv.split([self.n_heads, self.n_kv, self.n_kv], dim=-2)
+            out = paged_attention.paged_decode_attention(
+                q, k_cache, v_cache, batch.block_tables, batch.seq_lens, self.scale, impl="triton", workspace=batch.workspace,
+                rope=(k, v, *rotary.tables()),
+            )
+            return gemv.linear(out.flatten(-2), self.o_proj.weight, impl="triton")
         if fused:
             q, _, _ = self.qkv_fused_write_kv(x, positions, rotary, k_cache, v_cache, batch.slot_mapping)
         else:
@@ -261,9 +270,9 @@ class MLP(FusedLinears):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
     def forward_fused(self, x):
-        """Triton path: one GEMV for gate and up, SwiGLU in one kernel, then down."""
-        act = swiglu.silu_mul(gemv.linear(x, self.gate_up_weight, impl="triton"), impl="triton")
-        return gemv.linear(act, self.down_proj.weight, impl="triton")
+        """Triton path: one GEMV for gate and up with SwiGLU in its epilogue (or, where that measured
+        slower or for many rows, SwiGLU in its own kernel after it), then down."""
+        return gemv.linear(gemv.swiglu_linear(x, self.gate_up_weight, impl="triton"), self.down_proj.weight, impl="triton")
 
 
 class Block(nn.Module):

@@ -26,9 +26,10 @@ differentiable, memory-light chunked form that training uses; impl="triton" as t
 - `forward_chunk(tokens [B, T], lengths [B], shift, wkv)`: right-padded prompt chunks continuing
   from a carried state, which they update; padded positions leave the state untouched;
 - `forward_step(tokens [B], shift, wkv)`: one token per sequence, state updated in place. With
-  impl="triton" it runs the fused step (`fused_step`): the same math in 12 kernels per layer
+  impl="triton" it runs the fused step (`fused_step`): the same math in 11 kernels per layer
   (kernels.rwkv7_fused around 6 GEMMs and the WKV-7 step) instead of about 60; the GEMMs and the
-  head go through `kernels.gemv.linear` (the Triton GEMV where it measured faster than cuBLAS).
+  head go through `kernels.gemv.linear` (the Triton GEMV where it measured faster than cuBLAS),
+  the FFN's value projection through `kernels.gemv.act_linear` with relu^2 in its prologue.
 
 The fused step reads the projections through packed weights: on its first call a layer's six mixes
 become rows of one `[6, C]` tensor, the r/k/v projections and the LoRA down-projections rows of one
@@ -50,7 +51,7 @@ from torch import nn
 
 from arch.checkpoint import CheckpointError, assign_weights, config_from_dict, load_weights, read_json
 from kernels import gemv
-from kernels.rwkv7_fused import add_norm_shift, gate_output, lora_hidden, sqrelu, time_mix_inputs
+from kernels.rwkv7_fused import add_norm_shift, gate_output, lora_hidden, time_mix_inputs
 from kernels.wkv7 import wkv7_chunk, wkv7_chunk_factored, wkv7_step
 
 FAMILY = "rwkv7"
@@ -403,8 +404,8 @@ class RWKV7(nn.Module):
             n, ffn = block.ffn_norm, block.ffn
             # [1, B, C]
             xk = add_norm_shift(x, out, n.weight, n.bias, shift[i, 1], ffn.x_k.view(1, -1), eps=n.eps, impl="triton")
-            hidden = sqrelu(gemv.linear(xk[0], ffn.key.weight, impl="triton"), impl="triton")
-            delta = gemv.linear(hidden, ffn.value.weight, impl="triton")
+            delta = gemv.act_linear(gemv.linear(xk[0], ffn.key.weight, impl="triton"), "sqrelu", ffn.value.weight,
+                                    impl="triton", x_is_scratch=True)
         n = self.model.norm
         h = add_norm_shift(x, delta, n.weight, n.bias, eps=n.eps, impl="triton")
         w = self.model.embeddings.weight if self.config.tie_word_embeddings else self.lm_head.weight

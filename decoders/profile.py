@@ -9,7 +9,9 @@ the PyTorch profiler and sums the device time of each kernel (on the CPU: the se
 operator). The table lists kernels by time per step; the summary splits the step into time spent in
 kernels and time between them (launch gaps, host work), beside the roofline of the same step. With
 programmatic dependent launch on (`kernels.pdl`, the default on Hopper) kernels overlap and each
-one's time includes its wait for the one before: run with DECLAB_PDL=0 for a per-kernel breakdown.
+one's time includes its wait for the one before: the second table, the critical path, charges each
+kernel only what it added to the step (its end minus the end of the kernel that ended before it;
+the charges add up to the step), and DECLAB_PDL=0 gives a breakdown without the overlap.
 The record also lists `gemv_choices`: what `kernels.gemv` picked for each projection shape (cuBLAS
 or a Triton configuration; for Mamba-2's gated norm + out_proj, the fused prologue or the pair) and
 every candidate's time, so the GEMV rows of the table can be read with their choice.
@@ -17,8 +19,10 @@ every candidate's time, so the GEMV rows of the table can be read with their cho
 
 import argparse
 import json
+import os
 import statistics
 import sys
+import tempfile
 
 import torch
 from torch.autograd import DeviceType
@@ -44,6 +48,36 @@ def kernel_times(prof, on_gpu: bool) -> list[tuple[str, int, float]]:
         if total > 0:
             rows.append((e.key, e.count, float(total)))
     return sorted(rows, key=lambda r: -r[2])
+
+
+def kernel_spans(prof) -> list[tuple[str, float, float]]:
+    """(name, start µs, end µs) of every GPU kernel in a profile, from its exported trace."""
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f).get("traceEvents", [])
+    return [(e["name"], float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in events
+            if e.get("cat") == "kernel" and e.get("ph") == "X"]
+
+
+def critical_path(spans: list[tuple[str, float, float]], steps: int) -> list[dict]:
+    """Per kernel name, the µs a step by which its kernels moved the last kernel end forward.
+
+    Kernels are taken in the order they end; each is charged its end minus the end of the kernel
+    that ended before it. The charges add up to the span of the steps, so unlike kernel durations
+    they stay a breakdown of the step when kernels overlap (programmatic dependent launch): a kernel
+    that ran in another's shadow is charged only what it added after it.
+    """
+    rows: dict[str, list] = {}
+    last = None
+    for name, _, end in sorted(spans, key=lambda s: s[2]):
+        row = rows.setdefault(name, [0, 0.0])
+        row[0] += 1
+        row[1] += end - last if last is not None else 0.0
+        last = end
+    out = [{"name": n, "calls_per_step": c / steps, "us_per_step": t / steps} for n, (c, t) in rows.items()]
+    return sorted(out, key=lambda r: -r["us_per_step"])
 
 
 def profile_step(decoder, *, ctx: int, batch: int, steps: int, seed: int = 0) -> dict:
@@ -73,11 +107,14 @@ def profile_step(decoder, *, ctx: int, batch: int, steps: int, seed: int = 0) ->
         if on_gpu:
             torch.cuda.synchronize(decoder.device)
     decoder.release(state)
+    path = critical_path(kernel_spans(prof), steps) if on_gpu else None
     rows = [{"name": name, "calls_per_step": calls / steps, "us_per_step": total / steps} for name, calls, total in kernel_times(prof, on_gpu)]
-    # What `gemv.linear` / `gemv.gated_norm_linear` picked per shape ("torch": cuBLAS, or the unfused
+    # What `gemv.linear` / `gated_norm_linear` / `act_linear` picked per shape ("torch": cuBLAS, or the unfused
     # norm + linear pair), with every candidate's time: a step's GEMV kernels read with their choice.
-    picks = [{"op": op, "M": key[0], "N": key[1], "K": key[2], "dtype": key[3], "bias": key[4], **rec}
-             for op, table in (("linear", gemv.choices()), ("gated_norm_linear", gemv.norm_choices())) for key, rec in table.items()]
+    picks = [{"op": op, "M": key[0], "N": key[1], "K": key[2], "dtype": key[3], "bias": key[4], **dict(zip(["act"], key[5:])), **rec}
+             for op, table in (("linear", gemv.choices()), ("gated_norm_linear", gemv.norm_choices()),
+                               ("act_linear", gemv.act_choices()), ("swiglu_linear", gemv.swiglu_choices()))
+             for key, rec in table.items()]
     kernel_ms = sum(r["us_per_step"] for r in rows) / 1e3
     mem = decoder.memory(batch, ctx)
     return {
@@ -90,6 +127,7 @@ def profile_step(decoder, *, ctx: int, batch: int, steps: int, seed: int = 0) ->
         "launches_per_step": sum(r["calls_per_step"] for r in rows) if on_gpu else None,
         "step_bytes": mem.step_bytes,
         "kernels": rows,
+        "critical_path": path,
         "gemv_choices": picks,
     }
 
@@ -109,8 +147,14 @@ def table(record: dict, top: int) -> str:
         summary += f"; roofline {record['roofline_ms']:.3f} ms (MBU {record['mbu']:.2f})"
     if record.get("pdl") and record["gap_ms"] is not None:
         summary += ("\nPDL is on: kernels overlap (each one's time includes waiting for the one before), so the"
-                    " shares add up to more than the step; DECLAB_PDL=0 gives a per-kernel breakdown")
-    return "\n".join(lines + [summary])
+                    " shares add up to more than the step; the critical path below does not")
+    lines.append(summary)
+    if record.get("critical_path"):
+        lines.append(f"\n{'critical path: kernel (charged its end minus the previous kernel end)':<72} {'calls':>6} {'us/step':>9} {'share':>6}")
+        for r in record["critical_path"][:top]:
+            share = r["us_per_step"] / 1e3 / record["step_ms"]
+            lines.append(f"{r['name'][:72]:<72} {r['calls_per_step']:>6.1f} {r['us_per_step']:>9.1f} {share:>6.1%}")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:

@@ -129,15 +129,19 @@ class TransformerDecoder(AutoregressiveDecoder):
         return torch.stack(last_logits)
 
     def decode_forward(self, cache: TransformerCache, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        page = self.page_size
-        # int32 block ids: adding the int64 offset below promotes the slots to int64 in the same kernel.
-        blocks = cache.block_tables.gather(1, (positions // page).unsqueeze(1)).squeeze(1)
+        slots = None
+        if self.impl != "triton":
+            # (The Triton decode kernel finds the new row's page itself.) int32 block ids: adding the
+            # int64 offset below promotes the slots to int64 in the same kernel.
+            page = self.page_size
+            blocks = cache.block_tables.gather(1, (positions // page).unsqueeze(1)).squeeze(1)
+            slots = blocks * page + positions % page
         batch = llama.PagedBatch(
             k_cache=cache.kv.k,
             v_cache=cache.kv.v,
             block_tables=cache.block_tables,
             seq_lens=(positions + 1).to(torch.int32),
-            slot_mapping=blocks * page + positions % page,
+            slot_mapping=slots,
             decode=True,
             impl=self.impl,
             workspace=cache.workspace,

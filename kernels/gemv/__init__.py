@@ -9,7 +9,8 @@ accumulation. The grouped form runs G independent products in one launch: x `[G,
 - `gemv(x, weight, bias=None, *, impl, out=None) -> [M, N] | [G, M, N]`
 - `linear(x, weight, bias=None, *, impl) -> [..., N]`: the drop-in for `F.linear` in the models.
   On a CUDA device with impl="triton" and at most MAX_ROWS rows it runs, per (M, N, K, dtype,
-  bias) shape, the fastest of `F.linear` and every Triton configuration that fits, measured once
+  bias) shape, the fastest of `F.linear` (which must win by CUBLAS_MARGIN_US: it breaks the
+  programmatic dependent launch chain) and every Triton configuration that fits, measured once
   when the shape is first seen: each candidate replayed from a CUDA graph over enough copies of
   the weight to overflow L2, as the calls of a decode step run (outside capture; during capture an
   unseen shape runs `F.linear`, unrecorded). Everywhere else (CPU, impl="ref", more rows) it is
@@ -23,6 +24,16 @@ accumulation. The grouped form runs G independent products in one launch: x `[G,
   "torch" in the record) and every configuration of the GEMV with the norm in its prologue (one launch
   instead of two), measured as `linear` measures; elsewhere the unfused pair with `impl`.
   `norm_choices()` is its `choices()`.
+- `act_linear(x, act, weight, bias=None, *, impl) -> [M, N]`: `linear(act(x), weight, bias)` for
+  act "sqrelu" (relu(x)^2: RWKV-7's value projection). As `gated_norm_linear`: per shape the fastest
+  of the unfused pair (the activation kernel + `linear`) and the GEMV with the activation computed as
+  its x tiles load; elsewhere the pair. x is not modified (unless `x_is_scratch=True`: the pair's
+  relu^2 may then run in place). `act_choices()` is its `choices()`.
+- `swiglu_linear(x, weight, bias=None, *, impl) -> [M, I]`: `kernels.swiglu.silu_mul(linear(x,
+  weight, bias))` with weight `[2I, K]` = [gate; up] (llama's fused gate/up projection). Per shape
+  the fastest of that pair and the GEMV whose programs take gate and up rows of the same outputs and
+  apply SwiGLU in the epilogue, once per output (an activation in the next GEMV's prologue would be
+  recomputed by every one of its programs); elsewhere the pair. `swiglu_choices()` is its `choices()`.
 
 Inside a CUDA graph: call `linear` (or `gemv` with impl="triton") once per shape before capture,
 so that compilation, the measurement and the split-K workspace all happen outside it.
@@ -34,13 +45,23 @@ import torch.nn.functional as F
 from kernels import check_impl
 from kernels.gemv.ref import gemv_ref
 
-__all__ = ["gemv", "linear", "choices", "gated_norm_linear", "norm_choices", "gemv_ref", "MAX_ROWS"]
+__all__ = ["gemv", "linear", "choices", "gated_norm_linear", "norm_choices", "act_linear", "act_choices",
+           "swiglu_linear", "swiglu_choices", "gemv_ref", "MAX_ROWS"]
 
 MAX_ROWS = 8
+# µs by which F.linear (cuBLAS, no programmatic dependent launch) must beat the fastest Triton
+# configuration to be picked: with PDL each Triton kernel of a llama-1b step overlapped ~0.7 µs of
+# its neighbours (the step went 1.078 -> 0.951 ms over 177 launches), and on an rwkv7-1.5b step a
+# cuBLAS pick 0.24 µs faster in the timing cost ~10 µs of critical path per call.
+CUBLAS_MARGIN_US = 1.0
 # (M, N, K, dtype name, has_bias, device index) -> the measured choice.
 _CHOICES: dict = {}
 # The same for `gated_norm_linear`, "torch" standing for the unfused gated_rmsnorm + linear pair.
 _NORM_CHOICES: dict = {}
+# The same for `act_linear` (key + the activation), "torch" standing for the activation kernel + linear.
+_ACT_CHOICES: dict = {}
+# The same for `swiglu_linear`, "torch" standing for linear + the SwiGLU kernel.
+_SWIGLU_CHOICES: dict = {}
 
 
 def gemv(x, weight, bias=None, *, impl, out=None):
@@ -68,6 +89,17 @@ def norm_choices() -> dict:
     return {key[:5]: {k: v for k, v in rec.items() if k != "config"} for key, rec in _NORM_CHOICES.items()}
 
 
+def act_choices() -> dict:
+    """`act_linear`'s choice per (M, N, K, dtype, has_bias, act) so far, as `choices()` ("torch": the
+    activation kernel + `linear`)."""
+    return {key[:5] + key[6:]: {k: v for k, v in rec.items() if k != "config"} for key, rec in _ACT_CHOICES.items()}
+
+
+def swiglu_choices() -> dict:
+    """`swiglu_linear`'s choice per shape so far, as `choices()` ("torch": `linear` + the SwiGLU kernel)."""
+    return {key[:5]: {k: v for k, v in rec.items() if k != "config"} for key, rec in _SWIGLU_CHOICES.items()}
+
+
 def _graph_us(call, weights) -> float:
     """µs per call of `call(w)`, one call per weight copy, replayed from a CUDA graph: as in a decode
     step, calls run back to back and every weight comes from HBM (the copies overflow L2)."""
@@ -76,9 +108,10 @@ def _graph_us(call, weights) -> float:
     return time_ms(lambda: [call(w) for w in weights], graph=True, warmup=1, iters=5) * 1e3 / len(weights)
 
 
-def _choose(x2, weight, bias, key, baseline=None, norm=None, table=_CHOICES):
+def _choose(x2, weight, bias, key, baseline=None, norm=None, table=_CHOICES, act=None, swiglu=False):
     """Time every Triton configuration that fits this shape and F.linear (or `baseline(w)`) the same
-    way; keep the fastest. With `norm` the Triton candidates run the gated-norm prologue."""
+    way; keep the fastest. With `norm` (`act`) the Triton candidates run the gated-norm (activation)
+    prologue, with `swiglu` the SwiGLU epilogue."""
     from kernels.gemv.triton import CONFIGS, config_fits, config_name, gemv_triton
 
     M, N, K = key[:3]
@@ -86,16 +119,21 @@ def _choose(x2, weight, bias, key, baseline=None, norm=None, table=_CHOICES):
     l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 64 << 20) or (64 << 20)
     copies = min(64, max(2, -(-2 * l2 // (weight.numel() * weight.element_size()))))
     weights = [weight] + [weight.clone() for _ in range(copies - 1)]
-    if baseline is None:
+    plain = baseline is None
+    if plain:
         def baseline(w):
             return F.linear(x2, w, bias)
     times = {"torch": _graph_us(baseline, weights)}
     configs = {config_name(c): c for c in CONFIGS if config_fits(c, M, K)}
     for name, cfg in configs.items():
-        times[name] = _graph_us(lambda w, cfg=cfg: gemv_triton(x2, w, bias, config=cfg, norm=norm), weights)
+        times[name] = _graph_us(lambda w, cfg=cfg: gemv_triton(x2, w, bias, config=cfg, norm=norm, act=act, swiglu=swiglu),
+                                  weights)
     del weights
-    best = min(times, key=times.get)
     fastest = min((n for n in times if n != "torch"), key=times.get, default=None)
+    # cuBLAS launches without PDL, so in a decode step it also costs the overlap it breaks on both
+    # sides, which these back-to-back timings do not show: it has to win by more than that margin.
+    margin = CUBLAS_MARGIN_US if plain else 0.0
+    best = "torch" if fastest is None or times["torch"] + margin < times[fastest] else fastest
     rec = {"impl": "torch" if best == "torch" else "triton", "config": configs.get(best), "torch_us": times["torch"],
            "triton_us": times[fastest] if fastest else None, "triton_config": fastest, "times_us": times}
     table[key] = rec
@@ -168,3 +206,84 @@ def gated_norm_linear(y, z, norm_weight, eps, weight, bias=None, *, group_size, 
     from kernels.gemv.triton import gemv_triton
 
     return gemv_triton(y, weight, bias, config=rec["config"], norm=norm)
+
+
+def act_linear(x, act, weight, bias=None, *, impl, x_is_scratch=False):
+    """linear(act(x), weight, bias) for act "sqrelu" (relu(x)^2, `kernels.rwkv7_fused.sqrelu`): x
+    `[M, K]`, weight `[N, K]` -> `[M, N]`. x is not modified unless `x_is_scratch`, which lets the
+    unfused path compute relu^2 in place instead of on a copy. See the module docstring."""
+    check_impl(impl)
+    from kernels.gemv.triton import ACTS
+    from kernels.rwkv7_fused import sqrelu
+
+    if act not in ACTS:
+        raise ValueError(f"act_linear: act must be one of {sorted(ACTS)}, got {act!r}")
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[-1] != weight.shape[-1]:
+        raise ValueError(f"act_linear: needs x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
+
+    def pair(t, w):
+        h = sqrelu(t, impl=impl)
+        return F.linear(h, w, bias) if impl == "ref" else linear(h, w, bias, impl=impl)
+
+    def unfused():
+        return pair(x if x_is_scratch else x.clone(), weight)
+
+    if not _fusable(x, weight, bias, impl):
+        return unfused()
+    key = (*_key(x, weight, bias), act)
+    rec = _ACT_CHOICES.get(key)
+    if rec is None:
+        if torch.cuda.is_current_stream_capturing():
+            return unfused()
+        # The pair as a step runs it (relu^2 in place, on a scratch copy here); `linear` measures
+        # its own shape on the first call, outside any graph.
+        scratch = x.clone()
+        pair(scratch, weight)
+        rec = _choose(x, weight, bias, key, baseline=lambda w: pair(scratch, w), table=_ACT_CHOICES, act=act)
+    if rec["impl"] != "triton":
+        return unfused()
+    from kernels.gemv.triton import gemv_triton
+
+    return gemv_triton(x, weight, bias, config=rec["config"], act=act)
+
+
+def swiglu_linear(x, weight, bias=None, *, impl):
+    """`kernels.swiglu.silu_mul(linear(x, weight, bias))`: x `[M, K]`, weight `[2I, K]` (gate then up
+    rows, one fused projection) -> `[M, I]`. See the module docstring."""
+    check_impl(impl)
+    from kernels import swiglu
+
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[-1] != weight.shape[-1] or weight.shape[0] % 2:
+        raise ValueError(f"swiglu_linear: needs x [M, K] and weight [2I, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
+
+    def unfused(w=weight):
+        y = F.linear(x, w, bias) if impl == "ref" else linear(x, w, bias, impl=impl)
+        return swiglu.silu_mul(y, impl=impl)
+
+    if not _fusable(x, weight, bias, impl):
+        return unfused()
+    key = _key(x, weight, bias)
+    rec = _SWIGLU_CHOICES.get(key)
+    if rec is None:
+        if torch.cuda.is_current_stream_capturing():
+            return unfused()
+        unfused()  # `linear` measures its own shape here, outside any graph
+        rec = _choose(x, weight, bias, key, baseline=unfused, table=_SWIGLU_CHOICES, swiglu=True)
+    if rec["impl"] != "triton":
+        return unfused()
+    from kernels.gemv.triton import gemv_triton
+
+    return gemv_triton(x, weight, bias, config=rec["config"], swiglu=True)
+
+
+def _fusable(x, weight, bias, impl) -> bool:
+    """Whether a fused GEMV may run: CUDA, impl="triton", 1..MAX_ROWS rows, no autograd, one dtype."""
+    if impl != "triton" or not x.is_cuda or x.dim() != 2 or not 0 < x.shape[0] <= MAX_ROWS or x.shape[1] == 0:
+        return False
+    if weight.stride(-1) != 1 or any(t is not None and t.dtype != x.dtype for t in (weight, bias)):
+        return False
+    return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)))
+
+
+def _key(x, weight, bias):
+    return (x.shape[0], weight.shape[0], x.shape[1], str(x.dtype).removeprefix("torch."), bias is not None, x.device.index)

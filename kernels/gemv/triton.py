@@ -23,6 +23,14 @@ NORM (constexpr; `gemv_triton(..., norm=(z, norm_weight, eps))`, G == 1, one gro
 x is gated_rmsnorm(y, z) with y = x. Every program first computes each row's rstd over the whole
 row (split-K included; after gdc_wait with PDL), then rebuilds each x tile from y, z and the norm
 weight of its columns. NORM=False compiles as before.
+
+ACT (constexpr; `gemv_triton(..., act="sqrelu")`, G == 1): x is relu(input)^2, computed as each x
+tile is loaded (no statistics, so no extra pass).
+
+SWIGLU (constexpr; `gemv_triton(..., swiglu=True)`, G == 1): W is [gate; up] (N = 2I rows) and the
+output is silu(x @ gate^T) * (x @ up^T) [M, I]. Program n takes gate and up rows of the same BLOCK_N
+/ 2 outputs (interleaved as its local rows), so the epilogue computes each output once from its two
+products.
 """
 
 import os
@@ -55,6 +63,7 @@ CONFIGS = [
     _cfg(False, 4, 1024, 1, 4, 3),       # M=1: 8 KB tiles, 512 programs at N=2048
     _cfg(False, 4, 1024, 1, 4, 3, 3),    # the same, two tiles ahead through shared memory
     _cfg(False, 8, 512, 1, 4, 3, 3),
+    _cfg(False, 4, 2048, 1, 8, 3),       # M=1, long K: 16 KB tiles, half the serial tiles a program
     _cfg(False, 16, 512, 1, 8, 3),       # M=1, large N: 16 KB tiles
     _cfg(False, 16, 512, 1, 8, 3, 3),
     _cfg(False, 4, 1024, 2, 4, 3, 3),    # M=1, long K: two splits
@@ -114,12 +123,16 @@ def _gated_row_rstd(x_rows, z_rows, m_mask, K, eps, BLOCK_M: tl.constexpr, BLOCK
 
 @triton.jit
 def _gemv_tile(acc, w, x_rows, k, k_hi, m_mask, DOT: tl.constexpr, BLOCK_M: tl.constexpr, DOT_PREC: tl.constexpr,
-               NORM: tl.constexpr, z_rows, nw_ptr, rstd):
+               NORM: tl.constexpr, z_rows, nw_ptr, rstd, ACT: tl.constexpr):
     """acc + the products of the W tile `w` (columns k) with the x tile of the same columns. With NORM
     the x tile is gated_rmsnorm(y, z) of those columns, y read from x_rows, rounded as the unfused
-    pair rounds it: rmsnorm(y * silu(z)) to y's dtype, times the norm weight, to W's dtype."""
+    pair rounds it: rmsnorm(y * silu(z)) to y's dtype, times the norm weight, to W's dtype. With ACT
+    (1: sqrelu) it is relu(x)^2 of those columns, rounded to x's dtype as its own kernel rounds it."""
     xt = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & (k < k_hi)[None, :], other=0.0,
                  eviction_policy="evict_last")
+    if ACT == 1:
+        relu = tl.maximum(xt.to(tl.float32), 0.0)
+        xt = (relu * relu).to(xt.dtype)
     if NORM:
         zt = tl.load(z_rows + k[None, :], mask=m_mask[:, None] & (k < k_hi)[None, :], other=0.0,
                      eviction_policy="evict_last").to(tl.float32)
@@ -136,6 +149,24 @@ def _gemv_tile(acc, w, x_rows, k, k_hi, m_mask, DOT: tl.constexpr, BLOCK_M: tl.c
 
 
 @triton.jit
+def _store_out(res, out_rows, offs_n, pid_n, o_mask, m_mask, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               SWIGLU: tl.constexpr):
+    """Write the float32 products `res` [BLOCK_M, BLOCK_N] of the weight rows offs_n. With SWIGLU (the
+    rows are gate and up pairs) write silu(gate) * up [BLOCK_M, BLOCK_N / 2] instead, rounded as the
+    unfused pair rounds it: both products to the output dtype, silu(gate) to it, the product to it."""
+    dt = out_rows.dtype.element_ty
+    if SWIGLU:
+        gate, up = tl.split(tl.reshape(res, (BLOCK_M, BLOCK_N // 2, 2)))
+        gate = gate.to(dt).to(tl.float32)
+        up = up.to(dt).to(tl.float32)
+        y = ((gate * tl.sigmoid(gate)).to(dt).to(tl.float32) * up).to(dt)
+        oj = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(out_rows + oj[None, :], y, mask=m_mask[:, None] & (oj < N // 2)[None, :])
+    else:
+        tl.store(out_rows + offs_n[None, :], res.to(dt), mask=o_mask)
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr,
     M, N, K, G,
@@ -144,7 +175,7 @@ def _gemv_kernel(
     M_POW2: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr,
     DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     LOOP_STAGES: tl.constexpr = None, PDL: tl.constexpr = False, PDL_TILES: tl.constexpr = -1,
-    NORM: tl.constexpr = False,
+    NORM: tl.constexpr = False, ACT: tl.constexpr = 0, SWIGLU: tl.constexpr = False,
 ):
     # tl.dot needs at least 16 rows: x is padded with masked (zero) rows.
     BLOCK_M: tl.constexpr = 16 if DOT and M_POW2 < 16 else M_POW2
@@ -152,10 +183,18 @@ def _gemv_kernel(
     pid_k = tl.program_id(1)
     g = tl.program_id(2).to(tl.int64)
     offs_m = tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if SWIGLU:
+        # W is [gate; up] (N = 2I rows): local rows 2j and 2j + 1 are gate and up row j of this
+        # program's BLOCK_N / 2 outputs, so the epilogue has both halves of each output at hand.
+        r = tl.arange(0, BLOCK_N)
+        j = pid_n * (BLOCK_N // 2) + r // 2
+        offs_n = j + (r % 2) * (N // 2)
+        n_mask = j < N // 2
+    else:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m < M
-    n_mask = offs_n < N
     if SPLIT_K == 1:
         k_lo = 0
         k_hi = K
@@ -200,10 +239,10 @@ def _gemv_kernel(
             rstd = _gated_row_rstd(x_rows, z_rows, m_mask, K, eps, BLOCK_M, BLOCK_K)
         if PEEL > 0:
             acc = _gemv_tile(acc, w_a, x_rows, k_a, k_hi, m_mask, DOT, BLOCK_M, DOT_PREC,
-                             NORM, z_rows, nw_ptr, rstd)
+                             NORM, z_rows, nw_ptr, rstd, ACT)
         if PEEL > 1:
             acc = _gemv_tile(acc, w_b, x_rows, k_b, k_hi, m_mask, DOT, BLOCK_M, DOT_PREC,
-                             NORM, z_rows, nw_ptr, rstd)
+                             NORM, z_rows, nw_ptr, rstd, ACT)
         k_start = k_lo + PEEL * BLOCK_K
     for k0 in tl.range(k_start, k_hi, BLOCK_K, num_stages=LOOP_STAGES):
         k = k0 + offs_k
@@ -212,7 +251,7 @@ def _gemv_kernel(
         w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0,
                     eviction_policy="evict_first")
         acc = _gemv_tile(acc, w, x_rows, k, k_hi, m_mask, DOT, BLOCK_M, DOT_PREC,
-                         NORM, z_rows, nw_ptr, rstd)
+                         NORM, z_rows, nw_ptr, rstd, ACT)
     if DOT:
         res = acc
     elif BLOCK_M == 1:
@@ -220,11 +259,11 @@ def _gemv_kernel(
     else:
         res = tl.sum(acc, axis=2)
     o_mask = m_mask[:, None] & n_mask[None, :]
-    o_ptrs = out_ptr + g * stride_og + offs_m[:, None] * stride_om + offs_n[None, :]
     if SPLIT_K == 1:
         if HAS_BIAS:
             res += tl.load(b_ptr + g * stride_bg + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=o_mask)
+        _store_out(res, out_ptr + g * stride_og + offs_m[:, None] * stride_om, offs_n, pid_n, o_mask, m_mask, N,
+                   BLOCK_M, BLOCK_N, SWIGLU)
     else:
         # Partials [SPLIT_K, G, M, N], float32.
         mn = offs_m[:, None] * N + offs_n[None, :]
@@ -243,7 +282,8 @@ def _gemv_kernel(
                 total += tl.load(part_ptr + (s * G + g) * M * N + mn, mask=o_mask, other=0.0, cache_modifier=".cg")
             if HAS_BIAS:
                 total += tl.load(b_ptr + g * stride_bg + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-            tl.store(o_ptrs, total.to(out_ptr.dtype.element_ty), mask=o_mask)
+            _store_out(total, out_ptr + g * stride_og + offs_m[:, None] * stride_om, offs_n, pid_n, o_mask, m_mask, N,
+                       BLOCK_M, BLOCK_N, SWIGLU)
 
 
 def _autotune_bench(fn, quantiles):
@@ -253,7 +293,7 @@ def _autotune_bench(fn, quantiles):
 
 _gemv_tuned = triton.autotune(
     configs=CONFIGS[:1] if INTERPRET else CONFIGS,
-    key=["M", "N", "K", "G", "HAS_BIAS", "NORM"],
+    key=["M", "N", "K", "G", "HAS_BIAS", "NORM", "ACT", "SWIGLU"],
     prune_configs_by={"early_config_prune": _prune},
     do_bench=_autotune_bench,
 )(_gemv_kernel)
@@ -311,15 +351,30 @@ def _check_norm(x, norm):
     return z, nw, float(eps)
 
 
-def gemv_triton(x, weight, bias=None, *, out=None, config=None, norm=None):
+# Activations the prologue computes, by name: the ACT constexpr.
+ACTS = {"sqrelu": 1}
+
+
+def gemv_triton(x, weight, bias=None, *, out=None, config=None, norm=None, act=None, swiglu=False):
     """See `kernels.gemv.gemv`. `config` (a `triton.Config` of CONFIGS or a dict with META keys and
     optional num_warps / num_stages) launches that configuration instead of the autotuned one.
 
     `norm=(z, norm_weight, eps)` (optionally a 4th item, group_size, which must be K): the product
     is gated_rmsnorm(x, z) @ W^T, the norm (`kernels.mamba2_norm.gated_rmsnorm`, one group) computed
-    in the kernel's prologue: x [M, K] only, z [M, K] and norm_weight [K] in x's dtype."""
+    in the kernel's prologue: x [M, K] only, z [M, K] and norm_weight [K] in x's dtype.
+
+    `act="sqrelu"`: the product is relu(x)^2 @ W^T, computed as the x tiles are loaded; x [M, K] only,
+    not with `norm`. `swiglu=True`: W is [gate; up] [2I, K] and the result is
+    `kernels.swiglu.silu_mul` of the product, [M, I], computed in the epilogue; x [M, K] only."""
     if norm is not None:
         norm = _check_norm(x, norm)
+    if act is not None:
+        if act not in ACTS:
+            raise ValueError(f"gemv: act must be one of {sorted(ACTS)}, got {act!r}")
+        if norm is not None or x.dim() != 2:
+            raise ValueError("gemv: an activation prologue takes x [M, K] and no norm")
+    if swiglu and (x.dim() != 2 or weight.dim() != 2 or weight.shape[0] % 2):
+        raise ValueError(f"gemv: swiglu takes x [M, K] and weight [2I, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
     grouped = x.dim() == 3
     if x.dim() not in (2, 3) or weight.dim() != x.dim():
         raise ValueError(f"gemv: x [M, K] with weight [N, K], or x [G, M, K] with weight [G, N, K]; "
@@ -335,7 +390,7 @@ def gemv_triton(x, weight, bias=None, *, out=None, config=None, norm=None):
     G = x.shape[0] if grouped else 1
     M, K = x.shape[-2], x.shape[-1]
     N = weight.shape[-2]
-    out_shape = (G, M, N) if grouped else (M, N)
+    out_shape = (G, M, N) if grouped else (M, N // 2 if swiglu else N)
     if out is None:
         out = torch.empty(out_shape, dtype=x.dtype, device=x.device)
     if tuple(out.shape) != out_shape or out.stride(-1) != 1:
@@ -348,6 +403,11 @@ def gemv_triton(x, weight, bias=None, *, out=None, config=None, norm=None):
     if M == 0 or N == 0 or G == 0:
         return out
     if K == 0:
+        if swiglu:
+            from kernels.swiglu.ref import silu_mul_ref
+
+            return out.copy_(silu_mul_ref(torch.zeros(M, N, dtype=x.dtype, device=x.device) if bias is None
+                                          else bias.unsqueeze(0).expand(M, N)))
         return out.zero_() if not has_bias else out.copy_(bias.unsqueeze(-2).expand(out_shape))
     config = _as_config(config)
     split = config.kwargs["SPLIT_K"] if config is not None else MAX_SPLIT_K
@@ -360,7 +420,7 @@ def gemv_triton(x, weight, bias=None, *, out=None, config=None, norm=None):
             *((norm[0], norm[1], norm[0].stride(0), norm[2]) if norm is not None else (x, x, 0, 0.0)))
     use_pdl = pdl(x.device)
     consts = dict(M_POW2=_m_pow2(M), HAS_BIAS=has_bias, DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
-                  PDL=use_pdl, NORM=norm is not None)
+                  PDL=use_pdl, NORM=norm is not None, ACT=ACTS.get(act, 0), SWIGLU=swiglu)
     if config is None:
         def grid(meta):
             return triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"], G
@@ -376,9 +436,9 @@ def gemv_triton(x, weight, bias=None, *, out=None, config=None, norm=None):
     return out
 
 
-def tuned_config(M, N, K, G=1, has_bias=False, dtype=torch.bfloat16, norm=False):
+def tuned_config(M, N, K, G=1, has_bias=False, dtype=torch.bfloat16, norm=False, act=None, swiglu=False):
     """The configuration autotuning chose for this shape (None before the first call)."""
     for key, cfg in _gemv_tuned.cache.items():
-        if key[:6] == (M, N, K, G, has_bias, norm) and str(dtype) in key[6:]:
+        if key[:8] == (M, N, K, G, has_bias, norm, ACTS.get(act, 0), swiglu) and str(dtype) in key[8:]:
             return cfg
     return None

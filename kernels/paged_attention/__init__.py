@@ -8,7 +8,8 @@ already resolved by `kernels.resolve_impl`; anything else is an error.
 - `write_kv(k, v, k_cache, v_cache, slot_mapping, *, impl)`
 - `decode_workspace(batch, num_q_heads, num_kv_heads, head_dim, max_seq_len, device, *, num_splits=None,
   variant="split")`
-- `paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *, impl, out=None, workspace=None)`
+- `paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *, impl, out=None, workspace=None,
+  rope=None)`
 - `paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, *, causal, impl,
   max_seqlen_q=None)`
 """
@@ -49,22 +50,29 @@ def decode_workspace(batch, num_q_heads, num_kv_heads, head_dim, max_seq_len, de
                                       num_splits=num_splits, variant=variant)
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *, impl, out=None, workspace=None):
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *, impl, out=None, workspace=None,
+                           rope=None):
     """Attention of q `[B, Hq, D]` (position seq_lens-1) over each sequence's seq_lens cached positions.
 
     Returns `[B, Hq, D]` in q's dtype, written into `out` when given. Hq must be a multiple of Hkv.
     A sequence with seq_len 0 gets a zero output. `workspace` (from `decode_workspace`) is used by
-    the Triton implementation only.
+    the Triton implementation only. `rope=(k, v, cos, sin)` folds in the step before: q and the
+    step's k `[B, Hkv, D]` arrive unrotated, and the call rotates both at position seq_len - 1 (RoPE
+    tables `[P, D/2]` float32, as `kernels.rotary`) and writes the rotated k and v into the cache at
+    that position before attending (q itself is left as it was). The Triton kernel does it in the
+    same launch.
     """
     check_impl(impl)
     if impl == "ref":
+        if rope is not None:
+            q = ref.rope_write(q, *rope, k_cache, v_cache, block_tables, seq_lens)
         result = ref.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
         if out is None:
             return result
         out.copy_(result)
         return out
     return _triton().paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale,
-                                            out=out, workspace=workspace)
+                                            out=out, workspace=workspace, rope=rope)
 
 
 def paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, *, causal, impl,

@@ -55,6 +55,20 @@ def attend(q, k, v, q_pos, scale, causal):
     return torch.einsum("hqk,khd->qhd", probs, v)
 
 
+def rope_write(q, k, v, cos, sin, k_cache, v_cache, block_tables, seq_lens):
+    """The step before decode when it is given `rope`: q `[B, Hq, D]` and k `[B, Hkv, D]` rotated at
+    position seq_len - 1, the rotated k and v written into the cache at that position (sequences with
+    seq_len 0 skipped); returns the rotated q."""
+    from kernels.rotary.ref import rotate_ref
+
+    pos = (seq_lens.long() - 1).clamp(min=0)
+    block_size = k_cache.shape[1]
+    pages = block_tables.long().gather(1, (pos // block_size).unsqueeze(1)).squeeze(1)
+    slots = torch.where(seq_lens > 0, pages * block_size + pos % block_size, -1)
+    write_kv(rotate_ref(k, pos, cos, sin), v, k_cache, v_cache, slots)
+    return rotate_ref(q, pos, cos, sin)
+
+
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale):
     """One query per sequence, q `[B, Hq, D]` at position seq_len - 1, over all seq_len positions."""
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)

@@ -71,8 +71,9 @@ DECODE_VARIANTS = {
     # The measured default: ~4 programs per SM, 8 KB K + 8 KB V tiles double-buffered.
     "split": DecodeVariant(PROGRAMS_PER_SM, MIN_SPLIT_TOKENS, 4096, 4, 5, False, False),
     # Batch-1 latency: half the programs, each with twice the tile rows (16 KB K + 16 KB V, still
-    # double-buffered), and a merge of half as many partials issued in one round.
-    "long": DecodeVariant(2, 256, 8192, 4, 5, True, True),
+    # double-buffered), and a merge of half as many partials issued in one round. Splits of >= 128
+    # keys: 32 at 4k (one tile a split), which a llama-1b step measured 22 µs faster than 16.
+    "long": DecodeVariant(2, 128, 8192, 4, 5, True, True),
     # Batch-1 latency at short contexts: one 32 KB K + 32 KB V tile per split at 4k, both loaded at
     # once into registers (8 warps, no pipelining), so a split is one memory round trip; ~120
     # registers at 8 warps fit two programs per SM, so the grid plans for two.
@@ -226,6 +227,8 @@ def _decode_split_kernel(
     G: tl.constexpr, G_PAD: tl.constexpr, G_R: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
     S_PAD: tl.constexpr, FLAT_MERGE: tl.constexpr, EARLY_V: tl.constexpr, PDL: tl.constexpr = False,
+    kn_ptr=None, vn_ptr=None, cos_ptr=None, sin_ptr=None, stride_knb=0, stride_knh=0, stride_vnb=0, stride_vnh=0,
+    stride_cos=0, ROPE: tl.constexpr = False,
 ):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -257,6 +260,25 @@ def _decode_split_kernel(
         l_i = tl.zeros([G_PAD], dtype=tl.float32)
         acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
         bt_row = bt_ptr + b.to(tl.int64) * stride_btb
+        if ROPE:
+            # The step's own token, at position seq_len - 1: rotate q, and the new key of kv head
+            # hk, here instead of in a kernel before. The split holding that position takes the
+            # rotated key and the value from registers in its last tile (the cache row is stale
+            # until then) and writes them into the cache after its loop, for the steps after.
+            p_new = seq_len - 1
+            HALF: tl.constexpr = D // 2
+            partner = tl.where(d < HALF, d + HALF, d - HALF)
+            dmask = d < D
+            cos = tl.load(cos_ptr + p_new * stride_cos + d % HALF, mask=dmask, other=0.0)
+            # [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin]: the partner half times -sin, then +sin
+            sin = tl.load(sin_ptr + p_new * stride_cos + d % HALF, mask=dmask, other=0.0) * tl.where(d < HALF, -1.0, 1.0)
+            q_p = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + partner[None, :], mask=qmask, other=0.0)
+            q = (q.to(tl.float32) * cos[None, :] + q_p.to(tl.float32) * sin[None, :]).to(q.dtype)
+            k_row = kn_ptr + b * stride_knb + hk * stride_knh
+            k_a = tl.load(k_row + d, mask=dmask, other=0.0).to(tl.float32)
+            k_b = tl.load(k_row + partner, mask=dmask, other=0.0).to(tl.float32)
+            k_new = (k_a * cos + k_b * sin).to(k_ptr.dtype.element_ty)
+            v_new = tl.load(vn_ptr + b * stride_vnb + hk * stride_vnh + d, mask=dmask, other=0.0).to(v_ptr.dtype.element_ty)
         for n0 in range(start, end, BLOCK_N):
             pos = n0 + tl.arange(0, BLOCK_N)
             valid = pos < end
@@ -268,6 +290,9 @@ def _decode_split_kernel(
             k_off = page * stride_kb + (pos % PAGE) * stride_kt + hk * stride_kh
             # [BLOCK_N, D_PAD]
             k = tl.load(k_ptr + k_off[:, None] + d[None, :], mask=kvmask, other=0.0)
+            if ROPE:
+                # The new row's cache store may not have landed yet: take it from registers.
+                k = tl.where((pos == p_new)[:, None], k_new[None, :], k)
             if EARLY_V:
                 v_off = page * stride_vb + (pos % PAGE) * stride_vt + hk * stride_vh
                 v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=kvmask, other=0.0)
@@ -281,8 +306,15 @@ def _decode_split_kernel(
             if not EARLY_V:
                 v_off = page * stride_vb + (pos % PAGE) * stride_vt + hk * stride_vh
                 v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=kvmask, other=0.0)
+            if ROPE:
+                v = tl.where((pos == p_new)[:, None], v_new[None, :], v)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
+        if ROPE:
+            if end == seq_len:
+                page_new = tl.load(bt_row + p_new // PAGE).to(tl.int64)
+                tl.store(k_ptr + page_new * stride_kb + (p_new % PAGE) * stride_kt + hk * stride_kh + d, k_new, mask=dmask)
+                tl.store(v_ptr + page_new * stride_vb + (p_new % PAGE) * stride_vt + hk * stride_vh + d, v_new, mask=dmask)
         if n_valid == 1:
             # The only split with data: its result is final.
             tl.store(o_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=qmask)
@@ -361,8 +393,13 @@ def _decode_split_kernel(
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *, out=None, workspace=None,
-                           config=None):
+                           config=None, rope=None):
     """Flash-decoding over the paged cache: q `[B, Hq, D]` -> `[B, Hq, D]` in q's dtype.
+
+    `rope=(k, v, cos, sin)`: q and k `[B, Hkv, D]` are not yet rotated and the step's K/V row (position
+    seq_len - 1) is not yet in the cache: the kernel rotates q and k (tables `[P, D/2]` float32) and
+    writes the rotated k and v into the cache itself, as `kernels.rotary.apply_rotary_write_kv` would
+    have before the call.
 
     Without a workspace one is allocated for max_seq_len = block_tables.shape[1] * block_size (a
     host bound, no sync); pass one made by `decode_workspace` to capture the call in a CUDA graph.
@@ -395,6 +432,21 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *
     d_pad = _pad_dim(head_dim)
     s_pad = triton.next_power_of_2(splits)
     chunk = max(1, REDUCE_ELEMS // (g_r * d_pad))
+    rope_args = {}
+    if rope is not None:
+        k_new, v_new, cos, sin = rope
+        if (tuple(k_new.shape) != (batch, num_kv_heads, head_dim) or tuple(v_new.shape) != tuple(k_new.shape)
+                or k_new.stride(-1) != 1 or v_new.stride(-1) != 1):
+            raise ValueError(f"paged_decode_attention: rope k and v must be [{batch}, {num_kv_heads}, {head_dim}] with "
+                             f"a contiguous last dimension, got {tuple(k_new.shape)} and {tuple(v_new.shape)}")
+        if (head_dim % 2 or cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != head_dim // 2
+                or cos.dtype != torch.float32 or sin.dtype != torch.float32 or cos.stride() != sin.stride()
+                or cos.stride(1) != 1):
+            raise ValueError(f"paged_decode_attention: rope tables must be float32 [P, {head_dim // 2}], "
+                             f"laid out alike, got {tuple(cos.shape)} {cos.dtype} and {tuple(sin.shape)} {sin.dtype}")
+        rope_args = dict(kn_ptr=k_new, vn_ptr=v_new, cos_ptr=cos, sin_ptr=sin, stride_knb=k_new.stride(0),
+                         stride_knh=k_new.stride(1), stride_vnb=v_new.stride(0), stride_vnh=v_new.stride(1),
+                         stride_cos=cos.stride(0), ROPE=True)
     use_pdl = pdl(q.device)
     _decode_split_kernel[(splits, num_kv_heads, batch)](
         q, k_cache, v_cache, block_tables, seq_lens, lse, part, cnt, out,
@@ -413,6 +465,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *
         # S_PAD only shapes the flat merge; fixed otherwise so the default compiles once for all split counts.
         S_PAD=s_pad if spec.flat_merge else 1, FLAT_MERGE=spec.flat_merge,
         EARLY_V=spec.early_v, PDL=use_pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=use_pdl,
+        **rope_args,
     )
     return out
 

@@ -18,6 +18,7 @@ def test_profile_step_accounts_for_the_step(model):
     assert times == sorted(times, reverse=True)
     assert any("mm" in r["name"] or "linear" in r["name"] for r in rec["kernels"])
     assert rec["step_bytes"] == dec.memory(2, 64).step_bytes
+    assert rec["critical_path"] is None  # kernel spans come from a GPU trace
 
 
 def test_record_lists_the_gemv_choices(monkeypatch):
@@ -33,6 +34,20 @@ def test_record_lists_the_gemv_choices(monkeypatch):
     assert rows == [dict(op="linear", M=1, N=2048, K=2048, dtype="bfloat16", bias=False, **pick),
                     dict(op="gated_norm_linear", M=1, N=2048, K=4096, dtype="bfloat16", bias=False, **dict(pick, impl="torch"))]
     json.dumps(rows)
+
+
+def test_critical_path_charges_what_each_kernel_added():
+    """Overlapping kernels (as with PDL): each is charged its end minus the previous end, the charges
+    add up to the span, and a kernel hidden inside another's run is charged nothing beyond it."""
+    spans = [("norm", 0.0, 2.0), ("gemv", 1.0, 10.0), ("attn", 3.0, 9.0), ("gemv", 9.5, 14.0),
+             ("norm", 20.0, 22.0), ("gemv", 21.0, 30.0), ("attn", 23.0, 29.0), ("gemv", 29.5, 34.0)]
+    rows = profile.critical_path(spans, steps=2)
+    got = {r["name"]: (r["calls_per_step"], r["us_per_step"]) for r in rows}
+    # ends in order: 2 norm, 9 attn (+7), 10 gemv (+1), 14 gemv (+4), 22 norm (+8), 29 attn (+7), 30 (+1), 34 (+4)
+    assert got == {"norm": (1.0, 4.0), "attn": (1.0, 7.0), "gemv": (2.0, 5.0)}
+    assert [r["name"] for r in rows] == ["attn", "gemv", "norm"]
+    assert sum(r["us_per_step"] for r in rows) * 2 == 34.0 - 2.0
+    assert profile.critical_path([], steps=1) == []
 
 
 def test_main_writes_a_record(tmp_path, capsys):

@@ -314,3 +314,128 @@ def test_gpu_gemv_norm_prologue_bf16(M):
     assert rel(got, want) < 1e-2
     rec = G_.norm_choices()[(M, N, K, "bfloat16", False)]
     assert rec["impl"] in ("triton", "torch") and rec["triton_us"] > 0 and rec["torch_us"] > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# relu^2 folded into the GEMV's prologue (RWKV-7's value projection), SwiGLU into its epilogue
+# (llama's gate/up projection)
+
+
+def sqrelu_inputs(M, N, K, dtype=torch.float32, bias=True):
+    """x [M, K] with a row stride of 2K, W [N, K], bias."""
+    x = (torch.randn(M, 2 * K, device=DEVICE, dtype=dtype) * 2)[:, 3:3 + K]
+    w = (torch.randn(N, K, device=DEVICE) * K ** -0.5).to(dtype)
+    b = torch.randn(N, device=DEVICE, dtype=dtype) if bias else None
+    return x, w, b
+
+
+def sqrelu_pair(x, w, b):
+    from kernels.rwkv7_fused.ref import sqrelu_ref
+
+    return gemv_ref(sqrelu_ref(x.clone()), w, b)
+
+
+def swiglu_pair(x, w, b):
+    """The unfused pair: the projection rounded to x's dtype, then SwiGLU as its kernel rounds it."""
+    from kernels.swiglu.ref import silu_mul_ref
+
+    return silu_mul_ref(gemv_ref(x, w, b))
+
+
+@pytest.mark.parametrize("kind", [None, "fma-3d-pipelined", "fma-split3", "dot", "dot-split2"])
+@pytest.mark.parametrize("M,N,K", [(1, 17, 150), (3, 33, 201)])  # K not a multiple of BLOCK_K
+def test_gemv_sqrelu_prologue_matches_ref(kind, M, N, K, nan_empty):
+    from kernels.gemv.triton import gemv_triton
+
+    x, w, b = sqrelu_inputs(M, N, K)
+    before = x.clone()
+    got = gemv_triton(x, w, b, config=NORM_KINDS.get(kind), act="sqrelu")
+    assert got.shape == (M, N) and not got.isnan().any()
+    assert rel(got, sqrelu_pair(x, w, b)) < 1e-5
+    assert torch.equal(x, before)
+    # The activation matters: without it the product is far off.
+    assert rel(gemv_triton(x, w, b, config=NORM_KINDS.get(kind)), got) > 0.1
+
+
+@pytest.mark.parametrize("kind", [None, "fma-3d-pipelined", "fma-split3", "dot", "dot-split2"])
+@pytest.mark.parametrize("M,I,K", [(1, 9, 150), (3, 33, 201), (2, 1, 17)])  # I odd: a half-empty last program
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_swiglu_epilogue_matches_the_pair(kind, M, I, K, bias, nan_empty):
+    from kernels.gemv.triton import gemv_triton
+
+    x, w, b = sqrelu_inputs(M, 2 * I, K, bias=bias)
+    got = gemv_triton(x, w, b, config=NORM_KINDS.get(kind), swiglu=True)
+    assert got.shape == (M, I) and not got.isnan().any()
+    assert rel(got, swiglu_pair(x, w, b)) < 1e-5
+    # Pairing gate row j with up row j matters: swapping the halves changes the result.
+    swapped = torch.cat([w[I:], w[:I]])
+    assert rel(gemv_triton(x, swapped, None if b is None else torch.cat([b[I:], b[:I]]), config=NORM_KINDS.get(kind),
+                           swiglu=True), got) > 0.1
+
+
+def test_gemv_swiglu_into_out():
+    from kernels.gemv.triton import gemv_triton
+
+    x, w, _ = sqrelu_inputs(2, 40, 64, bias=False)
+    out = torch.full((2, 20), float("nan"), device=DEVICE)
+    assert gemv_triton(x, w, out=out, swiglu=True) is out
+    assert rel(out, swiglu_pair(x, w, None)) < 1e-5
+    with pytest.raises(ValueError, match="out must be"):
+        gemv_triton(x, w, out=torch.empty(2, 40, device=DEVICE), swiglu=True)
+
+
+def test_gemv_prologue_epilogue_refuse_bad_input():
+    from kernels.gemv.triton import gemv_triton
+
+    x, w, b = sqrelu_inputs(1, 8, 64)
+    with pytest.raises(ValueError, match="act must be"):
+        gemv_triton(x, w, b, act="gelu")
+    with pytest.raises(ValueError, match="no norm"):
+        gemv_triton(x, w, b, act="sqrelu", norm=(x, w[0], 1e-5))
+    with pytest.raises(ValueError, match=r"\[2I, K\]"):
+        gemv_triton(x, w[:7], swiglu=True)
+    with pytest.raises(ValueError, match="act must be"):
+        G_.act_linear(x, "gelu", w, impl="ref")
+    with pytest.raises(ValueError, match="needs x"):
+        G_.act_linear(x, "sqrelu", w[:, :32], impl="ref")
+    with pytest.raises(ValueError, match="needs x"):
+        G_.swiglu_linear(x, w[:7], impl="ref")
+
+
+@pytest.mark.parametrize("impl", ["ref", "triton"])
+def test_act_linear_matches_the_pair_and_keeps_x(impl):
+    """On the CPU it is the unfused pair; x stays as it was unless the caller lends it as scratch."""
+    x, w, b = sqrelu_inputs(2, 24, 96)
+    x = x.contiguous()
+    before = x.clone()
+    want = sqrelu_pair(x, w, b)
+    assert rel(G_.act_linear(x, "sqrelu", w, b, impl=impl), want) < 1e-5
+    assert torch.equal(x, before)
+    assert rel(G_.act_linear(x, "sqrelu", w, b, impl=impl, x_is_scratch=True), want) < 1e-5
+
+
+@pytest.mark.parametrize("impl", ["ref", "triton"])
+def test_swiglu_linear_matches_the_pair(impl):
+    x, w, b = sqrelu_inputs(2, 48, 96)
+    assert rel(G_.swiglu_linear(x, w, b, impl=impl), swiglu_pair(x, w, b)) < 1e-5
+
+
+@gpu_only
+@pytest.mark.parametrize("M", [1, 3])
+def test_gpu_gemv_sqrelu_and_swiglu_bf16(M):
+    from kernels.gemv.triton import CONFIGS, config_fits, gemv_triton
+
+    x, w, _ = sqrelu_inputs(M, 2048, 8192, dtype=torch.bfloat16, bias=False)
+    want = sqrelu_pair(x.float(), w.float(), None)
+    xs, wg, _ = sqrelu_inputs(M, 2 * 8192, 2048, dtype=torch.bfloat16, bias=False)
+    want_g = swiglu_pair(xs.float(), wg.float(), None)
+    for cfg in [c for c in CONFIGS if config_fits(c, M, 8192)]:
+        assert rel(gemv_triton(x, w, config=cfg, act="sqrelu"), want) < 1e-2
+    for cfg in [c for c in CONFIGS if config_fits(c, M, 2048)]:
+        assert rel(gemv_triton(xs, wg, config=cfg, swiglu=True), want_g) < 1e-2
+    assert rel(G_.act_linear(x.contiguous(), "sqrelu", w, impl="triton"), want) < 1e-2
+    assert rel(G_.swiglu_linear(xs.contiguous(), wg, impl="triton"), want_g) < 1e-2
+    for choices, key in ((G_.act_choices(), (M, 2048, 8192, "bfloat16", False, "sqrelu")),
+                         (G_.swiglu_choices(), (M, 16384, 2048, "bfloat16", False))):
+        rec = choices[key]
+        assert rec["impl"] in ("triton", "torch") and rec["triton_us"] > 0 and rec["torch_us"] > 0

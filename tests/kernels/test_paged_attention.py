@@ -152,6 +152,68 @@ def test_decode_ref_vs_triton_variants(seq_lens, page, group, num_kv_heads, head
     run_decode(seq_lens, page, group, num_kv_heads, head_dim, num_splits=num_splits, variant=variant)
 
 
+def rope_tables(max_pos, head_dim):
+    """RoPE cos / sin tables [max_pos, D/2] float32 (base 10000)."""
+    inv = 1.0 / 10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    ang = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv[None, :]
+    return ang.cos().float().to(DEVICE), ang.sin().float().to(DEVICE)
+
+
+def run_decode_rope(seq_lens, page, group, num_kv_heads, head_dim, *, num_splits=None, variant="split", tol=TOL):
+    """Decode with the step's RoPE and cache write folded in, against the reference doing them first."""
+    k_cache, v_cache, block_tables, lens = make_cache(seq_lens, page, num_kv_heads, head_dim)
+    # The step's own row (position seq_len - 1) is not in the cache yet: NaN there until written.
+    for b, n in enumerate(seq_lens):
+        if n:
+            k_cache[block_tables[b, (n - 1) // page], (n - 1) % page] = float("nan")
+            v_cache[block_tables[b, (n - 1) // page], (n - 1) % page] = float("nan")
+    B, hq = len(seq_lens), group * num_kv_heads
+    # q, k, v as views into one projection output, as the model makes them
+    qkv = torch.randn(B, hq + 2 * num_kv_heads, head_dim, device=DEVICE).to(DTYPE)
+    q, k, v = qkv.split([hq, num_kv_heads, num_kv_heads], dim=1)
+    cos, sin = rope_tables(max(seq_lens) + 3, head_dim)
+    scale = head_dim**-0.5
+    kc_ref, vc_ref = k_cache.clone(), v_cache.clone()
+    want = pa.paged_decode_attention(q, kc_ref, vc_ref, block_tables, lens, scale, impl="ref", rope=(k, v, cos, sin))
+    before = qkv.clone()
+    workspace = pa.decode_workspace(B, hq, num_kv_heads, head_dim, max(seq_lens), DEVICE, num_splits=num_splits,
+                                    variant=variant)
+    got = pa.paged_decode_attention(q, k_cache, v_cache, block_tables, lens, scale, impl="triton",
+                                    workspace=workspace, rope=(k, v, cos, sin))
+    assert not torch.isnan(got).any()
+    assert rel_rms(got, want) < tol
+    assert torch.equal(qkv, before)
+    # The rotated k and v landed where the reference put them, and nothing else changed.
+    torch.testing.assert_close(k_cache, kc_ref, equal_nan=True, rtol=tol, atol=tol)
+    torch.testing.assert_close(v_cache, vc_ref, equal_nan=True, rtol=0, atol=0)
+    assert not any(torch.isnan(k_cache[block_tables[b, (n - 1) // page], (n - 1) % page]).any()
+                   for b, n in enumerate(seq_lens) if n)
+
+
+@pytest.mark.parametrize(
+    "seq_lens,page,group,num_kv_heads,head_dim,num_splits,variant",
+    [
+        ([17, 1, 300], 16, 1, 2, 64, None, "split"),
+        ([300, 0, 17], 16, 4, 1, 64, 7, "split"),  # the new row in the last of 7 splits; a padding slot
+        ([33, 5], 16, 2, 2, 80, 3, "long"),  # D=80: the halves are not the padded tile's
+        ([300, 17], 64, 8, 1, 128, None, "onetile"),
+    ],
+)
+def test_decode_rope_folded_in_matches_ref(seq_lens, page, group, num_kv_heads, head_dim, num_splits, variant):
+    run_decode_rope(seq_lens, page, group, num_kv_heads, head_dim, num_splits=num_splits, variant=variant)
+
+
+def test_decode_rope_bad_shapes_are_an_error():
+    k_cache, v_cache, block_tables, lens = make_cache([5], 16, 2, 64)
+    q = torch.randn(1, 4, 64, device=DEVICE).to(DTYPE)
+    k = torch.randn(1, 2, 64, device=DEVICE).to(DTYPE)
+    cos, sin = rope_tables(8, 64)
+    with pytest.raises(ValueError, match="rope k and v"):
+        pa.paged_decode_attention(q, k_cache, v_cache, block_tables, lens, 0.1, impl="triton", rope=(k[:, :1], k, cos, sin))
+    with pytest.raises(ValueError, match="rope tables"):
+        pa.paged_decode_attention(q, k_cache, v_cache, block_tables, lens, 0.1, impl="triton", rope=(k, k, cos.double(), sin))
+
+
 def test_decode_unknown_variant_is_an_error():
     with pytest.raises(ValueError):
         pa.decode_workspace(1, 4, 1, 64, 16, DEVICE, variant="fast")
@@ -329,6 +391,20 @@ def test_gpu_prefill_ref_vs_triton(q_lens, seq_lens, page, group, num_kv_heads, 
 )
 def test_gpu_decode_ref_vs_triton_variants(seq_lens, page, group, num_kv_heads, head_dim, variant):
     run_decode(seq_lens, page, group, num_kv_heads, head_dim, variant=variant)
+
+
+@gpu_only
+@pytest.mark.parametrize("variant", ["split", "long"])
+@pytest.mark.parametrize(
+    "seq_lens,page,group,num_kv_heads,head_dim",
+    [
+        ([1, 17, 1000, 4097], 16, 4, 8, 64),
+        ([4097, 0, 17], 64, 4, 2, 128),
+        ([17, 4097, 1, 1000], 128, 4, 2, 80),
+    ],
+)
+def test_gpu_decode_rope_folded_in(seq_lens, page, group, num_kv_heads, head_dim, variant):
+    run_decode_rope(seq_lens, page, group, num_kv_heads, head_dim, variant=variant)
 
 
 @gpu_only
