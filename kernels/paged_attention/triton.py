@@ -261,10 +261,10 @@ def _decode_split_kernel(
         acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
         bt_row = bt_ptr + b.to(tl.int64) * stride_btb
         if ROPE:
-            # The step's own token, at position seq_len - 1: rotate q, and the new key of kv head
-            # hk, here instead of in a kernel before. The split holding that position takes the
-            # rotated key and the value from registers in its last tile (the cache row is stale
-            # until then) and writes them into the cache after its loop, for the steps after.
+            # The step's own token, at position seq_len - 1: rotate q here instead of in a kernel
+            # before. The split holding that position also rotates the new key of kv head hk and
+            # writes it and the value into the cache before its loop; the barrier makes the row
+            # visible to every thread of the program, which then reads it like the older rows.
             p_new = seq_len - 1
             HALF: tl.constexpr = D // 2
             partner = tl.where(d < HALF, d + HALF, d - HALF)
@@ -274,11 +274,17 @@ def _decode_split_kernel(
             sin = tl.load(sin_ptr + p_new * stride_cos + d % HALF, mask=dmask, other=0.0) * tl.where(d < HALF, -1.0, 1.0)
             q_p = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + partner[None, :], mask=qmask, other=0.0)
             q = (q.to(tl.float32) * cos[None, :] + q_p.to(tl.float32) * sin[None, :]).to(q.dtype)
-            k_row = kn_ptr + b * stride_knb + hk * stride_knh
-            k_a = tl.load(k_row + d, mask=dmask, other=0.0).to(tl.float32)
-            k_b = tl.load(k_row + partner, mask=dmask, other=0.0).to(tl.float32)
-            k_new = (k_a * cos + k_b * sin).to(k_ptr.dtype.element_ty)
-            v_new = tl.load(vn_ptr + b * stride_vnb + hk * stride_vnh + d, mask=dmask, other=0.0).to(v_ptr.dtype.element_ty)
+            if end == seq_len:
+                k_row = kn_ptr + b * stride_knb + hk * stride_knh
+                k_a = tl.load(k_row + d, mask=dmask, other=0.0).to(tl.float32)
+                k_b = tl.load(k_row + partner, mask=dmask, other=0.0).to(tl.float32)
+                v_new = tl.load(vn_ptr + b * stride_vnb + hk * stride_vnh + d, mask=dmask, other=0.0)
+                page_new = tl.load(bt_row + p_new // PAGE).to(tl.int64)
+                row_new = page_new * stride_kb + (p_new % PAGE) * stride_kt + hk * stride_kh
+                tl.store(k_ptr + row_new + d, (k_a * cos + k_b * sin).to(k_ptr.dtype.element_ty), mask=dmask)
+                tl.store(v_ptr + page_new * stride_vb + (p_new % PAGE) * stride_vt + hk * stride_vh + d,
+                         v_new.to(v_ptr.dtype.element_ty), mask=dmask)
+                tl.debug_barrier()
         for n0 in range(start, end, BLOCK_N):
             pos = n0 + tl.arange(0, BLOCK_N)
             valid = pos < end
@@ -290,9 +296,6 @@ def _decode_split_kernel(
             k_off = page * stride_kb + (pos % PAGE) * stride_kt + hk * stride_kh
             # [BLOCK_N, D_PAD]
             k = tl.load(k_ptr + k_off[:, None] + d[None, :], mask=kvmask, other=0.0)
-            if ROPE:
-                # The new row's cache store may not have landed yet: take it from registers.
-                k = tl.where((pos == p_new)[:, None], k_new[None, :], k)
             if EARLY_V:
                 v_off = page * stride_vb + (pos % PAGE) * stride_vt + hk * stride_vh
                 v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=kvmask, other=0.0)
@@ -306,15 +309,8 @@ def _decode_split_kernel(
             if not EARLY_V:
                 v_off = page * stride_vb + (pos % PAGE) * stride_vt + hk * stride_vh
                 v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=kvmask, other=0.0)
-            if ROPE:
-                v = tl.where((pos == p_new)[:, None], v_new[None, :], v)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
-        if ROPE:
-            if end == seq_len:
-                page_new = tl.load(bt_row + p_new // PAGE).to(tl.int64)
-                tl.store(k_ptr + page_new * stride_kb + (p_new % PAGE) * stride_kt + hk * stride_kh + d, k_new, mask=dmask)
-                tl.store(v_ptr + page_new * stride_vb + (p_new % PAGE) * stride_vt + hk * stride_vh + d, v_new, mask=dmask)
         if n_valid == 1:
             # The only split with data: its result is final.
             tl.store(o_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=qmask)
