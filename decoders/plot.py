@@ -1,7 +1,8 @@
 """The context-scaling figure: decode tokens/s per sequence against context (log-scaled axes), one
 solid line per (model, batch, T) of the lab, one dotted line per peer row (`hf-eager:llama-1b`, ...)
 in its model's colour with the peer's own marker, and, dashed in the same colour, each model's
-bandwidth roofline, so a model and the peers run on its shape read side by side."""
+bandwidth roofline, so a model and the peers run on its shape read side by side. A point measured in
+several runs is drawn from the newest (the last record of it in the files)."""
 
 from collections import defaultdict
 
@@ -23,11 +24,21 @@ def roofline(points: list[dict]) -> list[float] | None:
     return roof if len(roof) == len(points) else None
 
 
-def plot_context_scaling(records: list[dict], path: str) -> None:
-    series = defaultdict(list)
+def latest_points(records: list[dict]) -> dict[str, list[dict]]:
+    """The measured points of each series (label), one per (context, batch): the last one in
+    `records`, so a result file that holds a point from several runs draws the newest."""
+    latest = {}
     for r in records:
         if r.get("status") == "ok" and r.get("decode_tok_s_per_seq"):
-            series[label_of(r)].append(r)
+            latest[label_of(r), r["ctx"], r["batch"]] = r
+    series = defaultdict(list)
+    for (label, _, _), r in latest.items():
+        series[label].append(r)
+    return series
+
+
+def plot_context_scaling(records: list[dict], path: str) -> None:
+    series = latest_points(records)
     fig, ax = plt.subplots(figsize=(9, 5.5))
     lab = {label: points for label, points in series.items() if not points[0].get("peer")}
     peer = {label: points for label, points in series.items() if points[0].get("peer")}

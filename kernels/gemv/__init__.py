@@ -9,8 +9,7 @@ accumulation. The grouped form runs G independent products in one launch: x `[G,
 - `gemv(x, weight, bias=None, *, impl, out=None) -> [M, N] | [G, M, N]`
 - `linear(x, weight, bias=None, *, impl) -> [..., N]`: the drop-in for `F.linear` in the models.
   On a CUDA device with impl="triton" and at most MAX_ROWS rows it runs, per (M, N, K, dtype,
-  bias) shape, the fastest of `F.linear` (which must win by CUBLAS_MARGIN_US: it breaks the
-  programmatic dependent launch chain) and every Triton configuration that fits, measured once
+  bias) shape, the fastest of `F.linear` and every Triton configuration that fits, measured once
   when the shape is first seen: each candidate replayed from a CUDA graph over enough copies of
   the weight to overflow L2, as the calls of a decode step run (outside capture; during capture an
   unseen shape runs `F.linear`, unrecorded). Everywhere else (CPU, impl="ref", more rows) it is
@@ -49,11 +48,6 @@ __all__ = ["gemv", "linear", "choices", "gated_norm_linear", "norm_choices", "ac
            "swiglu_linear", "swiglu_choices", "gemv_ref", "MAX_ROWS"]
 
 MAX_ROWS = 8
-# µs by which F.linear (cuBLAS, no programmatic dependent launch) must beat the fastest Triton
-# configuration to be picked: with PDL each Triton kernel of a llama-1b step overlapped ~0.7 µs of
-# its neighbours (the step went 1.078 -> 0.951 ms over 177 launches), and on an rwkv7-1.5b step a
-# cuBLAS pick 0.24 µs faster in the timing cost ~10 µs of critical path per call.
-CUBLAS_MARGIN_US = 1.0
 # (M, N, K, dtype name, has_bias, device index) -> the measured choice.
 _CHOICES: dict = {}
 # The same for `gated_norm_linear`, "torch" standing for the unfused gated_rmsnorm + linear pair.
@@ -119,8 +113,7 @@ def _choose(x2, weight, bias, key, baseline=None, norm=None, table=_CHOICES, act
     l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 64 << 20) or (64 << 20)
     copies = min(64, max(2, -(-2 * l2 // (weight.numel() * weight.element_size()))))
     weights = [weight] + [weight.clone() for _ in range(copies - 1)]
-    plain = baseline is None
-    if plain:
+    if baseline is None:
         def baseline(w):
             return F.linear(x2, w, bias)
     times = {"torch": _graph_us(baseline, weights)}
@@ -129,11 +122,8 @@ def _choose(x2, weight, bias, key, baseline=None, norm=None, table=_CHOICES, act
         times[name] = _graph_us(lambda w, cfg=cfg: gemv_triton(x2, w, bias, config=cfg, norm=norm, act=act, swiglu=swiglu),
                                   weights)
     del weights
+    best = min(times, key=times.get)
     fastest = min((n for n in times if n != "torch"), key=times.get, default=None)
-    # cuBLAS launches without PDL, so in a decode step it also costs the overlap it breaks on both
-    # sides, which these back-to-back timings do not show: it has to win by more than that margin.
-    margin = CUBLAS_MARGIN_US if plain else 0.0
-    best = "torch" if fastest is None or times["torch"] + margin < times[fastest] else fastest
     rec = {"impl": "torch" if best == "torch" else "triton", "config": configs.get(best), "torch_us": times["torch"],
            "triton_us": times[fastest] if fastest else None, "triton_config": fastest, "times_us": times}
     table[key] = rec
