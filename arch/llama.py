@@ -11,10 +11,11 @@ checkpoint's state dict loads without renaming. Attention runs in one of two way
   and decode steps).
 
 On impl="triton" (`PagedBatch.impl`) `forward_paged` runs fused kernels: each residual add inside
-the RMSNorm kernel after it, q/k/v as one GEMV (`Attention.qkv_weight`) with RoPE on q and k in one
-kernel, gate/up as one GEMV (`MLP.gate_up_weight`) and SwiGLU in one kernel; every projection and
-the head go through `kernels.gemv.linear` (the Triton GEMV where it measured faster than cuBLAS
-for that shape, decode rows only). The fused weights are
+the RMSNorm kernel after it, q/k/v as one GEMV (`Attention.qkv_weight`); in prefill RoPE on q and k
+and the K/V write in one kernel, in decode both inside the paged decode kernel (`rope=`); gate/up as
+one GEMV (`MLP.gate_up_weight`) with SwiGLU in its epilogue (`kernels.gemv.swiglu_linear`, else in
+its own kernel); every projection and the head go through `kernels.gemv` (the Triton GEMV where it
+measured faster than cuBLAS for that shape, decode rows only). The fused weights are
 the only copy: `q_proj.weight` etc. are views into them (see `fuse_linears`), so HF names still load
 and save, and parameter counts stay right. `forward` and impl="ref" keep the plain reference math.
 
