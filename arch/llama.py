@@ -206,12 +206,16 @@ class Attention(FusedLinears):
         v = self.v_proj(x).unflatten(-1, (self.n_kv, self.head_dim))
         return rotary(q, positions), rotary(k, positions), v
 
-    def qkv_fused_write_kv(self, x, positions, rope: Rotary, k_cache, v_cache, slot_mapping):
-        """Triton path of `qkv` + the cache write for packed x [N, d]: one GEMV for q, k and v, then
-        one kernel that rotates q and k in place and writes the rotated k and v into the pages at
-        `slot_mapping`; q, k, v are views into the one projection output."""
+    def qkv_projection(self, x):
+        """Triton path: q, k, v [N, H, D] of packed x [N, d] from one GEMV, views into its output (unrotated)."""
         qkv = gemv.linear(x, self.qkv_weight, self.qkv_bias, impl="triton").unflatten(-1, (self.n_heads + 2 * self.n_kv, self.head_dim))
-        q, k, v = qkv.split([self.n_heads, self.n_kv, self.n_kv], dim=-2)  # [N, H, D] each
+        return qkv.split([self.n_heads, self.n_kv, self.n_kv], dim=-2)
+
+    def qkv_fused_write_kv(self, x, positions, rope: Rotary, k_cache, v_cache, slot_mapping):
+        """Triton path of `qkv` + the cache write for packed x [N, d]: `qkv_projection`, then one
+        kernel that rotates q and k in place and writes the rotated k and v into the pages at
+        `slot_mapping`."""
+        q, k, v = self.qkv_projection(x)
         cos, sin = rope.tables()
         rotary.apply_rotary_write_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping, impl="triton")
         return q, k, v
@@ -230,9 +234,8 @@ class Attention(FusedLinears):
         fused = batch.impl == "triton"
         k_cache, v_cache = batch.k_cache[layer], batch.v_cache[layer]
         if fused and batch.decode:
-            # One GEMV for q, k and v; the decode kernel rotates q and k and writes the K/V row itself.
-            qkv = gemv.linear(x, self.qkv_weight, self.qkv_bias, impl="triton").unflatten(-1, (self.n_heads + 2 * self.n_kv, self.head_dim))
-            q, k, v = qkv.split([self.n_heads, self.n_kv, self.n_kv], dim=-2)
+            # The decode kernel rotates q and k and writes the K/V row itself.
+            q, k, v = self.qkv_projection(x)
             out = paged_attention.paged_decode_attention(
                 q, k_cache, v_cache, batch.block_tables, batch.seq_lens, self.scale, impl="triton", workspace=batch.workspace,
                 rope=(k, v, *rotary.tables()),

@@ -38,6 +38,8 @@ Inside a CUDA graph: call `linear` (or `gemv` with impl="triton") once per shape
 so that compilation, the measurement and the split-K workspace all happen outside it.
 """
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -165,37 +167,16 @@ def gated_norm_linear(y, z, norm_weight, eps, weight, bias=None, *, group_size, 
     check_impl(impl)
     from kernels import mamba2_norm
 
-    def unfused():
+    def pair(w):
         h = mamba2_norm.gated_rmsnorm(y, z, norm_weight, group_size, eps, impl=impl)
-        return F.linear(h, weight, bias) if impl == "ref" else linear(h, weight, bias, impl=impl)
+        return F.linear(h, w, bias) if impl == "ref" else linear(h, w, bias, impl=impl)
 
-    if impl != "triton" or not y.is_cuda or y.dim() != 2:
-        return unfused()
-    M, K = y.shape
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (y, z, norm_weight, weight, bias)):
-        return unfused()
-    if (M == 0 or M > MAX_ROWS or K == 0 or group_size != K or weight.dim() != 2 or weight.stride(-1) != 1
-            or tuple(z.shape) != (M, K) or tuple(norm_weight.shape) != (K,)
-            or any(t is not None and t.dtype != y.dtype for t in (z, norm_weight, weight, bias))):
-        return unfused()
-    N = weight.shape[0]
-    key = (M, N, K, str(y.dtype).removeprefix("torch."), bias is not None, y.device.index)
-    norm = (z, norm_weight, eps)
-    rec = _NORM_CHOICES.get(key)
-    if rec is None:
-        if torch.cuda.is_current_stream_capturing():
-            return unfused()
-        unfused()  # `linear` measures its own shape here, outside any graph
-
-        def baseline(w):
-            return linear(mamba2_norm.gated_rmsnorm(y, z, norm_weight, group_size, eps, impl=impl), w, bias, impl=impl)
-
-        rec = _choose(y, weight, bias, key, baseline=baseline, norm=norm, table=_NORM_CHOICES)
-    if rec["impl"] != "triton":
-        return unfused()
-    from kernels.gemv.triton import gemv_triton
-
-    return gemv_triton(y, weight, bias, config=rec["config"], norm=norm)
+    K = y.shape[-1]
+    if not (_fusable(y, weight, bias, impl) and group_size == K and tuple(z.shape) == tuple(y.shape)
+            and tuple(norm_weight.shape) == (K,) and z.dtype == norm_weight.dtype == y.dtype
+            and not (torch.is_grad_enabled() and (z.requires_grad or norm_weight.requires_grad))):
+        return pair(weight)
+    return _fused_or_pair(y, weight, bias, _key(y, weight, bias), _NORM_CHOICES, pair, norm=(z, norm_weight, eps))
 
 
 def act_linear(x, act, weight, bias=None, *, impl, x_is_scratch=False):
@@ -210,31 +191,19 @@ def act_linear(x, act, weight, bias=None, *, impl, x_is_scratch=False):
         raise ValueError(f"act_linear: act must be one of {sorted(ACTS)}, got {act!r}")
     if x.dim() != 2 or weight.dim() != 2 or x.shape[-1] != weight.shape[-1]:
         raise ValueError(f"act_linear: needs x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
-
-    def pair(t, w):
+    def pair_on(t, w):
+        # relu^2 in place on t, as a step runs it
         h = sqrelu(t, impl=impl)
         return F.linear(h, w, bias) if impl == "ref" else linear(h, w, bias, impl=impl)
 
-    def unfused():
-        return pair(x if x_is_scratch else x.clone(), weight)
+    def pair(w):
+        return pair_on(x if x_is_scratch else x.clone(), w)
 
     if not _fusable(x, weight, bias, impl):
-        return unfused()
-    key = (*_key(x, weight, bias), act)
-    rec = _ACT_CHOICES.get(key)
-    if rec is None:
-        if torch.cuda.is_current_stream_capturing():
-            return unfused()
-        # The pair as a step runs it (relu^2 in place, on a scratch copy here); `linear` measures
-        # its own shape on the first call, outside any graph.
-        scratch = x.clone()
-        pair(scratch, weight)
-        rec = _choose(x, weight, bias, key, baseline=lambda w: pair(scratch, w), table=_ACT_CHOICES, act=act)
-    if rec["impl"] != "triton":
-        return unfused()
-    from kernels.gemv.triton import gemv_triton
-
-    return gemv_triton(x, weight, bias, config=rec["config"], act=act)
+        return pair(weight)
+    # Measured on a copy of x, which every timed call overwrites.
+    return _fused_or_pair(x, weight, bias, (*_key(x, weight, bias), act), _ACT_CHOICES, pair,
+                          timed_pair=lambda: functools.partial(pair_on, x.clone()), act=act)
 
 
 def swiglu_linear(x, weight, bias=None, *, impl):
@@ -246,34 +215,41 @@ def swiglu_linear(x, weight, bias=None, *, impl):
     if x.dim() != 2 or weight.dim() != 2 or x.shape[-1] != weight.shape[-1] or weight.shape[0] % 2:
         raise ValueError(f"swiglu_linear: needs x [M, K] and weight [2I, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
 
-    def unfused(w=weight):
-        y = F.linear(x, w, bias) if impl == "ref" else linear(x, w, bias, impl=impl)
-        return swiglu.silu_mul(y, impl=impl)
+    def pair(w):
+        return swiglu.silu_mul(F.linear(x, w, bias) if impl == "ref" else linear(x, w, bias, impl=impl), impl=impl)
 
     if not _fusable(x, weight, bias, impl):
-        return unfused()
-    key = _key(x, weight, bias)
-    rec = _SWIGLU_CHOICES.get(key)
-    if rec is None:
-        if torch.cuda.is_current_stream_capturing():
-            return unfused()
-        unfused()  # `linear` measures its own shape here, outside any graph
-        rec = _choose(x, weight, bias, key, baseline=unfused, table=_SWIGLU_CHOICES, swiglu=True)
-    if rec["impl"] != "triton":
-        return unfused()
-    from kernels.gemv.triton import gemv_triton
-
-    return gemv_triton(x, weight, bias, config=rec["config"], swiglu=True)
+        return pair(weight)
+    return _fused_or_pair(x, weight, bias, _key(x, weight, bias), _SWIGLU_CHOICES, pair, swiglu=True)
 
 
 def _fusable(x, weight, bias, impl) -> bool:
     """Whether a fused GEMV may run: CUDA, impl="triton", 1..MAX_ROWS rows, no autograd, one dtype."""
     if impl != "triton" or not x.is_cuda or x.dim() != 2 or not 0 < x.shape[0] <= MAX_ROWS or x.shape[1] == 0:
         return False
-    if weight.stride(-1) != 1 or any(t is not None and t.dtype != x.dtype for t in (weight, bias)):
+    if weight.dim() != 2 or weight.stride(-1) != 1 or any(t is not None and t.dtype != x.dtype for t in (weight, bias)):
         return False
     return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)))
 
 
 def _key(x, weight, bias):
     return (x.shape[0], weight.shape[0], x.shape[1], str(x.dtype).removeprefix("torch."), bias is not None, x.device.index)
+
+
+def _fused_or_pair(x, weight, bias, key, table, pair, *, timed_pair=None, **fused):
+    """The GEMV with `fused` (norm= / act= / swiglu=) or `pair(weight)`, whichever `table` records as
+    faster for `key`. The first call of a key outside capture measures both: the pair as
+    `timed_pair()` (default: `pair`) per weight copy, after one call of it that lets `linear` measure
+    its own shape outside any graph. During capture an unmeasured key runs the pair."""
+    rec = table.get(key)
+    if rec is None:
+        if torch.cuda.is_current_stream_capturing():
+            return pair(weight)
+        baseline = timed_pair() if timed_pair is not None else pair
+        baseline(weight)
+        rec = _choose(x, weight, bias, key, baseline=baseline, table=table, **fused)
+    if rec["impl"] != "triton":
+        return pair(weight)
+    from kernels.gemv.triton import gemv_triton
+
+    return gemv_triton(x, weight, bias, config=rec["config"], **fused)

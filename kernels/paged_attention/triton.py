@@ -14,6 +14,10 @@ launch_pdl; every program calls gdc_launch_dependents() and gdc_wait() before it
 slot mapping, seq_lens, block tables, the cache and q may all come from earlier kernels), so the
 split-K counters and partials are only touched after the previous kernel has finished. Prefill is
 launched as before.
+
+Decode with ROPE (constexpr; `paged_decode_attention(..., rope=(k, v, cos, sin))`) also rotates q
+and the step's k at position seq_len - 1 and writes the rotated k and v into the cache: the split
+holding that position writes them before its loop, behind a barrier (README.md, "RoPE in decode").
 """
 
 from dataclasses import dataclass

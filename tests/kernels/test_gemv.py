@@ -414,6 +414,40 @@ def test_act_linear_matches_the_pair_and_keeps_x(impl):
     assert rel(G_.act_linear(x, "sqrelu", w, b, impl=impl, x_is_scratch=True), want) < 1e-5
 
 
+@pytest.mark.parametrize("pick", ["torch", "triton"])
+@pytest.mark.parametrize("scratch", [False, True])
+def test_fused_choice_measures_on_a_copy(monkeypatch, pick, scratch):
+    """The first call of a shape times the pair and the fused GEMV (stood in for here, on the CPU):
+    whatever wins, the result is the pair's, and the timing runs (relu^2 in place, again and again)
+    never touch x, even when x is lent as scratch."""
+    from kernels.gemv.triton import CONFIGS
+
+    monkeypatch.setattr(G_, "_fusable", lambda *a: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(G_, "_ACT_CHOICES", {})
+    monkeypatch.setattr(G_, "_SWIGLU_CHOICES", {})
+    monkeypatch.setattr(G_, "_NORM_CHOICES", {})
+
+    def choose(x2, weight, bias, key, baseline, table, **fused):
+        for _ in range(3):
+            baseline(weight)
+        table[key] = {"impl": pick, "config": CONFIGS[0]}
+        return table[key]
+
+    monkeypatch.setattr(G_, "_choose", choose)
+    x, w, b = sqrelu_inputs(2, 24, 96)
+    x = x.contiguous()
+    before = x.clone()
+    want = sqrelu_pair(before, w, b)
+    assert rel(G_.act_linear(x, "sqrelu", w, b, impl="triton", x_is_scratch=scratch), want) < 1e-5
+    if not scratch or pick == "triton":
+        assert torch.equal(x, before)
+    xs, wg, _ = sqrelu_inputs(2, 48, 96, bias=False)
+    assert rel(G_.swiglu_linear(xs, wg, impl="triton"), swiglu_pair(xs, wg, None)) < 1e-5
+    y, z, nw, wn, bn = norm_inputs(2, 24, 96)
+    assert rel(G_.gated_norm_linear(y, z, nw, 1e-5, wn, bn, group_size=96, impl="triton"), norm_ref(y, z, nw, wn, bn)) < 1e-5
+
+
 @pytest.mark.parametrize("impl", ["ref", "triton"])
 def test_swiglu_linear_matches_the_pair(impl):
     x, w, b = sqrelu_inputs(2, 48, 96)
