@@ -168,10 +168,11 @@ class Mixer(nn.Module):
             self._decay_key = key
         return self._decay
 
-    def step(self, h, conv_state, ssm_state, impl: str):
+    def step(self, h, conv_state, ssm_state, impl: str, *, state_ready: bool = False):
         """One token h [B, d]; conv_state [B, conv_dim, W-1] and ssm_state [B, H, P, N] updated in place.
 
         z, xBC and dt stay strided views of the in-projection, read in place by the kernels.
+        `state_ready`: see `Mamba2LM.step`.
         """
         c = self.config
         z, xBC, dt = self.split(gemv.linear(h, self.in_proj.weight, self.in_proj.bias, impl=impl))
@@ -189,6 +190,8 @@ class Mixer(nn.Module):
             headdim=c.headdim,
             dt_limit=c.dt_limit,
             impl=impl,
+            state_ready=state_ready,
+            prefetch_next=(self.out_proj.weight,),
         )
         # The gate goes inside the norm, rmsnorm(y * silu(z)), so it is not passed to the decode step; the
         # norm runs in out_proj's GEMV prologue where that measured faster (one group).
@@ -259,19 +262,24 @@ class Mamba2LM(nn.Module):
             r = r + out
         return r[:, -1]
 
-    def step(self, tokens, conv, ssm, impl: str):
+    def step(self, tokens, conv, ssm, impl: str, *, state_ready: bool = False):
         """One token per sequence, tokens [B]; conv and ssm ([L, B, ...]) updated in place. Logits [B, V].
 
         The same blocks as `forward`, with each residual add fused into the norm that follows it (the
         next block's pre-norm, or norm_f): r = embed(tokens); h = norm_0(r); then per layer
         r = r + mixer(h), h = norm_{i+1}(r).
+
+        `state_ready=True` promises that `ssm` was last written before a kernel launched without PDL
+        (a PyTorch kernel, such as the sampling that ends a decoder's step), so each layer's step
+        kernel may load its state before waiting on the in-projection (`ssd.mamba2_decode_step`).
+        Calling `step` back to back with only Triton kernels in between breaks that promise.
         """
         layers = self.backbone.layers
         norms = [block.norm for block in layers] + [self.backbone.norm_f]
         table = self.backbone.embeddings.weight
         h, r = mamba2_norm.embed_rmsnorm(tokens, table, norms[0].weight, norms[0].eps, impl=impl)
         for i, block in enumerate(layers):
-            out = block.mixer.step(h, conv[i], ssm[i], impl)
+            out = block.mixer.step(h, conv[i], ssm[i], impl, state_ready=state_ready)
             h, r = mamba2_norm.add_rmsnorm(out, r, norms[i + 1].weight, norms[i + 1].eps, impl=impl)
         return gemv.linear(h, self.head_weight(), impl=impl)
 

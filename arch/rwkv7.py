@@ -256,7 +256,9 @@ class TimeMix(nn.Module):
             v_first if self.layer else None, head_dim=self.head_dim, impl="triton",
         )
         r, k, v, a, b = (self.heads(t) for t in x.unbind(0))
-        o = wkv7_step(r, self.heads(w), k, v, a, b, state, impl="triton")
+        # The state was last written before the step's embedding lookup (a PyTorch kernel, no PDL;
+        # see `RWKV7ForCausalLM.fused_step`), so it may be loaded before the wait.
+        o = wkv7_step(r, self.heads(w), k, v, a, b, state, impl="triton", state_ready=True)
         g = u[(nb - 1) * B :]
         out = gate_output(o, r, k, v, g, self.r_k, self.g_norm.weight, self.g_norm.bias, eps=self.g_norm.eps, impl="triton")
         return gemv.linear(out, self.o_proj.weight, impl="triton"), (x[2] if self.layer == 0 else v_first)
@@ -389,7 +391,11 @@ class RWKV7(nn.Module):
 
     def fused_step(self, tokens, shift, wkv):
         """`forward_step` on the fused Triton kernels. Each norm is fused with the residual add before
-        it and the token shift after it; the residual x `[B, C]` is updated in place."""
+        it and the token shift after it; the residual x `[B, C]` is updated in place.
+
+        The embedding lookup comes first and is a PyTorch kernel (launched without PDL): every write
+        to `wkv` before this call has finished when it starts, which lets each layer's WKV step
+        load its state before waiting on the kernels before it (`wkv7_step(state_ready=True)`)."""
         x = self.model.embeddings(tokens)
         layers = self.model.layers
         if hasattr(layers[0], "pre_norm"):

@@ -86,13 +86,16 @@ SPECS = [
           {"bt_ptr": "*i32", "seq_lens_ptr": "*i32", "lse_ptr": "*fp32", "part_ptr": "*fp32", "cnt_ptr": "*i32",
            "cos_ptr": "*fp32", "sin_ptr": "*fp32"},
           floats=("qk_scale",), unaligned=("num_splits",)),
-    _spec("ssd decode step (1.3b)", "ssd", "_decode_step_kernel",
-          dict(H=64, P=64, G=1, N=128, W=4, BLOCK_P=64, BLOCK_N=128, BLOCK_W=4, HAS_BIAS=True, HAS_Z=False,
-               HAS_LIMIT=False, s_xc=1, s_dh=1, s_ck=1, s_wk=1, s_zp=1, s_yp=1, s_sn=1),
-          dict(num_warps=8), {"st_ptr": "*fp32", "A_ptr": "*fp32", "D_ptr": "*fp32", "dtb_ptr": "*fp32",
-                              "sem_ptr": "*i32"}, floats=("lim_lo", "lim_hi"), unaligned=("s_cc", "s_wc")),
-    _spec("wkv7 step (64 x 64, BV 32)", "wkv7", "_step_kernel", dict(BK=64, BV=32), dict(num_warps=4),
-          dict(dict.fromkeys(("r", "w", "k", "v", "a", "b", "out"), "*bf16"), state="*fp32"), floats=("scale",)),
+    *(_spec(f"ssd decode step{label}", "ssd", "_decode_step_kernel",
+            dict(H=64, P=64, G=1, N=128, W=4, BLOCK_P=64, BLOCK_N=128, BLOCK_W=4, HAS_BIAS=True, HAS_Z=False,
+                 HAS_LIMIT=False, s_xc=1, s_dh=1, s_ck=1, s_wk=1, s_zp=1, s_yp=1, s_sn=1, STATE_READY=ready),
+            dict(num_warps=8), {"st_ptr": "*fp32", "A_ptr": "*fp32", "D_ptr": "*fp32", "dtb_ptr": "*fp32",
+                                "sem_ptr": "*i32"}, floats=("lim_lo", "lim_hi"), unaligned=("s_cc", "s_wc"))
+      for ready, label in ((False, " (1.3b)"), (True, " (state ready)"))),
+    *(_spec(f"wkv7 step (BV 32{label})", "wkv7", "_step_kernel", dict(BK=64, BV=32, STATE_READY=ready),
+            dict(num_warps=4), dict(dict.fromkeys(("r", "w", "k", "v", "a", "b", "out"), "*bf16"), state="*fp32"),
+            floats=("scale",))
+      for ready, label in ((False, ""), (True, ", state ready"))),
 ]
 
 POINTER_SUFFIX = "_ptr"

@@ -35,10 +35,12 @@ def wkv7_chunk(r, w, k, v, a, b, *, scale=1.0, initial_state=None, chunk_size=CH
     return wkv7_chunk_triton(r, w, k, v, a, b, scale=scale, initial_state=initial_state, chunk_size=chunk_size)
 
 
-def wkv7_step(r, w, k, v, a, b, state, *, scale=1.0, impl, out=None):
+def wkv7_step(r, w, k, v, a, b, state, *, scale=1.0, impl, out=None, state_ready=False):
     """One token: r, w, k, a, b `[B, H, K]`, v `[B, H, V]`; `state` `[B, H, K, V]` float32 is
     updated in place. Returns o `[B, H, V]` in r's dtype (written into `out` when given; the
-    Triton path then allocates nothing and can be captured in a CUDA graph)."""
+    Triton path then allocates nothing and can be captured in a CUDA graph). `state_ready`
+    (Triton, see triton.wkv7_step_triton): the state was last written before a kernel launched
+    without PDL."""
     check_impl(impl)
     if impl == "ref":
         o = wkv7_step_ref(r, w, k, v, a, b, state, scale=scale)
@@ -48,4 +50,4 @@ def wkv7_step(r, w, k, v, a, b, state, *, scale=1.0, impl, out=None):
         return out
     from kernels.wkv7.triton import wkv7_step_triton
 
-    return wkv7_step_triton(r, w, k, v, a, b, state, scale=scale, out=out)
+    return wkv7_step_triton(r, w, k, v, a, b, state, scale=scale, out=out, state_ready=state_ready)

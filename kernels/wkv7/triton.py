@@ -4,7 +4,8 @@
   (batch, head, V-block): the columns S[:, vblock] are independent, since both a^T S and the
   update act column by column. No allocation when `out` is given, no host sync: CUDA-graph safe.
   The only kernel here with a `PDL` constexpr (`kernels.pdl`, launched with launch_pdl):
-  gdc_launch_dependents() and gdc_wait() before its first load.
+  gdc_launch_dependents() and gdc_wait() before its first load; with `state_ready=True`
+  (constexpr STATE_READY) the state block is loaded before the wait (see `wkv7_step_triton`).
 - `_chunk_prep_kernel` (pass 1, parallel over every chunk of every head): everything in a chunk
   that does not depend on the state entering it. With X = (I - A_ab)^-1 it writes
   W = X (a * exp(gp)) and U = X A_ak v (so that u = a^T S_{t-1} = W S + U), R = scale * (r * exp(g)
@@ -52,11 +53,10 @@ def _step_kernel(
     r, w, k, v, a, b, state, out,
     s_xb, s_xh, s_vb, s_vh, s_sb, s_sh, s_sk, s_ob, s_oh,
     H, K, V, scale,
-    BK: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr = False,
+    BK: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr = False, STATE_READY: tl.constexpr = False,
 ):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
     i_v = tl.program_id(0)
     i_h = tl.program_id(1).to(tl.int64)
     i_b = tl.program_id(2).to(tl.int64)
@@ -64,6 +64,15 @@ def _step_kernel(
     cv = i_v * BV + tl.arange(0, BV)
     mk = ck < K
     mv = cv < V
+    # [BK, BV] block of the state: with STATE_READY loaded before the wait (bypassing L1)
+    s_ptr = state + i_b * s_sb + i_h * s_sh + ck[:, None].to(tl.int64) * s_sk + cv[None, :]
+    m_s = mk[:, None] & mv[None, :]
+    if STATE_READY:
+        S = tl.load(s_ptr, mask=m_s, other=0.0, cache_modifier=".cg")
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    if not STATE_READY:
+        S = tl.load(s_ptr, mask=m_s, other=0.0)
     x_off = i_b * s_xb + i_h * s_xh + ck
     rr = tl.load(r + x_off, mask=mk, other=0.0).to(tl.float32)
     ww = tl.load(w + x_off, mask=mk, other=0.0).to(tl.float32)
@@ -71,10 +80,6 @@ def _step_kernel(
     aa = tl.load(a + x_off, mask=mk, other=0.0).to(tl.float32)
     bb = tl.load(b + x_off, mask=mk, other=0.0).to(tl.float32)
     vv = tl.load(v + i_b * s_vb + i_h * s_vh + cv, mask=mv, other=0.0).to(tl.float32)
-    # [BK, BV] block of the state
-    s_ptr = state + i_b * s_sb + i_h * s_sh + ck[:, None].to(tl.int64) * s_sk + cv[None, :]
-    m_s = mk[:, None] & mv[None, :]
-    S = tl.load(s_ptr, mask=m_s, other=0.0)
     # a^T S_{t-1}: [BV]
     sa = tl.sum(aa[:, None] * S, axis=0)
     S = tl.exp(ww)[:, None] * S + bb[:, None] * sa[None, :] + kk[:, None] * vv[None, :]
@@ -93,10 +98,17 @@ def _step_block_v(V):
     return min(32, triton.next_power_of_2(V))
 
 
-def wkv7_step_triton(r, w, k, v, a, b, state, *, scale=1.0, out=None, block_v=None, num_warps=None):
+def wkv7_step_triton(r, w, k, v, a, b, state, *, scale=1.0, out=None, block_v=None, num_warps=None,
+                     state_ready=False):
     """One token: r, w, k, a, b `[B, H, K]` (same strides), v `[B, H, V]`, state `[B, H, K, V]`
     float32 updated in place. Returns o `[B, H, V]` (written into `out` when given). `block_v` and
-    `num_warps` override the launch shape (defaults: `_step_block_v`, one warp per 512 values)."""
+    `num_warps` override the launch shape (defaults: `_step_block_v`, one warp per 512 values).
+
+    `state_ready=True` promises that the state was last written before a kernel launched without
+    PDL (in a decode step: by this layer's step in the previous step, which ended with PyTorch
+    sampling kernels), so under PDL the state block is loaded before gdc_wait(), overlapping the
+    kernels before it. Without that promise (the default) a state written by the kernel just
+    before would be read stale."""
     B, H, K = r.shape
     V = v.shape[-1]
     for name, x in (("w", w), ("k", k), ("a", a), ("b", b)):
@@ -119,7 +131,7 @@ def wkv7_step_triton(r, w, k, v, a, b, state, *, scale=1.0, out=None, block_v=No
         r.stride(0), r.stride(1), v.stride(0), v.stride(1),
         state.stride(0), state.stride(1), state.stride(2), out.stride(0), out.stride(1),
         H, K, V, scale,
-        BK=BK, BV=BV, PDL=use_pdl, num_warps=num_warps or max(1, min(8, BK * BV // 512)), launch_pdl=use_pdl,
+        BK=BK, BV=BV, PDL=use_pdl, STATE_READY=bool(state_ready), num_warps=num_warps or max(1, min(8, BK * BV // 512)), launch_pdl=use_pdl,
     )
     return out
 

@@ -146,15 +146,7 @@ def run_pdl(monkeypatch, module, make):
     PDL code path under a Guard watching `activations` and everything `module` allocates."""
     run, _ = make()
     want = [t.clone() for t in run()]
-    run, acts = make()
-    guard = Guard()
-    guard.watch(*acts)
-    with monkeypatch.context() as m:
-        m.setattr(tl_cuda, "gdc_launch_dependents", guard.launch_dependents)
-        m.setattr(tl_cuda, "gdc_wait", guard.wait)
-        m.setattr(kmod(module), "pdl", lambda *a, **k: True)
-        m.setattr(kmod(module), "torch", _TorchProxy(guard))
-        got = run()
+    guard, got = run_guarded(monkeypatch, module, *make())
     assert guard.saved is None, "a program never reached gdc_wait"
     assert not guard.errors, guard.errors[:3]
     assert guard.launches > 0 and guard.waits == guard.launches
@@ -162,6 +154,18 @@ def run_pdl(monkeypatch, module, make):
     for g, w in zip(got, want):
         assert same(g, w)
     return guard
+
+
+def run_guarded(monkeypatch, module, run, activations):
+    """(guard, run()'s results) with `module`'s PDL code path on under a Guard watching `activations`."""
+    guard = Guard()
+    guard.watch(*activations)
+    with monkeypatch.context() as m:
+        m.setattr(tl_cuda, "gdc_launch_dependents", guard.launch_dependents)
+        m.setattr(tl_cuda, "gdc_wait", guard.wait)
+        m.setattr(kmod(module), "pdl", lambda *a, **k: True)
+        m.setattr(kmod(module), "torch", _TorchProxy(guard))
+        return guard, run()
 
 
 def same(a, b):
@@ -403,9 +407,10 @@ def test_write_kv_pdl_path(monkeypatch):
     run_pdl(monkeypatch, "paged_attention", make)
 
 
-@interpreter_only
-@pytest.mark.parametrize("G", [1, 2])
-def test_ssd_decode_step_pdl_path(monkeypatch, G):
+def _ssd_step(G, state_ready, watch_state=None):
+    """make() for one Mamba-2 decode step. The SSM state is watched unless state_ready (the promise:
+    no kernel just before wrote it); `watch_state` overrides that."""
+    watch_state = not state_ready if watch_state is None else watch_state
     st = kmod("ssd")
     Bsz, H, P, N, W = 2, 4, 16, 16, 4
     Cdim = H * P + 2 * G * N
@@ -421,17 +426,18 @@ def test_ssd_decode_step_pdl_path(monkeypatch, G):
 
         def run():
             y = st.mamba2_decode_step(xBC, dt, conv_state, conv_w, conv_b, ssm_state, A, Dh, dt_bias, ngroups=G,
-                                      headdim=P, z=z)
+                                      headdim=P, z=z, state_ready=state_ready)
             return [y, conv_state, ssm_state, sem]
 
-        return run, (xBC, dt, conv_state, ssm_state, z, sem)
+        return run, (xBC, dt, conv_state, ssm_state if watch_state else None, z, sem)
 
-    run_pdl(monkeypatch, "ssd", make)
+    return make
 
 
-@interpreter_only
-def test_wkv7_step_pdl_path(monkeypatch):
+def _wkv7_step(state_ready, watch_state=None):
+    """make() for one WKV-7 step; the state watched as in `_ssd_step`."""
     wt = kmod("wkv7")
+    watch_state = not state_ready if watch_state is None else watch_state
 
     def make():
         B, H, K, V = 2, 3, 16, 48
@@ -439,9 +445,36 @@ def test_wkv7_step_pdl_path(monkeypatch):
         r, w, k, a, b = x[0], -torch.rand(B, H, K, generator=gen(2)), x[1], x[2], x[3]
         w = w.expand_as(r).contiguous()
         v, state = randn(B, H, V, seed=3), randn(B, H, K, V, seed=4)
-        return (lambda: [wt.wkv7_step_triton(r, w, k, v, a, b, state, block_v=16), state]), (x, w, v, state)
+        run = lambda: [wt.wkv7_step_triton(r, w, k, v, a, b, state, block_v=16, state_ready=state_ready), state]  # noqa: E731
+        return run, (x, w, v, state if watch_state else None)
 
-    run_pdl(monkeypatch, "wkv7", make)
+    return make
+
+
+@interpreter_only
+@pytest.mark.parametrize("state_ready", [False, True])
+@pytest.mark.parametrize("G", [1, 2])
+def test_ssd_decode_step_pdl_path(monkeypatch, G, state_ready):
+    run_pdl(monkeypatch, "ssd", _ssd_step(G, state_ready))
+
+
+@interpreter_only
+@pytest.mark.parametrize("state_ready", [False, True])
+def test_wkv7_step_pdl_path(monkeypatch, state_ready):
+    run_pdl(monkeypatch, "wkv7", _wkv7_step(state_ready))
+
+
+@interpreter_only
+@pytest.mark.parametrize("module", ["ssd", "wkv7"])
+def test_state_ready_loads_the_state_before_the_wait(monkeypatch, module):
+    """state_ready=True with the state poisoned at gdc_launch_dependents (as if the kernel just before
+    were still writing it): the step computes with the poison, so the promise is what makes it
+    correct; without state_ready the same watch gives the exact result."""
+    make = (lambda **k: _ssd_step(1, **k)) if module == "ssd" else _wkv7_step
+    for state_ready in (False, True):
+        guard, got = run_guarded(monkeypatch, module, *make(state_ready=state_ready, watch_state=True)())
+        assert not guard.errors and guard.launches == guard.waits > 0
+        assert bool(got[0].isnan().any()) == state_ready
 
 
 # ---------------------------------------------------------------------------------------------
