@@ -229,9 +229,8 @@ class Attention(FusedLinears):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=self.scale)
         return self.o_proj(out.transpose(1, 2).flatten(-2))
 
-    def forward_paged(self, x, positions, rotary, batch: PagedBatch, layer: int, prefetch_next=()):
-        """Packed tokens x [N, d]: write their K/V into the pages, attend through the block table.
-        `prefetch_next`: weights the Triton decode kernel prefetches into L2 (`kernels.prefetch`)."""
+    def forward_paged(self, x, positions, rotary, batch: PagedBatch, layer: int):
+        """Packed tokens x [N, d]: write their K/V into the pages, attend through the block table."""
         fused = batch.impl == "triton"
         k_cache, v_cache = batch.k_cache[layer], batch.v_cache[layer]
         if fused and batch.decode:
@@ -239,7 +238,7 @@ class Attention(FusedLinears):
             q, k, v = self.qkv_projection(x)
             out = paged_attention.paged_decode_attention(
                 q, k_cache, v_cache, batch.block_tables, batch.seq_lens, self.scale, impl="triton", workspace=batch.workspace,
-                rope=(k, v, *rotary.tables()), prefetch_next=prefetch_next,
+                rope=(k, v, *rotary.tables()),
             )
             return gemv.linear(out.flatten(-2), self.o_proj.weight, impl="triton")
         if fused:
@@ -362,11 +361,7 @@ class Llama(nn.Module):
         h = rmsnorm.rms_norm(x, first.weight, first.eps, impl="triton")
         for i, block in enumerate(layers):
             next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
-            # While a decode attention waits on its chain, the o- and gate/up projections' weights
-            # stream into L2.
-            after = (block.self_attn.o_proj.weight, block.mlp.gate_up_weight)
-            h, x = block.forward_fused(
-                h, x, lambda h, b=block, i=i, a=after: b.self_attn.forward_paged(h, positions, self.rotary, batch, i, a), next_norm)
+            h, x = block.forward_fused(h, x, lambda h, b=block, i=i: b.self_attn.forward_paged(h, positions, self.rotary, batch, i), next_norm)
         if logit_index is not None:
             h = h[logit_index]
         return gemv.linear(h, self.head_weight, impl="triton")

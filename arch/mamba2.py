@@ -191,7 +191,6 @@ class Mixer(nn.Module):
             dt_limit=c.dt_limit,
             impl=impl,
             state_ready=state_ready,
-            prefetch_next=(self.out_proj.weight,),
         )
         # The gate goes inside the norm, rmsnorm(y * silu(z)), so it is not passed to the decode step; the
         # norm runs in out_proj's GEMV prologue where that measured faster (one group).

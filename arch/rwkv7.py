@@ -208,9 +208,10 @@ class TimeMix(nn.Module):
         pack = getattr(self, "_packed", None)
         if pack is not None and pack.key == key:
             return pack
-        # why: packing runs once, before any graph capture; inference mode would make the buffers
-        # inference tensors, which parameters cannot hold
-        with torch.inference_mode(False), torch.no_grad():
+        # why: packing runs once, before any graph capture, usually inside a decoder's inference
+        # mode; the buffers must be inference tensors exactly when the parameters are (a model
+        # built under the caller's inference mode), else the parameters would change kind
+        with torch.inference_mode(mixes[0].is_inference()), torch.no_grad():
             mix = torch.cat([p.reshape(1, -1) for p in mixes])
             down = torch.cat(downs)
             up = torch.cat(ups, dim=1)

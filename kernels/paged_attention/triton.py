@@ -26,8 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl, prefetch
-from kernels.prefetch import prefetch_l2
+from kernels import pdl
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 256
@@ -41,10 +40,6 @@ MIN_PREFILL_SPLIT_TOKENS = 256
 PROGRAMS_PER_SM = 4
 # fp32 elements of partials the merging program holds per chunk (32 registers a thread at 4 warps).
 REDUCE_ELEMS = 4096
-# `prefetch_next=` (kernels.prefetch): bytes a call may move, its own K/V included, and where the
-# prefetches are issued (1: right after seq_len, 2: after the K/V loop, 0: never).
-PREFETCH_BUDGET = 24 << 20
-PREFETCH_MODE = 1
 
 
 @dataclass(frozen=True)
@@ -238,8 +233,6 @@ def _decode_split_kernel(
     S_PAD: tl.constexpr, FLAT_MERGE: tl.constexpr, EARLY_V: tl.constexpr, PDL: tl.constexpr = False,
     kn_ptr=None, vn_ptr=None, cos_ptr=None, sin_ptr=None, stride_knb=0, stride_knh=0, stride_vnb=0, stride_vnh=0,
     stride_cos=0, ROPE: tl.constexpr = False,
-    pf0_ptr=None, pf1_ptr=None, pf0_bytes=0, pf1_bytes=0, pf_budget=0, pf_kv_bytes=0,
-    PREFETCH: tl.constexpr = 0, PF_LINES: tl.constexpr = 128,
 ):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -248,17 +241,6 @@ def _decode_split_kernel(
     hk = tl.program_id(1)
     b = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    if PREFETCH != 0:
-        # The next GEMVs' weights into L2 while this call waits on its chain (kernels.prefetch):
-        # pf_budget bytes less what the call reads itself (pf_kv_bytes a position, all sequences).
-        allow = tl.maximum(pf_budget - seq_len.to(tl.int64) * pf_kv_bytes, 0)
-        pf_n0 = tl.minimum(pf0_bytes, allow)
-        pf_n1 = tl.minimum(pf1_bytes, allow - pf_n0)
-        pf_part = (b * tl.num_programs(1) + hk) * tl.num_programs(0) + split
-        pf_parts = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-    if PREFETCH == 1:
-        prefetch_l2(pf0_ptr, pf_n0, pf_part, pf_parts, PF_LINES)
-        prefetch_l2(pf1_ptr, pf_n1, pf_part, pf_parts, PF_LINES)
     # Every sequence is cut into num_splits equal runs of whole tiles, computed here from its own
     # length, so short sequences still spread over all splits and the grid stays fixed.
     n_tiles = tl.cdiv(seq_len, BLOCK_N)
@@ -333,9 +315,6 @@ def _decode_split_kernel(
                 v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=kvmask, other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
-        if PREFETCH == 2:
-            prefetch_l2(pf0_ptr, pf_n0, pf_part, pf_parts, PF_LINES)
-            prefetch_l2(pf1_ptr, pf_n1, pf_part, pf_parts, PF_LINES)
         if n_valid == 1:
             # The only split with data: its result is final.
             tl.store(o_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=qmask)
@@ -414,7 +393,7 @@ def _decode_split_kernel(
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *, out=None, workspace=None,
-                           config=None, rope=None, prefetch_next=(), prefetch_budget=None, prefetch_mode=None):
+                           config=None, rope=None):
     """Flash-decoding over the paged cache: q `[B, Hq, D]` -> `[B, Hq, D]` in q's dtype.
 
     `rope=(k, v, cos, sin)`: q and k `[B, Hkv, D]` are not yet rotated and the step's K/V row (position
@@ -468,14 +447,6 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *
         rope_args = dict(kn_ptr=k_new, vn_ptr=v_new, cos_ptr=cos, sin_ptr=sin, stride_knb=k_new.stride(0),
                          stride_knh=k_new.stride(1), stride_vnb=v_new.stride(0), stride_vnh=v_new.stride(1),
                          stride_cos=cos.stride(0), ROPE=True)
-    pf_args = {}
-    mode = PREFETCH_MODE if prefetch_mode is None else prefetch_mode
-    (w0, n0), (w1, n1) = prefetch.ranges(prefetch_next, 1 << 62)
-    if n0 and mode and prefetch.enabled(q.device):
-        pf_args = dict(pf0_ptr=w0, pf1_ptr=w1 if w1 is not None else w0, pf0_bytes=n0, pf1_bytes=n1,
-                       pf_budget=PREFETCH_BUDGET if prefetch_budget is None else prefetch_budget,
-                       pf_kv_bytes=batch * num_kv_heads * head_dim * 2 * k_cache.element_size(),
-                       PREFETCH=mode, PF_LINES=32 * cfg.num_warps)
     use_pdl = pdl(q.device)
     _decode_split_kernel[(splits, num_kv_heads, batch)](
         q, k_cache, v_cache, block_tables, seq_lens, lse, part, cnt, out,
@@ -494,7 +465,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *
         # S_PAD only shapes the flat merge; fixed otherwise so the default compiles once for all split counts.
         S_PAD=s_pad if spec.flat_merge else 1, FLAT_MERGE=spec.flat_merge,
         EARLY_V=spec.early_v, PDL=use_pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=use_pdl,
-        **rope_args, **pf_args,
+        **rope_args,
     )
     return out
 

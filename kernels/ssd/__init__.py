@@ -34,12 +34,10 @@ def causal_conv1d(x, weight, bias=None, *, initial_state=None, activation="silu"
 
 
 def mamba2_decode_step(xBC, dt, conv_state, conv_weight, conv_bias, ssm_state, A, D, dt_bias, *, ngroups, headdim,
-                       dt_limit=DEFAULT_DT_LIMIT, z=None, impl, out=None, state_ready=False, prefetch_next=()):
+                       dt_limit=DEFAULT_DT_LIMIT, z=None, impl, out=None, state_ready=False):
     """One token: xBC `[B, C]`, dt `[B, H]`; conv_state `[B, C, W-1]` and ssm_state `[B, H, P, N]` updated in
     place; returns y `[B, H, P]` (written into `out` when given). `state_ready` (Triton, see
-    triton.mamba2_decode_step): ssm_state was last written before a kernel launched without PDL.
-    `prefetch_next` (Triton on a GPU): contiguous weights of the GEMV after the step, prefetched into
-    L2 while it runs (`kernels.prefetch`); a hint that changes no result."""
-    extra = {"state_ready": state_ready, "prefetch_next": prefetch_next} if impl == "triton" else {}
+    triton.mamba2_decode_step): ssm_state was last written before a kernel launched without PDL."""
+    extra = {"state_ready": state_ready} if impl == "triton" else {}
     return _module(impl).mamba2_decode_step(xBC, dt, conv_state, conv_weight, conv_bias, ssm_state, A, D, dt_bias,
                                             ngroups=ngroups, headdim=headdim, dt_limit=dt_limit, z=z, out=out, **extra)

@@ -23,13 +23,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl, prefetch
-from kernels.prefetch import prefetch_l2
+from kernels import pdl
 from kernels.ssd.ref import DEFAULT_DT_LIMIT
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-# Bytes of `prefetch_next=` (kernels.prefetch) the decode step prefetches into L2.
-PREFETCH_BUDGET = 16 << 20
 
 
 def _configs(configs):
@@ -413,8 +410,7 @@ def _decode_step_kernel(
     H: tl.constexpr, P: tl.constexpr, G: tl.constexpr, N: tl.constexpr, W: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_Z: tl.constexpr, HAS_LIMIT: tl.constexpr, PDL: tl.constexpr = False,
-    STATE_READY: tl.constexpr = False, pf_ptr=None, pf_bytes=0, PREFETCH: tl.constexpr = False,
-    PF_LINES: tl.constexpr = 256,
+    STATE_READY: tl.constexpr = False,
 ):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -443,10 +439,6 @@ def _decode_step_kernel(
         tl.extra.cuda.gdc_wait()
     if not STATE_READY:
         s = tl.load(st, mask=pn_mask, other=0.0)
-    if PREFETCH:
-        # The out-projection's weights into L2 while this step runs its chain (kernels.prefetch).
-        prefetch_l2(pf_ptr, pf_bytes, (b * H + h) * tl.num_programs(2) + pid_p,
-                    tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2), PF_LINES)
     dt = tl.load(dt_ptr + b64 * s_db + h * s_dh).to(tl.float32) + tl.load(dtb_ptr + h).to(tl.float32)
     A = tl.load(A_ptr + h).to(tl.float32)
     Dh = tl.load(D_ptr + h).to(tl.float32)
@@ -516,8 +508,7 @@ def decode_block_p(headdim):
 
 
 def mamba2_decode_step(xBC, dt, conv_state, conv_weight, conv_bias, ssm_state, A, D, dt_bias, *, ngroups, headdim,
-                       dt_limit=DEFAULT_DT_LIMIT, z=None, out=None, block_p=None, state_ready=False,
-                       prefetch_next=(), prefetch_budget=None):
+                       dt_limit=DEFAULT_DT_LIMIT, z=None, out=None, block_p=None, state_ready=False):
     """One fused token step (see ref.mamba2_decode_step); conv_state and ssm_state are updated in place.
 
     `state_ready=True` promises that ssm_state was last written before a kernel launched without PDL
@@ -547,11 +538,6 @@ def mamba2_decode_step(xBC, dt, conv_state, conv_weight, conv_bias, ssm_state, A
     has_limit = tuple(dt_limit) != DEFAULT_DT_LIMIT
     block_p = block_p or decode_block_p(P)
     block_n = triton.next_power_of_2(N)
-    num_warps = 4 if block_p * block_n <= 4096 else 8
-    pf_args = {}
-    ((w, n),) = prefetch.ranges(prefetch_next, PREFETCH_BUDGET if prefetch_budget is None else prefetch_budget, 1)
-    if n and prefetch.enabled(xBC.device):
-        pf_args = dict(pf_ptr=w, pf_bytes=n, PREFETCH=True, PF_LINES=32 * num_warps)
     use_pdl = pdl(xBC.device)
     _decode_step_kernel[(Bsz, H, triton.cdiv(P, block_p))](
         xBC, dt, conv_state, conv_weight, conv_bias if conv_bias is not None else conv_weight, ssm_state,
@@ -561,6 +547,6 @@ def mamba2_decode_step(xBC, dt, conv_state, conv_weight, conv_bias, ssm_state, A
         float(dt_limit[0]), float(dt_limit[1]) if has_limit else 0.0,
         H=H, P=P, G=G, N=N, W=W, BLOCK_P=block_p, BLOCK_N=block_n, BLOCK_W=triton.next_power_of_2(W),
         HAS_BIAS=conv_bias is not None, HAS_Z=z is not None, HAS_LIMIT=has_limit, PDL=use_pdl,
-        STATE_READY=bool(state_ready), num_warps=num_warps, launch_pdl=use_pdl, **pf_args,
+        STATE_READY=bool(state_ready), num_warps=4 if block_p * block_n <= 4096 else 8, launch_pdl=use_pdl,
     )
     return out

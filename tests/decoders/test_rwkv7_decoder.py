@@ -118,6 +118,16 @@ def test_bad_prefill_chunk_is_usage_error():
         load(prefill_chunk=0)
 
 
+def test_triton_generates_twice_inside_the_callers_inference_mode():
+    """A model built inside inference mode has inference-tensor parameters; packing them for the fused
+    step must keep them so (it once turned them into normal tensors, and the next prefill failed)."""
+    with torch.inference_mode():
+        dec = decoders.load("rwkv7-tiny", impl="triton", device="cpu", seed=1)
+        ps = prompts([9, 4], seed=2)
+        first = dec.generate(ps, max_new_tokens=3).tokens
+        assert dec.generate(ps, max_new_tokens=3).tokens == first
+
+
 @torch.inference_mode()
 @pytest.mark.gpu
 def test_triton_decode_steps_replayed_in_cuda_graph_equal_eager():

@@ -435,31 +435,3 @@ def test_gpu_decode_triton_cuda_graph_replay(variant):
     assert not torch.isnan(out).any()
     assert rel_rms(out, want) < TOL
     assert not workspace.counters.any()
-
-
-@gpu_only
-@pytest.mark.parametrize("mode", [1, 2])
-@pytest.mark.parametrize("seq_lens,variant", [([4097], "long"), ([1, 17, 1000, 4097], "split"), ([300, 0, 17], "long")])
-def test_gpu_decode_prefetch_changes_nothing(seq_lens, variant, mode):
-    """With the next weights prefetched into L2 (budgets from none to all, sizes that are not whole
-    lines), the output and the cache are bit for bit those of the call without."""
-    from kernels.paged_attention import triton as ptri
-
-    page, group, num_kv_heads, head_dim = 16, 4, 8, 64
-    k_cache, v_cache, block_tables, lens = make_cache(seq_lens, page, num_kv_heads, head_dim)
-    B, hq = len(seq_lens), group * num_kv_heads
-    qkv = torch.randn(B, hq + 2 * num_kv_heads, head_dim, device=DEVICE).to(DTYPE)
-    q, k, v = qkv.split([hq, num_kv_heads, num_kv_heads], dim=1)
-    cos, sin = rope_tables(max(seq_lens) + 3, head_dim)
-    weights = (torch.randn(1000, 37, device=DEVICE).to(DTYPE), torch.randn(3_000_001, device=DEVICE).to(DTYPE))
-    workspace = pa.decode_workspace(B, hq, num_kv_heads, head_dim, max(seq_lens), DEVICE, variant=variant)
-    runs = []
-    for budget in (None, 0, 1 << 40):
-        caches = k_cache.clone(), v_cache.clone()
-        kwargs = {} if budget is None else dict(prefetch_next=weights, prefetch_budget=budget, prefetch_mode=mode)
-        out = ptri.paged_decode_attention(q, *caches, block_tables, lens, head_dim**-0.5, workspace=workspace,
-                                          rope=(k, v, cos, sin), **kwargs)
-        runs.append((out, *caches))
-    for run in runs[1:]:
-        for got, want in zip(run, runs[0]):
-            assert torch.equal(got, want)

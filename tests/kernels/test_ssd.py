@@ -260,20 +260,19 @@ def test_gpu_triton_causal_conv1d_bf16(nan_empty):
 
 
 @GPU
-@pytest.mark.parametrize("ready_prefetch", [False, True])
+@pytest.mark.parametrize("state_ready", [False, True])
 @pytest.mark.parametrize("Bsz", [1, 64])
-def test_gpu_triton_decode_step_bf16_in_cuda_graph(Bsz, ready_prefetch):
+def test_gpu_triton_decode_step_bf16_in_cuda_graph(Bsz, state_ready):
     """The 1.3b shape in bf16, captured once in a CUDA graph and replayed for 5 tokens, equals 5 ref steps;
     also with the state loaded before the PDL wait (its inputs change between replays by PyTorch copies,
-    which PDL does not overlap) and a prefetch of weights that are not whole lines."""
+    which PDL does not overlap)."""
     s = MAMBA2_13B
     args, z = decode_inputs(Bsz, s["H"], s["P"], s["G"], s["N"], s["W"], dtype=torch.bfloat16)
     ref_args = {k: v.clone() for k, v in args.items()}
     out = torch.full((Bsz, s["H"], s["P"]), float("nan"), device=DEV, dtype=torch.bfloat16)
     xs = torch.randn(5, *args["xBC"].shape, device=DEV).to(torch.bfloat16)
     dts = torch.randn(5, *args["dt"].shape, device=DEV).to(torch.bfloat16)
-    extra = dict(state_ready=True, prefetch_next=(torch.zeros(5_000_001, dtype=torch.uint8, device=DEV),)) \
-        if ready_prefetch else {}
+    extra = dict(state_ready=True) if state_ready else {}
 
     def step():
         ssd.mamba2_decode_step(**args, ngroups=s["G"], headdim=s["P"], impl="triton", out=out, **extra)
