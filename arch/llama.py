@@ -77,11 +77,6 @@ class PagedBatch:
     max_seqlen_q: int = 1
     impl: str = "ref"
     workspace: dict | None = field(default=None, repr=False)
-    # Triton decode: seq_lens, block_tables and the cached rows before each sequence's new position
-    # were written before a kernel launched without PDL (a decoder step: seq_lens by a PyTorch
-    # kernel of the step, the rows by earlier steps, each ending with PyTorch sampling), so the
-    # decode kernel may read them before its PDL wait (`paged_decode_attention(kv_ready=)`).
-    kv_ready: bool = False
 
 
 def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -243,7 +238,7 @@ class Attention(FusedLinears):
             q, k, v = self.qkv_projection(x)
             out = paged_attention.paged_decode_attention(
                 q, k_cache, v_cache, batch.block_tables, batch.seq_lens, self.scale, impl="triton", workspace=batch.workspace,
-                rope=(k, v, *rotary.tables()), kv_ready=batch.kv_ready,
+                rope=(k, v, *rotary.tables()),
             )
             return gemv.linear(out.flatten(-2), self.o_proj.weight, impl="triton")
         if fused:

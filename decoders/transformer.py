@@ -145,9 +145,6 @@ class TransformerDecoder(AutoregressiveDecoder):
             decode=True,
             impl=self.impl,
             workspace=cache.workspace,
-            # seq_lens is computed just above by a PyTorch kernel, the rows come from earlier steps
-            # (each ends with PyTorch sampling) or the prefill, the block table from the host.
-            kv_ready=True,
         )
         return self.model.forward_paged(tokens, positions, batch)
 

@@ -232,15 +232,14 @@ def _decode_split_kernel(
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
     S_PAD: tl.constexpr, FLAT_MERGE: tl.constexpr, EARLY_V: tl.constexpr, PDL: tl.constexpr = False,
     kn_ptr=None, vn_ptr=None, cos_ptr=None, sin_ptr=None, stride_knb=0, stride_knh=0, stride_vnb=0, stride_vnh=0,
-    stride_cos=0, ROPE: tl.constexpr = False, KV_READY: tl.constexpr = False,
+    stride_cos=0, ROPE: tl.constexpr = False,
 ):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     split = tl.program_id(0)
     hk = tl.program_id(1)
     b = tl.program_id(2)
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        if not KV_READY:
-            tl.extra.cuda.gdc_wait()
     seq_len = tl.load(seq_lens_ptr + b)
     # Every sequence is cut into num_splits equal runs of whole tiles, computed here from its own
     # length, so short sequences still spread over all splits and the grid stays fixed.
@@ -258,41 +257,19 @@ def _decode_split_kernel(
     else:
         qmask = (g[:, None] < G) & (d[None, :] < D)
     o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
-    bt_row = bt_ptr + b.to(tl.int64) * stride_btb
-    if KV_READY:
-        # Before the wait (the caller's promise: seq_lens, the block table and every cached row
-        # before the step's own position were written before the step began), the split's first
-        # tile without that position, which the program adds from registers after its loop.
-        end_old = tl.minimum(end, seq_len - 1)
-        pos0 = start + tl.arange(0, BLOCK_N)
-        valid0 = pos0 < end_old
-        page0 = tl.load(bt_row + pos0 // PAGE, mask=valid0, other=0).to(tl.int64)
-        if D == D_PAD:
-            kvmask0 = valid0[:, None]
-        else:
-            kvmask0 = valid0[:, None] & (d[None, :] < D)
-        k0 = tl.load(k_ptr + (page0 * stride_kb + (pos0 % PAGE) * stride_kt + hk * stride_kh)[:, None] + d[None, :],
-                     mask=kvmask0, other=0.0)
-        v0 = tl.load(v_ptr + (page0 * stride_vb + (pos0 % PAGE) * stride_vt + hk * stride_vh)[:, None] + d[None, :],
-                     mask=kvmask0, other=0.0)
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-    else:
-        end_old = end
     if start < end:
         # [G_PAD, D_PAD]: the G query heads sharing kv head hk are the M rows of both dots.
         q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=qmask, other=0.0)
         m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([G_PAD], dtype=tl.float32)
         acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
+        bt_row = bt_ptr + b.to(tl.int64) * stride_btb
         if ROPE:
             # The step's own token, at position seq_len - 1: rotate q here instead of in a kernel
             # before. The split holding that position also rotates the new key of kv head hk and
             # writes it and the value into the cache before its loop; the barrier makes the row
-            # visible to every thread of the program, which then reads it like the older rows
-            # (with KV_READY its tiles leave the row out and it is added from registers instead).
+            # visible to every thread of the program, which then reads it like the older rows.
             p_new = seq_len - 1
-            owner = end == seq_len
             HALF: tl.constexpr = D // 2
             partner = tl.where(d < HALF, d + HALF, d - HALF)
             dmask = d < D
@@ -301,33 +278,20 @@ def _decode_split_kernel(
             sin = tl.load(sin_ptr + p_new * stride_cos + d % HALF, mask=dmask, other=0.0) * tl.where(d < HALF, -1.0, 1.0)
             q_p = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + partner[None, :], mask=qmask, other=0.0)
             q = (q.to(tl.float32) * cos[None, :] + q_p.to(tl.float32) * sin[None, :]).to(q.dtype)
-            k_row = kn_ptr + b * stride_knb + hk * stride_knh
-            k_a = tl.load(k_row + d, mask=dmask & owner, other=0.0).to(tl.float32)
-            k_b = tl.load(k_row + partner, mask=dmask & owner, other=0.0).to(tl.float32)
-            k_new = (k_a * cos + k_b * sin).to(k_ptr.dtype.element_ty)
-            v_new = tl.load(vn_ptr + b * stride_vnb + hk * stride_vnh + d, mask=dmask & owner, other=0.0)
-            if owner:
+            if end == seq_len:
+                k_row = kn_ptr + b * stride_knb + hk * stride_knh
+                k_a = tl.load(k_row + d, mask=dmask, other=0.0).to(tl.float32)
+                k_b = tl.load(k_row + partner, mask=dmask, other=0.0).to(tl.float32)
+                v_new = tl.load(vn_ptr + b * stride_vnb + hk * stride_vnh + d, mask=dmask, other=0.0)
                 page_new = tl.load(bt_row + p_new // PAGE).to(tl.int64)
                 row_new = page_new * stride_kb + (p_new % PAGE) * stride_kt + hk * stride_kh
-                tl.store(k_ptr + row_new + d, k_new, mask=dmask)
+                tl.store(k_ptr + row_new + d, (k_a * cos + k_b * sin).to(k_ptr.dtype.element_ty), mask=dmask)
                 tl.store(v_ptr + page_new * stride_vb + (p_new % PAGE) * stride_vt + hk * stride_vh + d,
                          v_new.to(v_ptr.dtype.element_ty), mask=dmask)
-                if not KV_READY:
-                    tl.debug_barrier()
-        if KV_READY:
-            # The first tile, loaded before the wait (it may be empty: m_i stays -inf, p 0).
-            qk = tl.dot(q, tl.trans(k0)) * qk_scale
-            qk = tl.where(valid0[None, :], qk, float("-inf"))
-            m_i = tl.max(qk, 1)
-            p = tl.exp2(qk - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
-            l_i = tl.sum(p, 1)
-            acc = tl.dot(p.to(v0.dtype), v0)
-            first = start + BLOCK_N
-        else:
-            first = start
-        for n0 in range(first, end, BLOCK_N):
+                tl.debug_barrier()
+        for n0 in range(start, end, BLOCK_N):
             pos = n0 + tl.arange(0, BLOCK_N)
-            valid = pos < end_old
+            valid = pos < end
             page = tl.load(bt_row + pos // PAGE, mask=valid, other=0).to(tl.int64)
             if D == D_PAD:
                 kvmask = valid[:, None]
@@ -350,18 +314,6 @@ def _decode_split_kernel(
                 v_off = page * stride_vb + (pos % PAGE) * stride_vt + hk * stride_vh
                 v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=kvmask, other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
-        if KV_READY:
-            # The step's own key and value, left out of the tiles, from registers (weight 0 outside
-            # the split that holds the position).
-            s_new = tl.where(owner, tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * qk_scale,
-                             float("-inf"))
-            m_new = tl.maximum(m_i, s_new)
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_use)
-            p_n = tl.exp2(s_new - m_use)
-            l_i = l_i * alpha + p_n
-            acc = acc * alpha[:, None] + p_n[:, None] * v_new.to(tl.float32)[None, :]
             m_i = m_new
         if n_valid == 1:
             # The only split with data: its result is final.
@@ -441,19 +393,13 @@ def _decode_split_kernel(
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *, out=None, workspace=None,
-                           config=None, rope=None, kv_ready=False):
+                           config=None, rope=None):
     """Flash-decoding over the paged cache: q `[B, Hq, D]` -> `[B, Hq, D]` in q's dtype.
 
     `rope=(k, v, cos, sin)`: q and k `[B, Hkv, D]` are not yet rotated and the step's K/V row (position
     seq_len - 1) is not yet in the cache: the kernel rotates q and k (tables `[P, D/2]` float32) and
     writes the rotated k and v into the cache itself, as `kernels.rotary.apply_rotary_write_kv` would
     have before the call.
-
-    `kv_ready=True` (with `rope`) promises that seq_lens, block_tables and every cached row before
-    position seq_len - 1 were last written before a kernel launched without PDL (in a decode step:
-    seq_lens by a PyTorch kernel of the step, the rows by earlier steps, each ending with PyTorch
-    sampling kernels). Under PDL each program then loads its first K/V tile before gdc_wait(),
-    overlapping the q/k/v projection before it, and adds the step's own row from registers.
 
     Without a workspace one is allocated for max_seq_len = block_tables.shape[1] * block_size (a
     host bound, no sync); pass one made by `decode_workspace` to capture the call in a CUDA graph.
@@ -501,8 +447,6 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *
         rope_args = dict(kn_ptr=k_new, vn_ptr=v_new, cos_ptr=cos, sin_ptr=sin, stride_knb=k_new.stride(0),
                          stride_knh=k_new.stride(1), stride_vnb=v_new.stride(0), stride_vnh=v_new.stride(1),
                          stride_cos=cos.stride(0), ROPE=True)
-    if kv_ready and rope is None:
-        raise ValueError("paged_decode_attention: kv_ready needs rope= (the step's own row must come from registers)")
     use_pdl = pdl(q.device)
     _decode_split_kernel[(splits, num_kv_heads, batch)](
         q, k_cache, v_cache, block_tables, seq_lens, lse, part, cnt, out,
@@ -521,7 +465,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *
         # S_PAD only shapes the flat merge; fixed otherwise so the default compiles once for all split counts.
         S_PAD=s_pad if spec.flat_merge else 1, FLAT_MERGE=spec.flat_merge,
         EARLY_V=spec.early_v, PDL=use_pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=use_pdl,
-        KV_READY=bool(kv_ready), **rope_args,
+        **rope_args,
     )
     return out
 

@@ -159,10 +159,8 @@ def rope_tables(max_pos, head_dim):
     return ang.cos().float().to(DEVICE), ang.sin().float().to(DEVICE)
 
 
-def run_decode_rope(seq_lens, page, group, num_kv_heads, head_dim, *, num_splits=None, variant="split", tol=TOL,
-                    kv_ready=False):
-    """Decode with the step's RoPE and cache write folded in, against the reference doing them first
-    (`kv_ready`: the first tiles loaded before the PDL wait, the step's own row added from registers)."""
+def run_decode_rope(seq_lens, page, group, num_kv_heads, head_dim, *, num_splits=None, variant="split", tol=TOL):
+    """Decode with the step's RoPE and cache write folded in, against the reference doing them first."""
     k_cache, v_cache, block_tables, lens = make_cache(seq_lens, page, num_kv_heads, head_dim)
     # The step's own row (position seq_len - 1) is not in the cache yet: NaN there until written.
     for b, n in enumerate(seq_lens):
@@ -181,7 +179,7 @@ def run_decode_rope(seq_lens, page, group, num_kv_heads, head_dim, *, num_splits
     workspace = pa.decode_workspace(B, hq, num_kv_heads, head_dim, max(seq_lens), DEVICE, num_splits=num_splits,
                                     variant=variant)
     got = pa.paged_decode_attention(q, k_cache, v_cache, block_tables, lens, scale, impl="triton",
-                                    workspace=workspace, rope=(k, v, cos, sin), kv_ready=kv_ready)
+                                    workspace=workspace, rope=(k, v, cos, sin))
     assert not torch.isnan(got).any()
     assert rel_rms(got, want) < tol
     assert torch.equal(qkv, before)
@@ -203,26 +201,6 @@ def run_decode_rope(seq_lens, page, group, num_kv_heads, head_dim, *, num_splits
 )
 def test_decode_rope_folded_in_matches_ref(seq_lens, page, group, num_kv_heads, head_dim, num_splits, variant):
     run_decode_rope(seq_lens, page, group, num_kv_heads, head_dim, num_splits=num_splits, variant=variant)
-
-
-@pytest.mark.parametrize(
-    "seq_lens,num_splits,variant",
-    [
-        ([1, 17, 300, 0], None, "split"),  # a one-token sequence: the owner's first tile is empty
-        ([129, 193], 2, "split"),  # 64-key tiles: the new row alone in a split, then alone in a loop tile
-        ([300, 33], 2, "split"),  # splits of three tiles: the loop runs after the first
-        ([300, 17], None, "long"),
-    ],
-)
-def test_decode_kv_ready_matches_ref(seq_lens, num_splits, variant):
-    run_decode_rope(seq_lens, 16, 4, 2, 64, num_splits=num_splits, variant=variant, kv_ready=True)
-
-
-def test_decode_kv_ready_needs_rope():
-    k_cache, v_cache, block_tables, lens = make_cache([5], 16, 2, 64)
-    q = torch.randn(1, 4, 64, device=DEVICE).to(DTYPE)
-    with pytest.raises(ValueError, match="kv_ready needs rope"):
-        pa.paged_decode_attention(q, k_cache, v_cache, block_tables, lens, 0.1, impl="triton", kv_ready=True)
 
 
 def test_decode_rope_bad_shapes_are_an_error():

@@ -393,45 +393,6 @@ def test_paged_decode_pdl_path(monkeypatch, num_splits):
     run_pdl(monkeypatch, "paged_attention", make)
 
 
-def _decode_rope(kv_ready, watch_ready=False):
-    """make() for a paged decode with RoPE folded in. With kv_ready the lengths, tables and caches are
-    not watched (the promise), unless watch_ready."""
-    pa = kmod("paged_attention")
-
-    def make():
-        k_cache, v_cache, tables, lens = _paged_inputs([40, 1, 75], 16, 2, 16)
-        qkv = randn(3, 8, 16, seed=1)
-        q, k, v = qkv.split([4, 2, 2], dim=1)
-        pos = torch.arange(80, dtype=torch.float32)[:, None] / 100 ** (torch.arange(8) / 8)
-        cos, sin = pos.cos(), pos.sin()
-        ws = pa.decode_workspace(3, 4, 2, 16, 80, DEVICE, num_splits=3)
-        out = torch.empty(3, 4, 16)
-        run = lambda: [pa.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.25, out=out, workspace=ws,  # noqa: E731
-                                                 rope=(k, v, cos, sin), kv_ready=kv_ready), k_cache, v_cache]
-        ready = (k_cache, v_cache, tables, lens) if watch_ready or not kv_ready else ()
-        return run, (qkv, out, ws.lse, ws.partial, ws.counters, *ready)
-
-    return make
-
-
-@interpreter_only
-@pytest.mark.parametrize("kv_ready", [False, True])
-def test_paged_decode_rope_pdl_path(monkeypatch, kv_ready):
-    run_pdl(monkeypatch, "paged_attention", _decode_rope(kv_ready))
-
-
-@interpreter_only
-def test_kv_ready_loads_the_cache_before_the_wait(monkeypatch):
-    """kv_ready=True with the cache, tables and lengths poisoned at gdc_launch_dependents (lengths 0,
-    caches NaN): the call computes with the poison; without kv_ready the same watch changes nothing."""
-    run, _ = _decode_rope(False)()
-    want = run()[0].clone()
-    for kv_ready in (False, True):
-        guard, got = run_guarded(monkeypatch, "paged_attention", *_decode_rope(kv_ready, watch_ready=True)())
-        assert not guard.errors and guard.launches == guard.waits > 0
-        assert same(got[0], want) != kv_ready
-
-
 @interpreter_only
 def test_write_kv_pdl_path(monkeypatch):
     pa = kmod("paged_attention")
