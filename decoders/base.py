@@ -286,6 +286,9 @@ class AutoregressiveDecoder(Decoder):
     def forward_and_sample(self, state: ARState) -> torch.Tensor:
         """One decode forward and on-device sampling, updating the state's buffers: what a graph captures."""
         logits = self.decode_forward(state.cache, state.next_tokens, state.positions)
+        # Sampling and the position update are PyTorch kernels, launched without PDL: the next step's
+        # kernels start only after they (and everything before them) have finished, which the
+        # Mamba-2 decoder relies on to load each layer's state before its PDL wait (`state_ready`).
         state.next_tokens.copy_(sample(logits, state.sampling, state.generator))
         state.positions.add_(1)
         return logits
