@@ -429,16 +429,15 @@ def _decode_step_kernel(
     w_mask = offs_w[None, :] < W - 1
 
     # 1. Every load first, the state tile [BLOCK_P, BLOCK_N] (most of the bytes) leading, so one memory
-    #    round trip covers all of them. With STATE_READY the state tile is loaded before the wait
-    #    (bypassing L1), overlapping the kernel before; everything else after it.
+    #    round trip covers all of them. With STATE_READY the state tile (read from L2) is loaded
+    #    before the wait, overlapping the kernel before; everything else after it.
     st = st_ptr + b64 * s_sb + h * s_sh + offs_p[:, None] * s_sp + offs_n[None, :] * s_sn
     pn_mask = p_mask[:, None] & n_mask[None, :]
-    if STATE_READY:
-        s = tl.load(st, mask=pn_mask, other=0.0, cache_modifier=".cg")
-    if PDL:
+    if PDL and not STATE_READY:
         tl.extra.cuda.gdc_wait()
-    if not STATE_READY:
-        s = tl.load(st, mask=pn_mask, other=0.0)
+    s = tl.load(st, mask=pn_mask, other=0.0, cache_modifier=".cg")
+    if PDL and STATE_READY:
+        tl.extra.cuda.gdc_wait()
     dt = tl.load(dt_ptr + b64 * s_db + h * s_dh).to(tl.float32) + tl.load(dtb_ptr + h).to(tl.float32)
     A = tl.load(A_ptr + h).to(tl.float32)
     Dh = tl.load(D_ptr + h).to(tl.float32)

@@ -64,15 +64,14 @@ def _step_kernel(
     cv = i_v * BV + tl.arange(0, BV)
     mk = ck < K
     mv = cv < V
-    # [BK, BV] block of the state: with STATE_READY loaded before the wait (bypassing L1)
+    # [BK, BV] block of the state (read from L2): with STATE_READY loaded before the wait
     s_ptr = state + i_b * s_sb + i_h * s_sh + ck[:, None].to(tl.int64) * s_sk + cv[None, :]
     m_s = mk[:, None] & mv[None, :]
-    if STATE_READY:
-        S = tl.load(s_ptr, mask=m_s, other=0.0, cache_modifier=".cg")
-    if PDL:
+    if PDL and not STATE_READY:
         tl.extra.cuda.gdc_wait()
-    if not STATE_READY:
-        S = tl.load(s_ptr, mask=m_s, other=0.0)
+    S = tl.load(s_ptr, mask=m_s, other=0.0, cache_modifier=".cg")
+    if PDL and STATE_READY:
+        tl.extra.cuda.gdc_wait()
     x_off = i_b * s_xb + i_h * s_xh + ck
     rr = tl.load(r + x_off, mask=mk, other=0.0).to(tl.float32)
     ww = tl.load(w + x_off, mask=mk, other=0.0).to(tl.float32)
