@@ -322,3 +322,127 @@ def sqrelu_triton(x):
     _sqrelu_kernel[(triton.cdiv(x.numel(), BLOCK),)](x, x.numel(), BLOCK=BLOCK, PDL=use_pdl, num_warps=4,
                                                      launch_pdl=use_pdl)
     return x
+
+
+@triton.jit
+def _up_tile(up, s_up, c, mc, off, width, BR: tl.constexpr):
+    """Columns [off, off + width) of the up-projection rows c: `[BC, BR]`, zeros past width."""
+    j = tl.arange(0, BR)
+    return tl.load(up + c[:, None].to(tl.int64) * s_up + off + j[None, :], mask=mc[:, None] & (j[None, :] < width), other=0.0)
+
+
+@triton.jit
+def _lora_out(tile, lo, width, ACT: tl.constexpr, BR: tl.constexpr):
+    """act(lo[:width]) times the tile's rows: one LoRA's output on the tile's channels, `[BC]` float32."""
+    j = tl.arange(0, BR)
+    y = tl.load(lo + j, mask=j < width, other=0.0).to(tl.float32)
+    if ACT == 1:
+        # why: tanh(y) = 2 sigmoid(2y) - 1, one exp, no libdevice call
+        y = 2.0 * tl.sigmoid(2.0 * y) - 1.0
+    if ACT == 2:
+        y = tl.sigmoid(y)
+    # the tile is zero past width, so the activation of the padding (sigmoid(0) = 0.5) adds nothing
+    return tl.sum(tile.to(tl.float32) * y[None, :], axis=1)
+
+
+@triton.jit
+def _lora_time_mix_kernel(
+    r, k, v, lo_v, lo_w, lo_a, lo_g, up, bias_w, bias_a, bias_v, k_k, k_a, v_first, x, w_out, g_out,
+    s_r, s_k, s_v, s_lv, s_lw, s_la, s_lg, s_up, s_vf, B, C, D, off_w, off_a, off_g, n_v, n_w, n_a, n_g,
+    HAS_VLORA: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr, ROWS: tl.constexpr,
+    BR_V: tl.constexpr, BR_W: tl.constexpr, BR_A: tl.constexpr, BR_G: tl.constexpr, PDL: tl.constexpr = False,
+):
+    i_c = tl.program_id(0)
+    c = i_c * BC + tl.arange(0, BC)
+    mc = c < C
+    # the whole head holding this program's channels (the key normalisation reduces over it)
+    hd = (i_c * BC) // D * D + tl.arange(0, BD)
+    mh = tl.arange(0, BD) < D
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    # Weights only (no kernel's output): with PDL they are fetched while the previous kernel finishes.
+    t_w = _up_tile(up, s_up, c, mc, off_w, n_w, BR_W)
+    t_a = _up_tile(up, s_up, c, mc, off_a, n_a, BR_A)
+    t_g = _up_tile(up, s_up, c, mc, off_g, n_g, BR_G)
+    if HAS_VLORA:
+        t_v = _up_tile(up, s_up, c, mc, 0, n_v, BR_V)
+        b_v = tl.load(bias_v + c, mask=mc, other=0.0).to(tl.float32)
+    b_w = tl.load(bias_w + c, mask=mc, other=0.0).to(tl.float32)
+    b_a = tl.load(bias_a + c, mask=mc, other=0.0).to(tl.float32)
+    kk_c = tl.load(k_k + c, mask=mc, other=0.0).to(tl.float32)
+    kk_h = tl.load(k_k + hd, mask=mh, other=0.0).to(tl.float32)
+    ka_c = tl.load(k_a + c, mask=mc, other=0.0).to(tl.float32)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    dt = x.dtype.element_ty
+    for i in tl.static_range(ROWS):
+        i_b = tl.program_id(1).to(tl.int64) * ROWS + i
+        m = mc & (i_b < B)
+        u_w = _lora_out(t_w, lo_w + i_b * s_lw, tl.where(i_b < B, n_w, 0), 1, BR_W)
+        u_a = _lora_out(t_a, lo_a + i_b * s_la, tl.where(i_b < B, n_a, 0), 0, BR_A)
+        u_g = _lora_out(t_g, lo_g + i_b * s_lg, tl.where(i_b < B, n_g, 0), 2, BR_G)
+        rr = tl.load(r + i_b * s_r + c, mask=m, other=0.0).to(tl.float32)
+        kf = tl.load(k + i_b * s_k + c, mask=m, other=0.0).to(tl.float32)
+        vf = tl.load(v + i_b * s_v + c, mask=m, other=0.0).to(tl.float32)
+        kh = tl.load(k + i_b * s_k + hd, mask=mh & (i_b < B), other=0.0).to(tl.float32) * kk_h
+        if HAS_VLORA:
+            u_v = _lora_out(t_v, lo_v + i_b * s_lv, tl.where(i_b < B, n_v, 0), 0, BR_V)
+            vfirst = tl.load(v_first + i_b * s_vf + c, mask=m, other=0.0).to(tl.float32)
+            vf = vf + (vfirst - vf) * tl.sigmoid(u_v + b_v)
+        w = -_W_SCALE * tl.sigmoid(u_w + b_w)
+        iclr = tl.sigmoid(u_a + b_a)
+        # F.normalize over the head: divide by max(||k * k_k||, 1e-12)
+        kk = kf * kk_c / tl.maximum(tl.sqrt(tl.sum(kh * kh, axis=0)), 1e-12)
+        kf = kf * (1.0 + (iclr - 1.0) * ka_c)
+        row = i_b * C + c
+        tl.store(x + row, rr.to(dt), mask=m)
+        tl.store(x + B * C + row, kf.to(dt), mask=m)
+        tl.store(x + 2 * B * C + row, vf.to(dt), mask=m)
+        tl.store(x + 3 * B * C + row, (-kk).to(dt), mask=m)
+        tl.store(x + 4 * B * C + row, (kk * iclr).to(dt), mask=m)
+        tl.store(w_out + row, w, mask=m)
+        tl.store(g_out + row, u_g.to(dt), mask=m)
+
+
+def lora_time_mix_triton(r, k, v, lora, up, bias_w, bias_a, bias_v, k_k, k_a, v_first, *, head_dim,
+                         out=None, w_out=None, g_out=None, block_c=None):
+    """See `lora_time_mix_ref`; written into `out` `[5, B, C]`, `w_out` `[B, C]` float32 and `g_out`
+    `[B, C]` when given. `block_c` channels per program (default 16, a divisor of head_dim)."""
+    B, C = r.shape
+    for name, t in (("r", r), ("k", k), ("v", v)) + ((("v_first", v_first),) if v_first is not None else ()):
+        _check_rows(name, t, C)
+    NB = 4 if v_first is not None else 3
+    if len(lora) != NB:
+        raise ValueError(f"rwkv7_fused: {NB} LoRA blocks expected ({'v, ' if NB == 4 else ''}w, a, g), got {len(lora)}")
+    widths = [blk.shape[1] for blk in lora]
+    for blk in lora:
+        if blk.dim() != 2 or blk.shape[0] != B or blk.stride(1) != 1:
+            raise ValueError(f"rwkv7_fused: LoRA blocks must be [B, D_j] with unit last stride, got {tuple(blk.shape)}")
+    if up.shape != (C, sum(widths)) or up.stride(1) != 1:
+        raise ValueError(f"rwkv7_fused: up must be [{C}, {sum(widths)}] with unit last stride, got {tuple(up.shape)}")
+    BC = block_c or min(16, head_dim)
+    if head_dim % BC or C % head_dim:
+        raise ValueError(f"rwkv7_fused: block_c {BC} must divide head_dim {head_dim}, which must divide {C}")
+    x = torch.empty(5, B, C, dtype=r.dtype, device=r.device) if out is None else out
+    w = torch.empty(B, C, dtype=torch.float32, device=r.device) if w_out is None else w_out
+    g = torch.empty(B, C, dtype=r.dtype, device=r.device) if g_out is None else g_out
+    if x.shape != (5, B, C) or not x.is_contiguous() or w.shape != (B, C) or w.dtype != torch.float32 or not w.is_contiguous():
+        raise ValueError("rwkv7_fused: out must be contiguous [5, B, C] and w_out float32 [B, C]")
+    if g.shape != (B, C) or not g.is_contiguous():
+        raise ValueError(f"rwkv7_fused: g_out must be contiguous [{B}, {C}]")
+    blocks = ([None] if v_first is None else []) + list(lora)  # v, w, a, g (v absent without a value LoRA)
+    widths = [0] + widths if v_first is None else widths
+    offs = [sum(widths[:j]) for j in range(4)]
+    pow2 = [triton.next_power_of_2(max(n, 1)) for n in widths]
+    # rows per program: the up tiles are loaded once for all of them
+    ROWS = min(8, triton.next_power_of_2(B))
+    use_pdl = pdl(r.device)
+    _lora_time_mix_kernel[(C // BC, triton.cdiv(B, ROWS))](
+        r, k, v, *(blocks[0] if blocks[0] is not None else r, *blocks[1:]), up,
+        bias_w, bias_a, bias_w if bias_v is None else bias_v, k_k, k_a, r if v_first is None else v_first, x, w, g,
+        r.stride(0), k.stride(0), v.stride(0), *(0 if t is None else t.stride(0) for t in blocks), up.stride(0),
+        0 if v_first is None else v_first.stride(0), B, C, head_dim, offs[1], offs[2], offs[3], *widths,
+        HAS_VLORA=v_first is not None, BC=BC, BD=triton.next_power_of_2(head_dim), ROWS=ROWS,
+        BR_V=pow2[0], BR_W=pow2[1], BR_A=pow2[2], BR_G=pow2[3], PDL=use_pdl, num_warps=4, launch_pdl=use_pdl,
+    )
+    return x, w, g
