@@ -51,7 +51,7 @@ from torch import nn
 
 from arch.checkpoint import CheckpointError, assign_weights, config_from_dict, load_weights, read_json
 from kernels import gemv
-from kernels.rwkv7_fused import add_norm_shift, gate_output, lora_time_mix
+from kernels.rwkv7_fused import add_norm_shift, gate_output, lora_hidden, time_mix_inputs
 from kernels.wkv7 import wkv7_chunk, wkv7_chunk_factored, wkv7_step
 
 FAMILY = "rwkv7"
@@ -194,14 +194,15 @@ class TimeMix(nn.Module):
         return self.output(o, r, k, v, g), v_first
 
     def loras(self):
-        """The LoRAs in the packed order: v (layers > 0), w, a, g."""
-        return ([self.v_lora] if self.layer else []) + [self.w_lora, self.a_lora, self.g_lora]
+        """(LoRA, activation) in the packed order: v (layers > 0), w, a, g."""
+        loras = [(self.w_lora, "tanh"), (self.a_lora, None), (self.g_lora, "sigmoid")]
+        return ([(self.v_lora, None)] if self.layer else []) + loras
 
     def packed(self) -> Packed:
         """The packed weights, (re)built when the parameters are not (or no longer) views of them."""
         mixes = [getattr(self, n) for n in ("x_r", "x_k", "x_v", "x_w", "x_a", "x_g")]
-        downs = [self.r_proj.weight, self.k_proj.weight, self.v_proj.weight] + [m.lora[0].weight for m in self.loras()]
-        ups = [m.lora[2].weight for m in self.loras()]
+        downs = [self.r_proj.weight, self.k_proj.weight, self.v_proj.weight] + [m.lora[0].weight for m, _ in self.loras()]
+        ups = [m.lora[2].weight for m, _ in self.loras()]
         params = mixes + downs + ups
         key = tuple(p.data_ptr() for p in params)
         pack = getattr(self, "_packed", None)
@@ -248,16 +249,18 @@ class TimeMix(nn.Module):
             r, k, v = rkv.unbind(0)
             d = xs[g0:].reshape(nb * B, C) @ pack.down[3 * C :].T
             lo = [d[j * B : (j + 1) * B, offs[j] : offs[j + 1]] for j in range(nb)]
+        # [nb * B, R] block-diagonal activations, then [nb * B, C]: row block j is LoRA j's output
+        u = gemv.linear(lora_hidden(lo, [act for _, act in self.loras()], impl="triton"), pack.up, impl="triton")
         bias_v = self.v_lora.lora[2].bias if self.layer else None
-        # the LoRA up-projections, with the WKV-7 inputs built from their outputs
-        x, w, g = lora_time_mix(
-            r, k, v, lo, pack.up, self.w_lora.lora[2].bias, self.a_lora.lora[2].bias, bias_v, self.k_k, self.k_a,
+        x, w = time_mix_inputs(
+            r, k, v, u, self.w_lora.lora[2].bias, self.a_lora.lora[2].bias, bias_v, self.k_k, self.k_a,
             v_first if self.layer else None, head_dim=self.head_dim, impl="triton",
         )
         r, k, v, a, b = (self.heads(t) for t in x.unbind(0))
         # The state was last written before the step's embedding lookup (a PyTorch kernel, no PDL;
         # see `RWKV7ForCausalLM.fused_step`), so it may be loaded before the wait.
         o = wkv7_step(r, self.heads(w), k, v, a, b, state, impl="triton", state_ready=True)
+        g = u[(nb - 1) * B :]
         out = gate_output(o, r, k, v, g, self.r_k, self.g_norm.weight, self.g_norm.bias, eps=self.g_norm.eps, impl="triton")
         return gemv.linear(out, self.o_proj.weight, impl="triton"), (x[2] if self.layer == 0 else v_first)
 

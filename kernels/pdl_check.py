@@ -31,8 +31,7 @@ def _spec(label, folder, name, consts, options, ptrs=None, floats=(), unaligned=
 _GEMV_PTRS = {"part_ptr": "*fp32", "cnt_ptr": "*i32"}
 _GEMV_1 = dict(M=1, G=1, stride_xg=0, stride_wg=0, stride_bg=0, stride_og=0, M_POW2=1, HAS_BIAS=False, DOT_PREC="tf32")
 _RWKV = ("x", "delta", "weight", "bias", "prev", "mix", "out", "p0", "p1", "p2", "p3", "r", "k", "v", "u_v", "u_w",
-         "u_a", "bias_w", "bias_a", "bias_v", "k_k", "k_a", "v_first", "o", "g", "r_k", "norm_w", "norm_b", "lo_v",
-         "lo_w", "lo_a", "lo_g", "up", "g_out")
+         "u_a", "bias_w", "bias_a", "bias_v", "k_k", "k_a", "v_first", "o", "g", "r_k", "norm_w", "norm_b")
 _RWKV_PTRS = dict.fromkeys(_RWKV, "*bf16")
 
 # Decode shapes, batch 1, bf16: llama-1b (d 2048, 32/8 heads of 64, I 8192), mamba2-1.3b (d 2048,
@@ -71,9 +70,6 @@ SPECS = [
           dict(B=1, NB=4, A0=0, A1=1, A2=0, A3=2, BD=512), dict(num_warps=2), _RWKV_PTRS),
     _spec("rwkv7 time_mix_inputs", "rwkv7_fused", "_time_mix_inputs_kernel", dict(B=1, HAS_VLORA=True, BD=64),
           dict(num_warps=2), dict(_RWKV_PTRS, w_out="*fp32")),
-    _spec("rwkv7 lora_time_mix (ranks 64/96/96/256)", "rwkv7_fused", "_lora_time_mix_kernel",
-          dict(B=1, HAS_VLORA=True, BC=16, BD=64, ROWS=1, BR_V=64, BR_W=128, BR_A=128, BR_G=256), dict(num_warps=4),
-          dict(_RWKV_PTRS, w_out="*fp32")),
     _spec("rwkv7 gate_output", "rwkv7_fused", "_gate_output_kernel", dict(BD=64), dict(num_warps=2), _RWKV_PTRS,
           floats=("eps",)),
     _spec("rwkv7 sqrelu", "rwkv7_fused", "_sqrelu_kernel", dict(BLOCK=1024), dict(num_warps=4), _RWKV_PTRS),

@@ -9,12 +9,11 @@ from kernels.rwkv7_fused.ref import (
     add_norm_shift_ref,
     gate_output_ref,
     lora_hidden_ref,
-    lora_time_mix_ref,
     sqrelu_ref,
     time_mix_inputs_ref,
 )
 
-__all__ = ["add_norm_shift", "lora_hidden", "time_mix_inputs", "lora_time_mix", "gate_output", "sqrelu"]
+__all__ = ["add_norm_shift", "lora_hidden", "time_mix_inputs", "gate_output", "sqrelu"]
 
 
 def _pick(impl, ref, name):
@@ -46,15 +45,6 @@ def time_mix_inputs(r, k, v, u, bias_w, bias_a, bias_v, k_k, k_a, v_first, *, he
     dtype; w `[B, C]` float32 log-decay)."""
     fn = _pick(impl, time_mix_inputs_ref, "time_mix_inputs_triton")
     return fn(r, k, v, u, bias_w, bias_a, bias_v, k_k, k_a, v_first, head_dim=head_dim)
-
-
-def lora_time_mix(r, k, v, lora, up, bias_w, bias_a, bias_v, k_k, k_a, v_first, *, head_dim, impl):
-    """The LoRA up-projections and the WKV-7 inputs in one launch: r, k, v `[B, C]`, lora the LoRA
-    down-projection outputs `[B, D_j]` ((v,) w, a, g; no v without v_first), up `[C, sum D_j]` their
-    up-projections as column blocks. Returns (x `[5, B, C]`: r, k, v, a, b; w `[B, C]` float32
-    log-decay; g `[B, C]` the output gate)."""
-    fn = _pick(impl, lora_time_mix_ref, "lora_time_mix_triton")
-    return fn(r, k, v, lora, up, bias_w, bias_a, bias_v, k_k, k_a, v_first, head_dim=head_dim)
 
 
 def gate_output(o, r, k, v, g, r_k, norm_weight, norm_bias, *, eps, impl):

@@ -78,32 +78,6 @@ def time_mix_inputs_ref(r, k, v, u, bias_w, bias_a, bias_v, k_k, k_a, v_first, *
     return torch.stack([rf, kf, vf, -kk, kk * iclr]).to(r.dtype), w
 
 
-def lora_time_mix_ref(r, k, v, lora, up, bias_w, bias_a, bias_v, k_k, k_a, v_first, *, head_dim):
-    """r, k, v `[B, C]`; lora: the LoRA down-projection outputs `[B, D_j]` in the order (v,) w, a, g
-    (no v block when v_first is None); up `[C, sum D_j]` their up-projections as column blocks in
-    the same order. Returns (x `[5, B, C]` in r's dtype holding r, k, v, a, b; w `[B, C]` float32;
-    g `[B, C]` in r's dtype, the gate LoRA's output)."""
-    B, C = r.shape
-    acts = ([None] if v_first is not None else []) + ["tanh", None, "sigmoid"]
-    u, col = [], 0
-    for blk, act in zip(lora, acts):
-        y = blk.float()
-        y = {None: y, "tanh": torch.tanh(y), "sigmoid": torch.sigmoid(y)}[act]
-        u.append(y @ up[:, col : col + blk.shape[1]].float().T)
-        col += blk.shape[1]
-    if v_first is not None:
-        u_v, u = u[0], u[1:]
-    u_w, u_a, u_g = u
-    rf, kf, vf = r.float(), k.float(), v.float()
-    w = -W_SCALE * torch.sigmoid(u_w + bias_w.float())
-    iclr = torch.sigmoid(u_a + bias_a.float())
-    if v_first is not None:
-        vf = torch.lerp(vf, v_first.float(), torch.sigmoid(u_v + bias_v.float()))
-    kk = F.normalize((kf * k_k.float()).view(B, -1, head_dim), dim=-1).view(B, C)
-    kf = kf * (1 + (iclr - 1) * k_a.float())
-    return torch.stack([rf, kf, vf, -kk, kk * iclr]).to(r.dtype), w, u_g.to(r.dtype)
-
-
 def gate_output_ref(o, r, k, v, g, r_k, norm_weight, norm_bias, *, eps):
     """o, r, k, v `[B, H, D]`, g `[B, C]`, r_k `[H, D]`, group-norm weight/bias `[C]`. Returns `[B, C]`
     in o's dtype."""

@@ -325,8 +325,7 @@ def test_mamba2_norm_pdl_path(monkeypatch, op):
 
 
 @interpreter_only
-@pytest.mark.parametrize("op", ["add_norm_shift", "add_norm", "lora_hidden", "time_mix_inputs", "lora_time_mix", "gate_output",
-                                "sqrelu"])
+@pytest.mark.parametrize("op", ["add_norm_shift", "add_norm", "lora_hidden", "time_mix_inputs", "gate_output", "sqrelu"])
 def test_rwkv7_fused_pdl_path(monkeypatch, op):
     m = kmod("rwkv7_fused")
     B, H, D = 2, 3, 16
@@ -352,16 +351,6 @@ def test_rwkv7_fused_pdl_path(monkeypatch, op):
             bias_w, bias_a, bias_v, k_k, k_a = consts
             return (lambda: list(m.time_mix_inputs_triton(r, k, v, u, bias_w, bias_a, bias_v, k_k, k_a, v_first,
                                                           head_dim=D))), (y, u, v_first)
-        if op == "lora_time_mix":
-            y = randn(7 * B, 3 * C + 50, seed=1)
-            r, k, v = (y[j * B : (j + 1) * B, j * C : (j + 1) * C] for j in range(3))
-            lora = [y[(3 + j) * B : (4 + j) * B, 3 * C + 12 * j : 3 * C + 12 * j + 5 + j] for j in range(4)]
-            up, v_first = randn(C, 26, seed=2), randn(B, C, seed=6)
-            consts = (randn(C, seed=3), randn(C, seed=4), randn(C, seed=5),
-                      0.7 + 0.1 * torch.rand(C, generator=gen(7)), torch.rand(C, generator=gen(8)))
-            bias_w, bias_a, bias_v, k_k, k_a = consts
-            return (lambda: list(m.lora_time_mix_triton(r, k, v, lora, up, bias_w, bias_a, bias_v, k_k, k_a, v_first,
-                                                        head_dim=D))), (y, v_first)
         if op == "gate_output":
             o, x, g = randn(B, H, D, seed=1), randn(5, B, C, seed=2), randn(2 * B, C, seed=3)[B:]
             r, k, v = (x[j].view(B, H, D) for j in range(3))
@@ -574,10 +563,11 @@ def mamba2_step(d=2048, d_inner=4096, H=64, P=64, N=128, W=4, dtype=torch.bfloat
 
 def rwkv7_step(C=2048, H=32, ranks=(32, 64, 64, 128), dtype=torch.bfloat16, seed=0):
     """One RWKV-7 layer's decode step at batch 1, as arch/rwkv7.py runs it on the fused kernels:
-    add+LayerNorm+shift, the down GEMV of the six mixed inputs, the LoRA up-projections with the time-mix
+    add+LayerNorm+shift, the down GEMV of the six mixed inputs, LoRA hidden, LoRA up GEMV, time-mix
     inputs, the WKV-7 step, gate/output, o GEMV, add+LayerNorm+shift, key GEMV, sqrelu, value GEMV."""
     from kernels.gemv.triton import gemv_triton
-    from kernels.rwkv7_fused.triton import add_norm_shift_triton, gate_output_triton, lora_time_mix_triton, sqrelu_triton
+    from kernels.rwkv7_fused.triton import (add_norm_shift_triton, gate_output_triton, lora_hidden_triton,
+                                            sqrelu_triton, time_mix_inputs_triton)
     from kernels.wkv7.triton import wkv7_step_triton
 
     g = torch.Generator().manual_seed(seed)
@@ -602,11 +592,12 @@ def rwkv7_step(C=2048, H=32, ranks=(32, 64, 64, 128), dtype=torch.bfloat16, seed
         y = gemv_triton(xs.view(6, C), w["down"])
         r, k, v = (y[j : j + 1, j * C : (j + 1) * C] for j in range(3))
         lo = [y[2 + j : 3 + j, 3 * C + offs[j] : 3 * C + offs[j + 1]] for j in range(4)]
-        x5, wd, gate = lora_time_mix_triton(r, k, v, lo, w["up"], w["bw"], w["ba"], w["bv"], w["k_k"], w["k_a"],
-                                            s["v_first"], head_dim=D)
+        u = gemv_triton(lora_hidden_triton(lo, (None, "tanh", None, "sigmoid")), w["up"])
+        x5, wd = time_mix_inputs_triton(r, k, v, u, w["bw"], w["ba"], w["bv"], w["k_k"], w["k_a"], s["v_first"],
+                                        head_dim=D)
         rr, kk, vv, aa, bb = (t.view(1, H, D) for t in x5.unbind(0))
         o = wkv7_step_triton(rr, wd.view(1, H, D), kk, vv, aa, bb, s["wkv"])
-        out = gate_output_triton(o, rr, kk, vv, gate, w["r_k"], w["gnw"], w["gnb"], eps=D * 1e-5)
+        out = gate_output_triton(o, rr, kk, vv, u[3:4], w["r_k"], w["gnw"], w["gnb"], eps=D * 1e-5)
         att = gemv_triton(out, w["o"])
         xk = add_norm_shift_triton(s["x"], att, w["n2w"], w["n2b"], s["shift_f"], w["kmix"], eps=1e-5)
         s["delta"].copy_(gemv_triton(sqrelu_triton(gemv_triton(xk[0], w["key"])), w["value"]))

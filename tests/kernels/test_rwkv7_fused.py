@@ -5,9 +5,8 @@ under the interpreter."""
 import pytest
 import torch
 
-from kernels.rwkv7_fused import add_norm_shift, gate_output, lora_hidden, lora_time_mix, sqrelu, time_mix_inputs
-from kernels.rwkv7_fused.triton import (add_norm_shift_triton, gate_output_triton, lora_hidden_triton, lora_time_mix_triton,
-                                        time_mix_inputs_triton)
+from kernels.rwkv7_fused import add_norm_shift, gate_output, lora_hidden, sqrelu, time_mix_inputs
+from kernels.rwkv7_fused.triton import add_norm_shift_triton, gate_output_triton, lora_hidden_triton, time_mix_inputs_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -109,35 +108,3 @@ def test_sqrelu_triton_matches_ref(n):
     got = sqrelu(x.clone(), impl="triton")
     assert rel(got, want) < 1e-6 or want.norm() == 0
     assert torch.equal(got == 0, x <= 0)
-
-
-@pytest.mark.parametrize("B,H,D,block_c", [(1, 3, 16, None), (3, 2, 32, 8), (9, 2, 16, 16)])
-@pytest.mark.parametrize("value_residual", [False, True])
-def test_lora_time_mix_triton_matches_ref(B, H, D, block_c, value_residual):
-    C = H * D
-    widths = ((5,) if value_residual else ()) + (12, 7, 20)
-    # r, k, v and the LoRA blocks as strided views of one GEMM output, as the decode step produces them
-    y = randn((3 + len(widths)) * B, 3 * C + sum(widths) + 7, seed=1)
-    r, k, v = (y[j * B : (j + 1) * B, j * C : (j + 1) * C] for j in range(3))
-    lora, col = [], 3 * C
-    for j, n in enumerate(widths):
-        lora.append(y[(3 + j) * B : (4 + j) * B, col : col + n])
-        col += n
-    up = randn(C, sum(widths) + 3, seed=2)[:, 1 : 1 + sum(widths)]
-    bias_w, bias_a, bias_v = randn(C, seed=3), randn(C, seed=4), randn(C, seed=5)
-    k_k, k_a = 0.7 + 0.1 * torch.rand(C, device=DEVICE), torch.rand(C, device=DEVICE)
-    v_first = randn(B, C, seed=6) if value_residual else None
-    args = (r, k, v, lora, up, bias_w, bias_a, bias_v if value_residual else None, k_k, k_a, v_first)
-    got = lora_time_mix_triton(*args, head_dim=D, out=nan(5, B, C), w_out=nan(B, C), g_out=nan(B, C), block_c=block_c)
-    want = lora_time_mix(*args, head_dim=D, impl="ref")
-    for g, w in zip(got, want):
-        assert not g.isnan().any()
-        assert rel(g, w) < 1e-5
-    assert got[1].dtype == torch.float32
-
-
-def test_lora_time_mix_rejects_a_block_c_not_dividing_the_head():
-    r = randn(1, 32)
-    lora = [randn(1, 4), randn(1, 4), randn(1, 4)]
-    with pytest.raises(ValueError, match="block_c"):
-        lora_time_mix_triton(r, r, r, lora, randn(32, 12), r[0], r[0], None, r[0], r[0], None, head_dim=16, block_c=6)
