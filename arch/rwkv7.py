@@ -27,7 +27,7 @@ differentiable, memory-light chunked form that training uses; impl="triton" as t
   from a carried state, which they update; padded positions leave the state untouched;
 - `forward_step(tokens [B], shift, wkv)`: one token per sequence, state updated in place. With
   impl="triton" it runs the fused step (`fused_step`): the same math in 11 kernels per layer
-  (kernels.rwkv7_fused around 6 GEMMs and the WKV-7 step) instead of about 60; the GEMMs and the
+  (kernels.rwkv7_fused around 5 GEMVs and the WKV-7 step) instead of about 60; the GEMVs and the
   head go through `kernels.gemv.linear` (the Triton GEMV where it measured faster than cuBLAS),
   the FFN's value projection through `kernels.gemv.act_linear` with relu^2 in its prologue.
 
