@@ -269,9 +269,9 @@ class Mamba2LM(nn.Module):
         r = r + mixer(h), h = norm_{i+1}(r).
 
         `state_ready=True` promises that `ssm` was last written before a kernel launched without PDL
-        (a PyTorch kernel, such as the sampling that ends a decoder's step), so each layer's step
+        (such as the sampling kernels that end a decoder's step), so each layer's step
         kernel may load its state before waiting on the in-projection (`ssd.mamba2_decode_step`).
-        Calling `step` back to back with only Triton kernels in between breaks that promise.
+        Calling `step` back to back with only PDL-launched kernels in between breaks that promise.
         """
         layers = self.backbone.layers
         norms = [block.norm for block in layers] + [self.backbone.norm_f]

@@ -269,7 +269,7 @@ class AutoregressiveDecoder(Decoder):
         generator = None
         if not sampling.greedy:
             generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
-        first = sample(logits, sampling, generator)
+        first = sample(logits, sampling, generator, impl=self.impl)
         return ARState(
             cache=cache,
             next_tokens=first.clone(),
@@ -286,10 +286,11 @@ class AutoregressiveDecoder(Decoder):
     def forward_and_sample(self, state: ARState) -> torch.Tensor:
         """One decode forward and on-device sampling, updating the state's buffers: what a graph captures."""
         logits = self.decode_forward(state.cache, state.next_tokens, state.positions)
-        # Sampling and the position update are PyTorch kernels, launched without PDL: the next step's
-        # kernels start only after they (and everything before them) have finished, which the
-        # Mamba-2 decoder relies on to load each layer's state before its PDL wait (`state_ready`).
-        state.next_tokens.copy_(sample(logits, state.sampling, state.generator))
+        # Sampling (its argmax included, see kernels/argmax) and the position update are launched
+        # without PDL: the next step's kernels start only after they (and everything before them)
+        # have finished, which the Mamba-2 decoder relies on to load each layer's state before its
+        # PDL wait (`state_ready`).
+        state.next_tokens.copy_(sample(logits, state.sampling, state.generator, impl=self.impl))
         state.positions.add_(1)
         return logits
 

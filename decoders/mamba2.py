@@ -99,7 +99,7 @@ class Mamba2Decoder(AutoregressiveDecoder):
 
     def decode_forward(self, cache: Mamba2Cache, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # The state already encodes each sequence's position: `positions` is not needed. Every step
-        # ends with sampling in PyTorch kernels (no PDL), so the states are ready at the next step.
+        # ends with sampling kernels launched without PDL, so the states are ready at the next step.
         return self.model.step(tokens, cache.conv, cache.ssm, self.impl, state_ready=True)
 
     def memory(self, batch: int, ctx: int, *, new_tokens: int = 1) -> Memory:

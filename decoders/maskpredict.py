@@ -296,7 +296,7 @@ class MaskPredictDecoder(Decoder):
     def _predict(self, logits: torch.Tensor, state: CanvasState) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens [R] and their probabilities [R] from logits [R, V] (mask token excluded)."""
         logp = maskpredict.token_log_probs(logits, self.mask_token_id)
-        tokens = sample(logp, state.sampling, state.generator)
+        tokens = sample(logp, state.sampling, state.generator, impl=self.impl)
         return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).exp()
 
     def _refine(self, state: CanvasState, plan: PassPlan):

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.argmax import argmax
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -49,25 +51,12 @@ def filtered_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     return probs
 
 
-def argmax(x: torch.Tensor) -> torch.Tensor:
-    """x.argmax(-1) of x [B, V] (the first maximal index), in two parallel stages: PyTorch reduces a
-    short batch of long rows in one thread block per row (36 µs for a 128k vocabulary on an H200).
-    The row is cut into G groups (the largest power of two <= 256 dividing V); the first group
-    holding the maximum, then the first maximum inside it, is the first maximum of the row."""
-    V = x.shape[-1]
-    groups = min(256, V & -V)
-    if groups < 8 or V // groups < 64:
-        return x.argmax(dim=-1)
-    width = V // groups
-    values, inner = x.unflatten(-1, (groups, width)).max(dim=-1)
-    group = values.argmax(dim=-1, keepdim=True)
-    return (group * width + inner.gather(-1, group)).squeeze(-1)
-
-
-def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Next tokens [B] (int64) from logits [B, V]."""
+def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None = None, *,
+           impl: str) -> torch.Tensor:
+    """Next tokens [B] (int64) from logits [B, V]. The final argmax runs on `kernels.argmax` (impl
+    "triton": two kernels, launched without PDL) or as `argmax(-1)` (impl "ref")."""
     if sampling.greedy:
-        return argmax(logits)
+        return argmax(logits, impl=impl)
     probs = filtered_probs(logits, sampling)
     race = torch.empty_like(probs).exponential_(generator=generator)
-    return argmax(probs / race)
+    return argmax(probs / race, impl=impl)

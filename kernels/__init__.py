@@ -18,7 +18,8 @@ in between (weights loaded at model load, many launches and a sync earlier, are 
 exception is opt-in: the recurrent decode steps (`ssd.mamba2_decode_step`, `wkv7.wkv7_step`) take
 `state_ready=True` from a caller that promises the state was last written before a kernel launched
 without PDL (such a kernel starts only after everything before it has finished; a decoder's step
-ends with PyTorch sampling kernels), and then load the state before the wait. The flag is read at
+ends with sampling kernels launched without PDL, `kernels.argmax` included), and then load the state
+before the wait. The flag is read at
 every launch; a CUDA graph keeps what it was when captured.
 """
 

@@ -511,8 +511,8 @@ def mamba2_decode_step(xBC, dt, conv_state, conv_weight, conv_bias, ssm_state, A
     """One fused token step (see ref.mamba2_decode_step); conv_state and ssm_state are updated in place.
 
     `state_ready=True` promises that ssm_state was last written before a kernel launched without PDL
-    (in a decode step: by this layer's step in the previous step, which ended with PyTorch sampling
-    kernels), so under PDL the state tile is loaded before gdc_wait(), overlapping the in-projection
+    (in a decode step: by this layer's step in the previous step, which ended with sampling kernels
+    launched without PDL), so under PDL the state tile is loaded before gdc_wait(), overlapping the in-projection
     GEMV before it. Without that promise (the default) a state written by the kernel just before
     would be read stale.
 
