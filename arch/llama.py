@@ -240,7 +240,9 @@ class Attention(FusedLinears):
                 q, k_cache, v_cache, batch.block_tables, batch.seq_lens, self.scale, impl="triton", workspace=batch.workspace,
                 rope=(k, v, *rotary.tables()),
             )
-            return gemv.linear(out.flatten(-2), self.o_proj.weight, impl="triton")
+            # two weight tiles before the PDL wait: the decode attention before it is a long chain of
+            # round trips with HBM mostly idle (kernels/gemv/README.md, PDL)
+            return gemv.linear(out.flatten(-2), self.o_proj.weight, impl="triton", early_tiles=2)
         if fused:
             q, _, _ = self.qkv_fused_write_kv(x, positions, rotary, k_cache, v_cache, batch.slot_mapping)
         else:

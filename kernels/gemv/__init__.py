@@ -132,8 +132,9 @@ def _choose(x2, weight, bias, key, baseline=None, norm=None, table=_CHOICES, act
     return rec
 
 
-def linear(x, weight, bias=None, *, impl):
-    """F.linear(x, weight, bias) for x `[..., K]`, weight `[N, K]`; see the module docstring."""
+def linear(x, weight, bias=None, *, impl, early_tiles=1):
+    """F.linear(x, weight, bias) for x `[..., K]`, weight `[N, K]`; see the module docstring.
+    `early_tiles`: weight tiles a Triton program loads before its PDL wait (see `gemv_triton`)."""
     check_impl(impl)
     K = x.shape[-1]
     if impl != "triton" or not x.is_cuda or K == 0:
@@ -158,7 +159,7 @@ def linear(x, weight, bias=None, *, impl):
         return F.linear(x, weight, bias)
     from kernels.gemv.triton import gemv_triton
 
-    return gemv_triton(x2, weight, bias, config=rec["config"]).view(*x.shape[:-1], N)
+    return gemv_triton(x2, weight, bias, config=rec["config"], early_tiles=early_tiles).view(*x.shape[:-1], N)
 
 
 def gated_norm_linear(y, z, norm_weight, eps, weight, bias=None, *, group_size, impl):

@@ -15,7 +15,7 @@ workspace has a fixed size and is zero again after every call: CUDA-graph safe.
 Base offsets are int64 (G * N * K can pass 2^31); in-tile offsets stay int32.
 
 PDL (constexpr, `kernels.pdl`, launched with launch_pdl): every program calls
-gdc_launch_dependents() first, loads its first W tiles (PDL_TILES; -1: two for FMA, one for DOT),
+gdc_launch_dependents() first, loads its first W tiles (FMA: PDL_TILES, 1 or 2; DOT: one),
 then gdc_wait() (the previous kernel has finished and its writes are visible) before it reads x or
 writes anything; the K loop runs over the remaining tiles. Without PDL the kernel is unchanged.
 
@@ -174,7 +174,7 @@ def _gemv_kernel(
     z_ptr, nw_ptr, stride_zm, eps,
     M_POW2: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr,
     DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    LOOP_STAGES: tl.constexpr = None, PDL: tl.constexpr = False, PDL_TILES: tl.constexpr = -1,
+    LOOP_STAGES: tl.constexpr = None, PDL: tl.constexpr = False, PDL_TILES: tl.constexpr = 1,
     NORM: tl.constexpr = False, ACT: tl.constexpr = 0, SWIGLU: tl.constexpr = False,
 ):
     # tl.dot needs at least 16 rows: x is padded with masked (zero) rows.
@@ -221,25 +221,24 @@ def _gemv_kernel(
         # Programmatic dependent launch: let the next kernel's programs launch now, fetch the first
         # weight tiles (no kernel of a decode step writes a weight) while the previous kernel is
         # still finishing, and only then wait for it: x, the output, the split-K partials and
-        # counters are all touched after the wait. Two tiles for FMA (+0..8 registers), one for DOT:
+        # counters are all touched after the wait. FMA: PDL_TILES tiles (a second costs +0..8
+        # registers; it pays only after a long latency-bound kernel, see `gemv_triton`). DOT: one,
         # its tile is held in the mma operand layout, ~45 registers more a tile (kept at the
         # occupancy shared memory already allows), where two would halve the resident programs.
-        PEEL: tl.constexpr = (1 if DOT else 2) if PDL_TILES < 0 else PDL_TILES
+        PEEL: tl.constexpr = 1 if DOT else PDL_TILES
         tl.extra.cuda.gdc_launch_dependents()
         k_a = k_lo + offs_k
         k_b = k_a + BLOCK_K
-        if PEEL > 0:
-            w_a = tl.load(w_rows + k_a[None, :], mask=n_mask[:, None] & (k_a < k_hi)[None, :], other=0.0,
-                          eviction_policy="evict_first")
+        w_a = tl.load(w_rows + k_a[None, :], mask=n_mask[:, None] & (k_a < k_hi)[None, :], other=0.0,
+                      eviction_policy="evict_first")
         if PEEL > 1:
             w_b = tl.load(w_rows + k_b[None, :], mask=n_mask[:, None] & (k_b < k_hi)[None, :], other=0.0,
                           eviction_policy="evict_first")
         tl.extra.cuda.gdc_wait()
         if NORM:
             rstd = _gated_row_rstd(x_rows, z_rows, m_mask, K, eps, BLOCK_M, BLOCK_K)
-        if PEEL > 0:
-            acc = _gemv_tile(acc, w_a, x_rows, k_a, k_hi, m_mask, DOT, BLOCK_M, DOT_PREC,
-                             NORM, z_rows, nw_ptr, rstd, ACT)
+        acc = _gemv_tile(acc, w_a, x_rows, k_a, k_hi, m_mask, DOT, BLOCK_M, DOT_PREC,
+                         NORM, z_rows, nw_ptr, rstd, ACT)
         if PEEL > 1:
             acc = _gemv_tile(acc, w_b, x_rows, k_b, k_hi, m_mask, DOT, BLOCK_M, DOT_PREC,
                              NORM, z_rows, nw_ptr, rstd, ACT)
@@ -355,7 +354,7 @@ def _check_norm(x, norm):
 ACTS = {"sqrelu": 1}
 
 
-def gemv_triton(x, weight, bias=None, *, out=None, config=None, norm=None, act=None, swiglu=False):
+def gemv_triton(x, weight, bias=None, *, out=None, config=None, norm=None, act=None, swiglu=False, early_tiles=1):
     """See `kernels.gemv.gemv`. `config` (a `triton.Config` of CONFIGS or a dict with META keys and
     optional num_warps / num_stages) launches that configuration instead of the autotuned one.
 
@@ -365,7 +364,15 @@ def gemv_triton(x, weight, bias=None, *, out=None, config=None, norm=None, act=N
 
     `act="sqrelu"`: the product is relu(x)^2 @ W^T, computed as the x tiles are loaded; x [M, K] only,
     not with `norm`. `swiglu=True`: W is [gate; up] [2I, K] and the result is
-    `kernels.swiglu.silu_mul` of the product, [M, I], computed in the epilogue; x [M, K] only."""
+    `kernels.swiglu.silu_mul` of the product, [M, I], computed in the epilogue; x [M, K] only.
+
+    `early_tiles` (1 or 2; PDL launches of FMA configurations only): the weight tiles each program
+    loads before its PDL wait. One is the default: in graphed decode steps of all three families a
+    second one was slower after the short kernels that precede most projections. Two pays after a
+    long latency-bound kernel that leaves HBM idle, such as the batch-1 decode attention before the
+    o-projection (measured in kernels/gemv/README.md)."""
+    if early_tiles not in (1, 2):
+        raise ValueError(f"gemv: early_tiles must be 1 or 2, got {early_tiles}")
     if norm is not None:
         norm = _check_norm(x, norm)
     if act is not None:
@@ -420,7 +427,7 @@ def gemv_triton(x, weight, bias=None, *, out=None, config=None, norm=None, act=N
             *((norm[0], norm[1], norm[0].stride(0), norm[2]) if norm is not None else (x, x, 0, 0.0)))
     use_pdl = pdl(x.device)
     consts = dict(M_POW2=_m_pow2(M), HAS_BIAS=has_bias, DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
-                  PDL=use_pdl, NORM=norm is not None, ACT=ACTS.get(act, 0), SWIGLU=swiglu)
+                  PDL=use_pdl, PDL_TILES=early_tiles, NORM=norm is not None, ACT=ACTS.get(act, 0), SWIGLU=swiglu)
     if config is None:
         def grid(meta):
             return triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"], G

@@ -120,6 +120,10 @@ def test_gemv_rejects_bad_shapes():
         gemv(x, torch.randn(4, 8, device=DEVICE), impl="triton", out=torch.empty(2, 5, device=DEVICE))
     with pytest.raises(ValueError):
         gemv(x, torch.randn(4, 8, device=DEVICE), impl="auto")
+    from kernels.gemv.triton import gemv_triton
+
+    with pytest.raises(ValueError, match="early_tiles"):
+        gemv_triton(x, torch.randn(4, 8, device=DEVICE), early_tiles=3)
 
 
 def test_config_pruning_keeps_fma_accumulators_small():
