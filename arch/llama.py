@@ -206,9 +206,11 @@ class Attention(FusedLinears):
         v = self.v_proj(x).unflatten(-1, (self.n_kv, self.head_dim))
         return rotary(q, positions), rotary(k, positions), v
 
-    def qkv_projection(self, x):
-        """Triton path: q, k, v [N, H, D] of packed x [N, d] from one GEMV, views into its output (unrotated)."""
-        qkv = gemv.linear(x, self.qkv_weight, self.qkv_bias, impl="triton").unflatten(-1, (self.n_heads + 2 * self.n_kv, self.head_dim))
+    def qkv_projection(self, x, early_tiles=1):
+        """Triton path: q, k, v [N, H, D] of packed x [N, d] from one GEMV, views into its output
+        (unrotated). `early_tiles`: see `kernels.gemv.linear`."""
+        qkv = gemv.linear(x, self.qkv_weight, self.qkv_bias, impl="triton", early_tiles=early_tiles)
+        qkv = qkv.unflatten(-1, (self.n_heads + 2 * self.n_kv, self.head_dim))
         return qkv.split([self.n_heads, self.n_kv, self.n_kv], dim=-2)
 
     def qkv_fused_write_kv(self, x, positions, rope: Rotary, k_cache, v_cache, slot_mapping):
@@ -234,14 +236,14 @@ class Attention(FusedLinears):
         fused = batch.impl == "triton"
         k_cache, v_cache = batch.k_cache[layer], batch.v_cache[layer]
         if fused and batch.decode:
-            # The decode kernel rotates q and k and writes the K/V row itself.
-            q, k, v = self.qkv_projection(x)
+            # The decode kernel rotates q and k and writes the K/V row itself. The projections on
+            # either side of it load two weight tiles before their PDL wait (measured faster at
+            # 4k..128k than one, the default elsewhere: kernels/gemv/README.md, PDL)
+            q, k, v = self.qkv_projection(x, early_tiles=2)
             out = paged_attention.paged_decode_attention(
                 q, k_cache, v_cache, batch.block_tables, batch.seq_lens, self.scale, impl="triton", workspace=batch.workspace,
                 rope=(k, v, *rotary.tables()),
             )
-            # two weight tiles before the PDL wait: the decode attention before it is a long chain of
-            # round trips with HBM mostly idle (kernels/gemv/README.md, PDL)
             return gemv.linear(out.flatten(-2), self.o_proj.weight, impl="triton", early_tiles=2)
         if fused:
             q, _, _ = self.qkv_fused_write_kv(x, positions, rotary, k_cache, v_cache, batch.slot_mapping)
