@@ -19,8 +19,7 @@ exception is opt-in: the recurrent decode steps (`ssd.mamba2_decode_step`, `wkv7
 `state_ready=True` from a caller that promises the state was last written before a kernel launched
 without PDL (such a kernel starts only after everything before it has finished; a decoder's step
 ends with sampling kernels launched without PDL, `kernels.argmax` included), and then load the state
-before the wait. The flag is read at
-every launch; a CUDA graph keeps what it was when captured.
+before the wait. The flag is read at every launch; a CUDA graph keeps what it was when captured.
 """
 
 import functools

@@ -222,7 +222,7 @@ def _gemv_kernel(
         # weight tiles (no kernel of a decode step writes a weight) while the previous kernel is
         # still finishing, and only then wait for it: x, the output, the split-K partials and
         # counters are all touched after the wait. FMA: PDL_TILES tiles (a second costs +0..8
-        # registers; it pays only after a long latency-bound kernel, see `gemv_triton`). DOT: one,
+        # registers; where it pays, see `gemv_triton`'s early_tiles). DOT: one,
         # its tile is held in the mma operand layout, ~45 registers more a tile (kept at the
         # occupancy shared memory already allows), where two would halve the resident programs.
         PEEL: tl.constexpr = 1 if DOT else PDL_TILES
@@ -368,9 +368,8 @@ def gemv_triton(x, weight, bias=None, *, out=None, config=None, norm=None, act=N
 
     `early_tiles` (1 or 2; PDL launches of FMA configurations only): the weight tiles each program
     loads before its PDL wait. One is the default: in graphed decode steps of all three families a
-    second one was slower after the short kernels that precede most projections. Two pays after a
-    long latency-bound kernel that leaves HBM idle, such as the batch-1 decode attention before the
-    o-projection (measured in kernels/gemv/README.md)."""
+    second one was slower. Two measured faster for llama's decode projections on either side of the
+    batch-1 decode attention, q/k/v and o (kernels/gemv/README.md, performance log)."""
     if early_tiles not in (1, 2):
         raise ValueError(f"gemv: early_tiles must be 1 or 2, got {early_tiles}")
     if norm is not None:
