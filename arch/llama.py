@@ -10,9 +10,10 @@ checkpoint's state dict loads without renaming. Attention runs in one of two way
   are written into and read from a paged cache through `kernels.paged_attention` (prefill chunks
   and decode steps).
 
-On impl="triton" (`PagedBatch.impl`) `forward_paged` runs fused kernels: each residual add inside
-the RMSNorm kernel after it, q/k/v as one GEMV (`Attention.qkv_weight`); in prefill RoPE on q and k
-and the K/V write in one kernel, in decode both inside the paged decode kernel (`rope=`); gate/up as
+On impl="triton" (`PagedBatch.impl`) `forward_paged` runs fused kernels: up to `kernels.gemv.MAX_ROWS`
+packed rows (decode steps) each RMSNorm inside the GEMV after it and each residual add inside the
+GEMV before it, more rows each residual add inside the RMSNorm kernel after it; q/k/v as one GEMV
+(`Attention.qkv_weight`); in prefill RoPE on q and k and the K/V write in one kernel, in decode both inside the paged decode kernel (`rope=`); gate/up as
 one GEMV (`MLP.gate_up_weight`) with SwiGLU in its epilogue (`kernels.gemv.swiglu_linear`, else in
 its own kernel); every projection and the head go through `kernels.gemv` (the Triton GEMV where it
 measured faster than cuBLAS for that shape, decode rows only). The fused weights are
@@ -206,18 +207,31 @@ class Attention(FusedLinears):
         v = self.v_proj(x).unflatten(-1, (self.n_kv, self.head_dim))
         return rotary(q, positions), rotary(k, positions), v
 
-    def qkv_projection(self, x, early_tiles=1):
+    def qkv_projection(self, x, early_tiles=1, norm=None):
         """Triton path: q, k, v [N, H, D] of packed x [N, d] from one GEMV, views into its output
-        (unrotated). `early_tiles`: see `kernels.gemv.linear`."""
-        qkv = gemv.linear(x, self.qkv_weight, self.qkv_bias, impl="triton", early_tiles=early_tiles)
+        (unrotated). With `norm` (the block's input RMSNorm) x is the residual stream and the norm runs
+        inside the GEMV (`kernels.gemv.rms_norm_linear`). `early_tiles`: see `kernels.gemv.linear`."""
+        if norm is None:
+            qkv = gemv.linear(x, self.qkv_weight, self.qkv_bias, impl="triton", early_tiles=early_tiles)
+        else:
+            qkv = gemv.rms_norm_linear(x, norm.weight, norm.eps, self.qkv_weight, self.qkv_bias, impl="triton",
+                                       early_tiles=early_tiles)
         qkv = qkv.unflatten(-1, (self.n_heads + 2 * self.n_kv, self.head_dim))
         return qkv.split([self.n_heads, self.n_kv, self.n_kv], dim=-2)
 
-    def qkv_fused_write_kv(self, x, positions, rope: Rotary, k_cache, v_cache, slot_mapping):
-        """Triton path of `qkv` + the cache write for packed x [N, d]: `qkv_projection`, then one
-        kernel that rotates q and k in place and writes the rotated k and v into the pages at
+    def out_projection(self, out, early_tiles=1, residual=None):
+        """Triton path: o_proj of the attention output [N, H, D]; plus `residual` (the add inside the
+        GEMV, `kernels.gemv.linear_residual`) when given."""
+        out = out.flatten(-2)
+        if residual is None:
+            return gemv.linear(out, self.o_proj.weight, impl="triton", early_tiles=early_tiles)
+        return gemv.linear_residual(out, self.o_proj.weight, residual, impl="triton", early_tiles=early_tiles)
+
+    def qkv_fused_write_kv(self, x, positions, rope: Rotary, k_cache, v_cache, slot_mapping, norm=None):
+        """Triton path of `qkv` + the cache write for packed x [N, d]: `qkv_projection` (with `norm`),
+        then one kernel that rotates q and k in place and writes the rotated k and v into the pages at
         `slot_mapping`."""
-        q, k, v = self.qkv_projection(x)
+        q, k, v = self.qkv_projection(x, norm=norm)
         cos, sin = rope.tables()
         rotary.apply_rotary_write_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping, impl="triton")
         return q, k, v
@@ -231,22 +245,24 @@ class Attention(FusedLinears):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=self.scale)
         return self.o_proj(out.transpose(1, 2).flatten(-2))
 
-    def forward_paged(self, x, positions, rotary, batch: PagedBatch, layer: int):
-        """Packed tokens x [N, d]: write their K/V into the pages, attend through the block table."""
+    def forward_paged(self, x, positions, rotary, batch: PagedBatch, layer: int, norm=None, residual=None):
+        """Packed tokens x [N, d]: write their K/V into the pages, attend through the block table.
+        Triton path only: with `norm` x is the residual stream, normalised inside the q/k/v GEMV; with
+        `residual` the result is residual + the attention output, added inside the o-projection GEMV."""
         fused = batch.impl == "triton"
         k_cache, v_cache = batch.k_cache[layer], batch.v_cache[layer]
         if fused and batch.decode:
             # The decode kernel rotates q and k and writes the K/V row itself. The projections on
             # either side of it load two weight tiles before their PDL wait (measured faster at
             # 4k..128k than one, the default elsewhere: kernels/gemv/README.md, PDL)
-            q, k, v = self.qkv_projection(x, early_tiles=2)
+            q, k, v = self.qkv_projection(x, early_tiles=2, norm=norm)
             out = paged_attention.paged_decode_attention(
                 q, k_cache, v_cache, batch.block_tables, batch.seq_lens, self.scale, impl="triton", workspace=batch.workspace,
                 rope=(k, v, *rotary.tables()),
             )
-            return gemv.linear(out.flatten(-2), self.o_proj.weight, impl="triton", early_tiles=2)
+            return self.out_projection(out, early_tiles=2, residual=residual)
         if fused:
-            q, _, _ = self.qkv_fused_write_kv(x, positions, rotary, k_cache, v_cache, batch.slot_mapping)
+            q, _, _ = self.qkv_fused_write_kv(x, positions, rotary, k_cache, v_cache, batch.slot_mapping, norm=norm)
         else:
             q, k, v = self.qkv(x, positions, rotary)
             paged_attention.write_kv(k, v, k_cache, v_cache, batch.slot_mapping, impl=batch.impl)
@@ -260,7 +276,7 @@ class Attention(FusedLinears):
                 causal=batch.causal, impl=batch.impl, max_seqlen_q=batch.max_seqlen_q,
             )
         if fused:
-            return gemv.linear(out.flatten(-2), self.o_proj.weight, impl="triton")
+            return self.out_projection(out, residual=residual)
         return self.o_proj(out.flatten(-2))
 
 
@@ -277,10 +293,18 @@ class MLP(FusedLinears):
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
-    def forward_fused(self, x):
+    def forward_fused(self, x, norm=None, residual=None):
         """Triton path: one GEMV for gate and up with SwiGLU in its epilogue (or, where that measured
-        slower or for many rows, SwiGLU in its own kernel after it), then down."""
-        return gemv.linear(gemv.swiglu_linear(x, self.gate_up_weight, impl="triton"), self.down_proj.weight, impl="triton")
+        slower or for many rows, SwiGLU in its own kernel after it), then down. With `norm` (the block's
+        post-attention RMSNorm) x is the residual stream, normalised inside the gate/up GEMV; with
+        `residual` the result is residual + the MLP output, added inside the down GEMV."""
+        if norm is None:
+            act = gemv.swiglu_linear(x, self.gate_up_weight, impl="triton")
+        else:
+            act = gemv.rms_norm_linear(x, norm.weight, norm.eps, self.gate_up_weight, impl="triton", swiglu=True)
+        if residual is None:
+            return gemv.linear(act, self.down_proj.weight, impl="triton")
+        return gemv.linear_residual(act, self.down_proj.weight, residual, impl="triton")
 
 
 class Block(nn.Module):
@@ -302,6 +326,14 @@ class Block(nn.Module):
         post = self.post_attention_layernorm
         h, x = rmsnorm.add_rms_norm(attend(h), x, post.weight, post.eps, impl="triton")
         return rmsnorm.add_rms_norm(self.mlp.forward_fused(h), x, next_norm.weight, next_norm.eps, impl="triton")
+
+    def forward_fused_rows(self, x, attend):
+        """Triton path of `forward` for at most `kernels.gemv.MAX_ROWS` packed rows (decode steps):
+        x [N, d] is the residual stream; `attend(x)` returns x + attention(input_layernorm(x)) with the
+        norm inside the q/k/v GEMV and the add inside the o-projection's. Returns x_out, the MLP's
+        norm and add likewise inside its GEMVs: four launches of GEMVs, no norm kernel."""
+        x = attend(x)
+        return self.mlp.forward_fused(x, norm=self.post_attention_layernorm, residual=x)
 
 
 class Trunk(nn.Module):
@@ -357,11 +389,21 @@ class Llama(nn.Module):
         return self.head(x)
 
     def forward_paged_fused(self, tokens, positions, batch: PagedBatch, logit_index=None):
-        """`forward_paged` on the fused Triton kernels: the final norm is applied to every row (it is
-        fused with the last residual add), then the head reads only the rows in `logit_index`."""
+        """`forward_paged` on the fused Triton kernels. Up to `kernels.gemv.MAX_ROWS` rows (decode
+        steps, short chunks) every norm runs inside the GEMV after it and every residual add inside
+        the GEMV before it (`Block.forward_fused_rows`); more rows keep the norm kernels, each fused with
+        the residual add before it. The head reads only the rows in `logit_index`."""
         layers = self.model.layers
-        first = layers[0].input_layernorm
         x = self.model.embed_tokens(tokens)  # [N, d], the residual stream
+        if x.shape[0] <= gemv.MAX_ROWS:
+            for i, block in enumerate(layers):
+                x = block.forward_fused_rows(x, lambda x, b=block, i=i: b.self_attn.forward_paged(
+                    x, positions, self.rotary, batch, i, norm=b.input_layernorm, residual=x))
+            if logit_index is not None:
+                x = x[logit_index]
+            final = self.model.norm
+            return gemv.rms_norm_linear(x, final.weight, final.eps, self.head_weight, impl="triton")
+        first = layers[0].input_layernorm
         h = rmsnorm.rms_norm(x, first.weight, first.eps, impl="triton")
         for i, block in enumerate(layers):
             next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm

@@ -34,6 +34,19 @@ accumulation. The grouped form runs G independent products in one launch: x `[G,
   apply SwiGLU in the epilogue, once per output (an activation in the next GEMV's prologue would be
   recomputed by every one of its programs); elsewhere the pair. `swiglu_choices()` is its `choices()`.
 
+- `rms_norm_linear(x, norm_weight, eps, weight, bias=None, *, impl, swiglu=False, early_tiles=1) -> [M, N]`:
+  `linear(rmsnorm(x), weight, bias)` (or `swiglu_linear` of it), rmsnorm(x) = norm_weight *
+  (x / rms(x)) rounded to the weight's dtype (`kernels.rmsnorm.rms_norm`, or
+  `kernels.mamba2_norm.rmsnorm` for a float32 x: a decoder's pre-norm). As `gated_norm_linear`: per
+  shape the fastest of that pair and the GEMV with the norm in the same pass as the product (the
+  statistics gathered as the x tiles load, 1 / rms applied to the sums: kernels/gemv/README.md);
+  elsewhere the pair. `rms_choices()` is its `choices()`.
+- `linear_residual(x, weight, residual, bias=None, *, impl, early_tiles=1) -> [M, N]`: `residual +
+  linear(x, weight, bias)` in the residual's dtype (a decoder layer's residual add). Per shape the
+  fastest of that pair and the GEMV that adds the residual in its epilogue; elsewhere the pair.
+  `gated_norm_linear(..., residual=r)` is the same around Mamba-2's out_proj. `residual_choices()` is
+  its `choices()`.
+
 Inside a CUDA graph: call `linear` (or `gemv` with impl="triton") once per shape before capture,
 so that compilation, the measurement and the split-K workspace all happen outside it.
 """
@@ -47,7 +60,8 @@ from kernels import check_impl
 from kernels.gemv.ref import gemv_ref
 
 __all__ = ["gemv", "linear", "choices", "gated_norm_linear", "norm_choices", "act_linear", "act_choices",
-           "swiglu_linear", "swiglu_choices", "gemv_ref", "MAX_ROWS"]
+           "swiglu_linear", "swiglu_choices", "rms_norm_linear", "rms_choices", "linear_residual",
+           "residual_choices", "gemv_ref", "MAX_ROWS"]
 
 MAX_ROWS = 8
 # (M, N, K, dtype name, has_bias, device index) -> the measured choice.
@@ -58,6 +72,10 @@ _NORM_CHOICES: dict = {}
 _ACT_CHOICES: dict = {}
 # The same for `swiglu_linear`, "torch" standing for linear + the SwiGLU kernel.
 _SWIGLU_CHOICES: dict = {}
+# The same for `rms_norm_linear` (key + swiglu), "torch" standing for the norm kernel + linear.
+_RMS_CHOICES: dict = {}
+# The same for `linear_residual` (key + the residual's dtype), "torch" standing for linear + the add.
+_RESIDUAL_CHOICES: dict = {}
 
 
 def gemv(x, weight, bias=None, *, impl, out=None):
@@ -81,8 +99,9 @@ def choices() -> dict:
 
 
 def norm_choices() -> dict:
-    """`gated_norm_linear`'s choice per shape so far, as `choices()` ("torch": the unfused pair)."""
-    return {key[:5]: {k: v for k, v in rec.items() if k != "config"} for key, rec in _NORM_CHOICES.items()}
+    """`gated_norm_linear`'s choice per (M, N, K, dtype, has_bias, residual dtype or None) so far, as
+    `choices()` ("torch": the unfused pair)."""
+    return {key[:5] + key[6:]: {k: v for k, v in rec.items() if k != "config"} for key, rec in _NORM_CHOICES.items()}
 
 
 def act_choices() -> dict:
@@ -96,6 +115,18 @@ def swiglu_choices() -> dict:
     return {key[:5]: {k: v for k, v in rec.items() if k != "config"} for key, rec in _SWIGLU_CHOICES.items()}
 
 
+def rms_choices() -> dict:
+    """`rms_norm_linear`'s choice per (M, N, K, x dtype, has_bias, swiglu) so far, as `choices()`
+    ("torch": the norm kernel + `linear` or `swiglu_linear`)."""
+    return {key[:5] + key[6:]: {k: v for k, v in rec.items() if k != "config"} for key, rec in _RMS_CHOICES.items()}
+
+
+def residual_choices() -> dict:
+    """`linear_residual`'s choice per (M, N, K, dtype, has_bias, residual dtype) so far, as `choices()`
+    ("torch": `linear` + the add)."""
+    return {key[:5] + key[6:]: {k: v for k, v in rec.items() if k != "config"} for key, rec in _RESIDUAL_CHOICES.items()}
+
+
 def _graph_us(call, weights) -> float:
     """µs per call of `call(w)`, one call per weight copy, replayed from a CUDA graph: as in a decode
     step, calls run back to back and every weight comes from HBM (the copies overflow L2)."""
@@ -104,10 +135,10 @@ def _graph_us(call, weights) -> float:
     return time_ms(lambda: [call(w) for w in weights], graph=True, warmup=1, iters=5) * 1e3 / len(weights)
 
 
-def _choose(x2, weight, bias, key, baseline=None, norm=None, table=_CHOICES, act=None, swiglu=False):
+def _choose(x2, weight, bias, key, baseline=None, table=_CHOICES, **fused):
     """Time every Triton configuration that fits this shape and F.linear (or `baseline(w)`) the same
-    way; keep the fastest. With `norm` (`act`) the Triton candidates run the gated-norm (activation)
-    prologue, with `swiglu` the SwiGLU epilogue."""
+    way; keep the fastest. The Triton candidates run with `fused` (`gemv_triton`'s norm= / rms_norm= /
+    act= / swiglu= / residual=)."""
     from kernels.gemv.triton import CONFIGS, config_fits, config_name, gemv_triton
 
     M, N, K = key[:3]
@@ -121,8 +152,7 @@ def _choose(x2, weight, bias, key, baseline=None, norm=None, table=_CHOICES, act
     times = {"torch": _graph_us(baseline, weights)}
     configs = {config_name(c): c for c in CONFIGS if config_fits(c, M, K)}
     for name, cfg in configs.items():
-        times[name] = _graph_us(lambda w, cfg=cfg: gemv_triton(x2, w, bias, config=cfg, norm=norm, act=act, swiglu=swiglu),
-                                  weights)
+        times[name] = _graph_us(lambda w, cfg=cfg: gemv_triton(x2, w, bias, config=cfg, **fused), weights)
     del weights
     best = min(times, key=times.get)
     fastest = min((n for n in times if n != "torch"), key=times.get, default=None)
@@ -162,22 +192,73 @@ def linear(x, weight, bias=None, *, impl, early_tiles=1):
     return gemv_triton(x2, weight, bias, config=rec["config"], early_tiles=early_tiles).view(*x.shape[:-1], N)
 
 
-def gated_norm_linear(y, z, norm_weight, eps, weight, bias=None, *, group_size, impl):
+def gated_norm_linear(y, z, norm_weight, eps, weight, bias=None, *, group_size, impl, residual=None):
     """out_proj(gated_rmsnorm(y, z)): y, z `[M, K]` (z may be a strided view), norm_weight `[K]`, weight
-    `[N, K]`, bias `[N]` -> `[M, N]`; see the module docstring."""
+    `[N, K]`, bias `[N]` -> `[M, N]`; see the module docstring. With `residual` `[M, N]`: residual +
+    that, in the residual's dtype (the add in the GEMV's epilogue when the fused form runs)."""
     check_impl(impl)
     from kernels import mamba2_norm
 
     def pair(w):
         h = mamba2_norm.gated_rmsnorm(y, z, norm_weight, group_size, eps, impl=impl)
-        return F.linear(h, w, bias) if impl == "ref" else linear(h, w, bias, impl=impl)
+        out = F.linear(h, w, bias) if impl == "ref" else linear(h, w, bias, impl=impl)
+        return out if residual is None else residual + out
 
     K = y.shape[-1]
     if not (_fusable(y, weight, bias, impl) and group_size == K and tuple(z.shape) == tuple(y.shape)
             and tuple(norm_weight.shape) == (K,) and z.dtype == norm_weight.dtype == y.dtype
+            and _residual_fits(residual, y.shape[0], weight.shape[0])
             and not (torch.is_grad_enabled() and (z.requires_grad or norm_weight.requires_grad))):
         return pair(weight)
-    return _fused_or_pair(y, weight, bias, _key(y, weight, bias), _NORM_CHOICES, pair, norm=(z, norm_weight, eps))
+    key = (*_key(y, weight, bias), None if residual is None else str(residual.dtype).removeprefix("torch."))
+    return _fused_or_pair(y, weight, bias, key, _NORM_CHOICES, pair, norm=(z, norm_weight, eps), residual=residual)
+
+
+def rms_norm_linear(x, norm_weight, eps, weight, bias=None, *, impl, swiglu=False, early_tiles=1):
+    """`linear(rmsnorm(x), weight, bias)`, or `swiglu_linear` of it with `swiglu`: x `[M, K]` in the
+    weight's dtype or float32, norm_weight `[K]` in the weight's dtype -> `[M, N]` (`[M, N / 2]`). See
+    the module docstring; `early_tiles` as `linear`'s."""
+    check_impl(impl)
+    from kernels import mamba2_norm, rmsnorm, swiglu as swiglu_op
+
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[-1] != weight.shape[-1] or tuple(norm_weight.shape) != (x.shape[-1],):
+        raise ValueError(f"rms_norm_linear: needs x [M, K], norm_weight [K] and weight [N, K], got {tuple(x.shape)}, "
+                         f"{tuple(norm_weight.shape)} and {tuple(weight.shape)}")
+
+    def pair(w):
+        if x.dtype == norm_weight.dtype:
+            h = rmsnorm.rms_norm(x, norm_weight, eps, impl=impl)
+        else:
+            h = mamba2_norm.rmsnorm(x, norm_weight, eps, impl=impl)
+        if swiglu:
+            return swiglu_linear(h, w, bias, impl=impl)
+        return F.linear(h, w, bias) if impl == "ref" else linear(h, w, bias, impl=impl, early_tiles=early_tiles)
+
+    if not (_fusable(x, weight, bias, impl, x_float32=True) and norm_weight.dtype == weight.dtype
+            and not (swiglu and weight.shape[0] % 2)
+            and not (torch.is_grad_enabled() and norm_weight.requires_grad)):
+        return pair(weight)
+    return _fused_or_pair(x, weight, bias, (*_key(x, weight, bias), swiglu), _RMS_CHOICES, pair,
+                          early_tiles=early_tiles, rms_norm=(norm_weight, eps), swiglu=swiglu)
+
+
+def linear_residual(x, weight, residual, bias=None, *, impl, early_tiles=1):
+    """`residual + linear(x, weight, bias)`: x `[M, K]`, weight `[N, K]`, residual `[M, N]` (any float
+    dtype) -> `[M, N]` in the residual's dtype, the product rounded to x's dtype before the add. See
+    the module docstring; `early_tiles` as `linear`'s."""
+    check_impl(impl)
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[-1] != weight.shape[-1] or tuple(residual.shape) != (x.shape[0], weight.shape[0]):
+        raise ValueError(f"linear_residual: needs x [M, K], weight [N, K] and residual [M, N], got {tuple(x.shape)}, "
+                         f"{tuple(weight.shape)} and {tuple(residual.shape)}")
+
+    def pair(w):
+        out = F.linear(x, w, bias) if impl == "ref" else linear(x, w, bias, impl=impl, early_tiles=early_tiles)
+        return residual + out
+
+    if not (_fusable(x, weight, bias, impl) and _residual_fits(residual, x.shape[0], weight.shape[0])):
+        return pair(weight)
+    key = (*_key(x, weight, bias), str(residual.dtype).removeprefix("torch."))
+    return _fused_or_pair(x, weight, bias, key, _RESIDUAL_CHOICES, pair, early_tiles=early_tiles, residual=residual)
 
 
 def act_linear(x, act, weight, bias=None, *, impl, x_is_scratch=False):
@@ -224,24 +305,36 @@ def swiglu_linear(x, weight, bias=None, *, impl):
     return _fused_or_pair(x, weight, bias, _key(x, weight, bias), _SWIGLU_CHOICES, pair, swiglu=True)
 
 
-def _fusable(x, weight, bias, impl) -> bool:
-    """Whether a fused GEMV may run: CUDA, impl="triton", 1..MAX_ROWS rows, no autograd, one dtype."""
+def _fusable(x, weight, bias, impl, x_float32=False) -> bool:
+    """Whether a fused GEMV may run: CUDA, impl="triton", 1..MAX_ROWS rows, no autograd, one dtype (x
+    may also be float32 with `x_float32`)."""
     if impl != "triton" or not x.is_cuda or x.dim() != 2 or not 0 < x.shape[0] <= MAX_ROWS or x.shape[1] == 0:
         return False
-    if weight.dim() != 2 or weight.stride(-1) != 1 or any(t is not None and t.dtype != x.dtype for t in (weight, bias)):
+    if x.dtype != weight.dtype and not (x_float32 and x.dtype == torch.float32):
+        return False
+    if weight.dim() != 2 or weight.stride(-1) != 1 or (bias is not None and bias.dtype != weight.dtype):
         return False
     return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)))
+
+
+def _residual_fits(residual, M, N) -> bool:
+    """Whether the epilogue can add `residual` (None: nothing to add): [M, N], contiguous rows, no autograd."""
+    if residual is None:
+        return True
+    return (tuple(residual.shape) == (M, N) and residual.stride(-1) == 1 and residual.is_floating_point()
+            and not (torch.is_grad_enabled() and residual.requires_grad))
 
 
 def _key(x, weight, bias):
     return (x.shape[0], weight.shape[0], x.shape[1], str(x.dtype).removeprefix("torch."), bias is not None, x.device.index)
 
 
-def _fused_or_pair(x, weight, bias, key, table, pair, *, timed_pair=None, **fused):
-    """The GEMV with `fused` (norm= / act= / swiglu=) or `pair(weight)`, whichever `table` records as
-    faster for `key`. The first call of a key outside capture measures both: the pair as
-    `timed_pair()` (default: `pair`) per weight copy, after one call of it that lets `linear` measure
-    its own shape outside any graph. During capture an unmeasured key runs the pair."""
+def _fused_or_pair(x, weight, bias, key, table, pair, *, timed_pair=None, early_tiles=1, **fused):
+    """The GEMV with `fused` (`gemv_triton`'s norm= / rms_norm= / act= / swiglu= / residual=) or
+    `pair(weight)`, whichever `table` records as faster for `key`. The first call of a key outside
+    capture measures both: the pair as `timed_pair()` (default: `pair`) per weight copy, after one call
+    of it that lets `linear` measure its own shape outside any graph. During capture an unmeasured key
+    runs the pair."""
     rec = table.get(key)
     if rec is None:
         if torch.cuda.is_current_stream_capturing():
@@ -253,4 +346,4 @@ def _fused_or_pair(x, weight, bias, key, table, pair, *, timed_pair=None, **fuse
         return pair(weight)
     from kernels.gemv.triton import gemv_triton
 
-    return gemv_triton(x, weight, bias, config=rec["config"], **fused)
+    return gemv_triton(x, weight, bias, config=rec["config"], early_tiles=early_tiles, **fused)

@@ -19,10 +19,21 @@ gdc_launch_dependents() first, loads its first W tiles (FMA: PDL_TILES, 1 or 2; 
 then gdc_wait() (the previous kernel has finished and its writes are visible) before it reads x or
 writes anything; the K loop runs over the remaining tiles. Without PDL the kernel is unchanged.
 
-NORM (constexpr; `gemv_triton(..., norm=(z, norm_weight, eps))`, G == 1, one group of K channels):
-x is gated_rmsnorm(y, z) with y = x. Every program first computes each row's rstd over the whole
-row (split-K included; after gdc_wait with PDL), then rebuilds each x tile from y, z and the norm
-weight of its columns. NORM=False compiles as before.
+NORM (constexpr, G == 1, one group of K channels; 1: `gemv_triton(..., norm=(z, norm_weight, eps))`,
+Mamba-2's gated norm, g = x * silu(z); 2: `gemv_triton(..., rms_norm=(norm_weight, eps))`, g = x): the
+product is rmsnorm(g) * norm_weight @ W^T in one pass. rmsnorm's 1 / rms(g) is one number a row, so it
+comes out of the sum: every program accumulates sum(g^2) over its K range beside the products of
+g * norm_weight, then scales its products by rsqrt(mean(g^2) + eps) (split-K: the partial sums of squares
+go to the workspace beside the partial products, and the last program of a column block sums both in
+split order). Every program reads its rows' whole K range anyway; the statistics cost no extra pass.
+The normalised row is not rounded to the model dtype before the weight (the unfused norm kernels do),
+so the result differs from the unfused pair by that rounding (bf16: ~0.3% of an element); DOT rounds
+g * norm_weight to W's dtype for the tensor cores. With rms_norm, x may be float32 while W is not (the
+Mamba-2 residual stream).
+
+RESIDUAL (constexpr; `gemv_triton(..., residual=r)`, G == 1): the output is r + x @ W^T in r's dtype,
+the product (+ bias) rounded to W's dtype first, then added in float32, as `r + F.linear(x, W, b)`
+rounds it (the decoder layer's residual add, in the epilogue). `out` may be r itself.
 
 ACT (constexpr; `gemv_triton(..., act="sqrelu")`, G == 1): x is relu(input)^2, computed as each x
 tile is loaded (no statistics, so no extra pass).
@@ -106,54 +117,46 @@ def _prune(configs, nargs, **kwargs):
 
 
 @triton.jit
-def _gated_row_rstd(x_rows, z_rows, m_mask, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """[BLOCK_M] float32: 1 / rms(y * silu(z)) over the whole row (K channels, one group) of each row,
-    y = x. Every program reads whole rows (split-K included), from L2."""
-    offs_k = tl.arange(0, BLOCK_K)
-    ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + offs_k
-        mask = m_mask[:, None] & (k < K)[None, :]
-        y = tl.load(x_rows + k[None, :], mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-        z = tl.load(z_rows + k[None, :], mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-        h = y * z * tl.sigmoid(z)
-        ss += tl.sum(h * h, axis=1)
-    return tl.rsqrt(ss / K + eps)
-
-
-@triton.jit
-def _gemv_tile(acc, w, x_rows, k, k_hi, m_mask, DOT: tl.constexpr, BLOCK_M: tl.constexpr, DOT_PREC: tl.constexpr,
-               NORM: tl.constexpr, z_rows, nw_ptr, rstd, ACT: tl.constexpr):
-    """acc + the products of the W tile `w` (columns k) with the x tile of the same columns. With NORM
-    the x tile is gated_rmsnorm(y, z) of those columns, y read from x_rows, rounded as the unfused
-    pair rounds it: rmsnorm(y * silu(z)) to y's dtype, times the norm weight, to W's dtype. With ACT
-    (1: sqrelu) it is relu(x)^2 of those columns, rounded to x's dtype as its own kernel rounds it."""
+def _gemv_tile(acc, ss, w, x_rows, k, k_hi, m_mask, DOT: tl.constexpr, BLOCK_M: tl.constexpr, DOT_PREC: tl.constexpr,
+               NORM: tl.constexpr, z_rows, nw_ptr, ACT: tl.constexpr):
+    """(acc, ss) after the W tile `w` (columns k): acc + its products with the x tile of the same
+    columns. With NORM the x tile is g * norm_weight, g = x * silu(z) (1) or x (2), and ss [BLOCK_M,
+    BLOCK_K] (FMA) or [BLOCK_M] (DOT) gathers g^2 (see the module docstring). With ACT (1: sqrelu) it is
+    relu(x)^2 of those columns, rounded to x's dtype as its own kernel rounds it."""
     xt = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & (k < k_hi)[None, :], other=0.0,
                  eviction_policy="evict_last")
     if ACT == 1:
         relu = tl.maximum(xt.to(tl.float32), 0.0)
         xt = (relu * relu).to(xt.dtype)
-    if NORM:
-        zt = tl.load(z_rows + k[None, :], mask=m_mask[:, None] & (k < k_hi)[None, :], other=0.0,
-                     eviction_policy="evict_last").to(tl.float32)
+    if NORM != 0:
+        g = xt.to(tl.float32)
+        if NORM == 1:
+            zt = tl.load(z_rows + k[None, :], mask=m_mask[:, None] & (k < k_hi)[None, :], other=0.0,
+                         eviction_policy="evict_last").to(tl.float32)
+            g = g * zt * tl.sigmoid(zt)
         nw = tl.load(nw_ptr + k, mask=k < k_hi, other=0.0, eviction_policy="evict_last").to(tl.float32)
-        h = xt.to(tl.float32) * zt * tl.sigmoid(zt) * rstd[:, None]
-        xt = (h.to(xt.dtype).to(tl.float32) * nw[None, :]).to(w.dtype)
+        if DOT:
+            ss += tl.sum(g * g, axis=1)
+            xt = (g * nw[None, :]).to(w.dtype)
+        else:
+            ss += g * g
+            xt = g * nw[None, :]
     if DOT:
         acc += tl.dot(xt, tl.trans(w), input_precision=DOT_PREC)
     elif BLOCK_M == 1:
         acc += w.to(tl.float32) * xt.to(tl.float32)
     else:
         acc += w.to(tl.float32)[None, :, :] * xt.to(tl.float32)[:, None, :]
-    return acc
+    return acc, ss
 
 
 @triton.jit
 def _store_out(res, out_rows, offs_n, pid_n, o_mask, m_mask, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               SWIGLU: tl.constexpr):
+               SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, r_rows, prod_dt: tl.constexpr):
     """Write the float32 products `res` [BLOCK_M, BLOCK_N] of the weight rows offs_n. With SWIGLU (the
     rows are gate and up pairs) write silu(gate) * up [BLOCK_M, BLOCK_N / 2] instead, rounded as the
-    unfused pair rounds it: both products to the output dtype, silu(gate) to it, the product to it."""
+    unfused pair rounds it: both products to the output dtype, silu(gate) to it, the product to it.
+    With RESIDUAL write r + res, res rounded to `prod_dt` (W's dtype) first, the sum to the output dtype."""
     dt = out_rows.dtype.element_ty
     if SWIGLU:
         gate, up = tl.split(tl.reshape(res, (BLOCK_M, BLOCK_N // 2, 2)))
@@ -162,6 +165,9 @@ def _store_out(res, out_rows, offs_n, pid_n, o_mask, m_mask, N, BLOCK_M: tl.cons
         y = ((gate * tl.sigmoid(gate)).to(dt).to(tl.float32) * up).to(dt)
         oj = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         tl.store(out_rows + oj[None, :], y, mask=m_mask[:, None] & (oj < N // 2)[None, :])
+    elif RESIDUAL:
+        r = tl.load(r_rows + offs_n[None, :], mask=o_mask, other=0.0).to(tl.float32)
+        tl.store(out_rows + offs_n[None, :], (r + res.to(prod_dt).to(tl.float32)).to(dt), mask=o_mask)
     else:
         tl.store(out_rows + offs_n[None, :], res.to(dt), mask=o_mask)
 
@@ -171,11 +177,11 @@ def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr,
     M, N, K, G,
     stride_xg, stride_xm, stride_wg, stride_wn, stride_bg, stride_og, stride_om,
-    z_ptr, nw_ptr, stride_zm, eps,
+    z_ptr, nw_ptr, stride_zm, eps, r_ptr, stride_rm,
     M_POW2: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr,
     DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     LOOP_STAGES: tl.constexpr = None, PDL: tl.constexpr = False, PDL_TILES: tl.constexpr = 1,
-    NORM: tl.constexpr = False, ACT: tl.constexpr = 0, SWIGLU: tl.constexpr = False,
+    NORM: tl.constexpr = 0, ACT: tl.constexpr = 0, SWIGLU: tl.constexpr = False, RESIDUAL: tl.constexpr = False,
 ):
     # tl.dot needs at least 16 rows: x is padded with masked (zero) rows.
     BLOCK_M: tl.constexpr = 16 if DOT and M_POW2 < 16 else M_POW2
@@ -211,11 +217,13 @@ def _gemv_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    # NORM (G == 1, one group of K channels): x is gated_rmsnorm(y = x, z) with the norm weight nw.
+    # NORM (G == 1): the sum of squares of g over this program's K range, kept unreduced by FMA (one
+    # reduction after the loop, as acc), reduced tile by tile by DOT.
     z_rows = z_ptr + offs_m[:, None] * stride_zm
-    rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    if NORM and not PDL:
-        rstd = _gated_row_rstd(x_rows, z_rows, m_mask, K, eps, BLOCK_M, BLOCK_K)
+    if DOT:
+        ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    else:
+        ss = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
     k_start = k_lo
     if PDL:
         # Programmatic dependent launch: let the next kernel's programs launch now, fetch the first
@@ -235,13 +243,10 @@ def _gemv_kernel(
             w_b = tl.load(w_rows + k_b[None, :], mask=n_mask[:, None] & (k_b < k_hi)[None, :], other=0.0,
                           eviction_policy="evict_first")
         tl.extra.cuda.gdc_wait()
-        if NORM:
-            rstd = _gated_row_rstd(x_rows, z_rows, m_mask, K, eps, BLOCK_M, BLOCK_K)
-        acc = _gemv_tile(acc, w_a, x_rows, k_a, k_hi, m_mask, DOT, BLOCK_M, DOT_PREC,
-                         NORM, z_rows, nw_ptr, rstd, ACT)
+        acc, ss = _gemv_tile(acc, ss, w_a, x_rows, k_a, k_hi, m_mask, DOT, BLOCK_M, DOT_PREC, NORM, z_rows, nw_ptr, ACT)
         if PEEL > 1:
-            acc = _gemv_tile(acc, w_b, x_rows, k_b, k_hi, m_mask, DOT, BLOCK_M, DOT_PREC,
-                             NORM, z_rows, nw_ptr, rstd, ACT)
+            acc, ss = _gemv_tile(acc, ss, w_b, x_rows, k_b, k_hi, m_mask, DOT, BLOCK_M, DOT_PREC, NORM, z_rows, nw_ptr,
+                                 ACT)
         k_start = k_lo + PEEL * BLOCK_K
     for k0 in tl.range(k_start, k_hi, BLOCK_K, num_stages=LOOP_STAGES):
         k = k0 + offs_k
@@ -249,24 +254,32 @@ def _gemv_kernel(
         # W is read once: evict it first so x and the outputs stay in L2.
         w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0,
                     eviction_policy="evict_first")
-        acc = _gemv_tile(acc, w, x_rows, k, k_hi, m_mask, DOT, BLOCK_M, DOT_PREC,
-                         NORM, z_rows, nw_ptr, rstd, ACT)
+        acc, ss = _gemv_tile(acc, ss, w, x_rows, k, k_hi, m_mask, DOT, BLOCK_M, DOT_PREC, NORM, z_rows, nw_ptr, ACT)
     if DOT:
         res = acc
     elif BLOCK_M == 1:
         res = tl.sum(acc, axis=1)[None, :]
     else:
         res = tl.sum(acc, axis=2)
+    if NORM != 0 and not DOT:
+        ss = tl.sum(ss, axis=1)
     o_mask = m_mask[:, None] & n_mask[None, :]
+    out_rows = out_ptr + g * stride_og + offs_m[:, None] * stride_om
+    r_rows = r_ptr + offs_m[:, None] * stride_rm
+    prod_dt: tl.constexpr = w_ptr.dtype.element_ty
     if SPLIT_K == 1:
+        if NORM != 0:
+            res *= tl.rsqrt(ss / K + eps)[:, None]
         if HAS_BIAS:
             res += tl.load(b_ptr + g * stride_bg + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        _store_out(res, out_ptr + g * stride_og + offs_m[:, None] * stride_om, offs_n, pid_n, o_mask, m_mask, N,
-                   BLOCK_M, BLOCK_N, SWIGLU)
+        _store_out(res, out_rows, offs_n, pid_n, o_mask, m_mask, N, BLOCK_M, BLOCK_N, SWIGLU, RESIDUAL, r_rows, prod_dt)
     else:
-        # Partials [SPLIT_K, G, M, N], float32.
+        # Partials [SPLIT_K, G, M, N], float32; with NORM then the sums of squares [SPLIT_K, n blocks, M].
         mn = offs_m[:, None] * N + offs_n[None, :]
         tl.store(part_ptr + (pid_k * G + g) * M * N + mn, res, mask=o_mask)
+        ss_part = part_ptr + SPLIT_K * G * M * N + pid_n * M + offs_m
+        if NORM != 0:
+            tl.store(ss_part + pid_k * tl.num_programs(0) * M, ss, mask=m_mask)
         # Every thread's partial stores are issued before one thread takes a ticket; acq_rel
         # publishes them to, and acquires the others' for, the program that takes the last one.
         tl.debug_barrier()
@@ -275,14 +288,20 @@ def _gemv_kernel(
         if ticket == SPLIT_K - 1:
             tl.store(cnt, 0)
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            ss_total = tl.zeros((BLOCK_M,), dtype=tl.float32)
             # In split order whoever is last, so the result does not depend on timing.
             for s in tl.static_range(SPLIT_K):
                 # .cg reads from L2, where the other programs' stores landed.
                 total += tl.load(part_ptr + (s * G + g) * M * N + mn, mask=o_mask, other=0.0, cache_modifier=".cg")
+                if NORM != 0:
+                    ss_total += tl.load(ss_part + s * tl.num_programs(0) * M, mask=m_mask, other=0.0,
+                                        cache_modifier=".cg")
+            if NORM != 0:
+                total *= tl.rsqrt(ss_total / K + eps)[:, None]
             if HAS_BIAS:
                 total += tl.load(b_ptr + g * stride_bg + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-            _store_out(total, out_ptr + g * stride_og + offs_m[:, None] * stride_om, offs_n, pid_n, o_mask, m_mask, N,
-                       BLOCK_M, BLOCK_N, SWIGLU)
+            _store_out(total, out_rows, offs_n, pid_n, o_mask, m_mask, N, BLOCK_M, BLOCK_N, SWIGLU, RESIDUAL, r_rows,
+                       prod_dt)
 
 
 def _autotune_bench(fn, quantiles):
@@ -292,7 +311,7 @@ def _autotune_bench(fn, quantiles):
 
 _gemv_tuned = triton.autotune(
     configs=CONFIGS[:1] if INTERPRET else CONFIGS,
-    key=["M", "N", "K", "G", "HAS_BIAS", "NORM", "ACT", "SWIGLU"],
+    key=["M", "N", "K", "G", "HAS_BIAS", "NORM", "ACT", "SWIGLU", "RESIDUAL"],
     prune_configs_by={"early_config_prune": _prune},
     do_bench=_autotune_bench,
 )(_gemv_kernel)
@@ -328,7 +347,7 @@ def _as_config(config):
 
 
 def _check_norm(x, norm):
-    """(z, norm weight, eps) for a NORM launch, checked: x [M, K], z [M, K], weight [K], one group."""
+    """(z, norm weight, eps) for a gated NORM launch, checked: x [M, K], z [M, K], weight [K], one group."""
     if len(norm) not in (3, 4):
         raise ValueError("gemv: norm must be (z, norm_weight, eps) or (z, norm_weight, eps, group_size)")
     z, nw, eps = norm[:3]
@@ -350,21 +369,42 @@ def _check_norm(x, norm):
     return z, nw, float(eps)
 
 
+def _check_rms_norm(x, weight, rms_norm):
+    """(norm weight, eps) for an RMS NORM launch, checked: x [M, K] in W's dtype or float32, weight [K]."""
+    if len(rms_norm) != 2:
+        raise ValueError("gemv: rms_norm must be (norm_weight, eps)")
+    nw, eps = rms_norm
+    if x.dim() != 2:
+        raise ValueError(f"gemv: the RMSNorm prologue takes x [M, K], got {tuple(x.shape)}")
+    if tuple(nw.shape) != (x.shape[-1],):
+        raise ValueError(f"gemv: rms_norm needs a weight [{x.shape[-1]}], got {tuple(nw.shape)}")
+    if x.dtype not in (weight.dtype, torch.float32):
+        raise ValueError(f"gemv: with rms_norm x must be {weight.dtype} or float32, got {x.dtype}")
+    return nw.contiguous(), float(eps)
+
+
 # Activations the prologue computes, by name: the ACT constexpr.
 ACTS = {"sqrelu": 1}
 
 
-def gemv_triton(x, weight, bias=None, *, out=None, config=None, norm=None, act=None, swiglu=False, early_tiles=1):
+def gemv_triton(x, weight, bias=None, *, out=None, config=None, norm=None, rms_norm=None, act=None, swiglu=False,
+                residual=None, early_tiles=1):
     """See `kernels.gemv.gemv`. `config` (a `triton.Config` of CONFIGS or a dict with META keys and
     optional num_warps / num_stages) launches that configuration instead of the autotuned one.
 
     `norm=(z, norm_weight, eps)` (optionally a 4th item, group_size, which must be K): the product
     is gated_rmsnorm(x, z) @ W^T, the norm (`kernels.mamba2_norm.gated_rmsnorm`, one group) computed
-    in the kernel's prologue: x [M, K] only, z [M, K] and norm_weight [K] in x's dtype.
+    in the same pass as the product: x [M, K] only, z [M, K] and norm_weight [K] in x's dtype.
+    `rms_norm=(norm_weight, eps)`: the product is rmsnorm(x) * norm_weight @ W^T, likewise; x [M, K]
+    in W's dtype or float32. Both leave out the unfused norm's rounding of the normalised row (module
+    docstring).
 
     `act="sqrelu"`: the product is relu(x)^2 @ W^T, computed as the x tiles are loaded; x [M, K] only,
-    not with `norm`. `swiglu=True`: W is [gate; up] [2I, K] and the result is
+    not with a norm. `swiglu=True`: W is [gate; up] [2I, K] and the result is
     `kernels.swiglu.silu_mul` of the product, [M, I], computed in the epilogue; x [M, K] only.
+    `residual=r` ([M, N], any float dtype, not with swiglu): the result is r + the product in r's
+    dtype (module docstring); `out` may be r itself when `config` is given (autotuning would run
+    the launch more than once).
 
     `early_tiles` (1 or 2; PDL launches of FMA configurations only): the weight tiles each program
     loads before its PDL wait. One is the default: in graphed decode steps of all three families a
@@ -372,12 +412,16 @@ def gemv_triton(x, weight, bias=None, *, out=None, config=None, norm=None, act=N
     batch-1 decode attention, q/k/v and o (kernels/gemv/README.md, performance log)."""
     if early_tiles not in (1, 2):
         raise ValueError(f"gemv: early_tiles must be 1 or 2, got {early_tiles}")
+    if norm is not None and rms_norm is not None:
+        raise ValueError("gemv: norm and rms_norm are two different prologues; pass one")
     if norm is not None:
         norm = _check_norm(x, norm)
+    if rms_norm is not None:
+        rms_norm = _check_rms_norm(x, weight, rms_norm)
     if act is not None:
         if act not in ACTS:
             raise ValueError(f"gemv: act must be one of {sorted(ACTS)}, got {act!r}")
-        if norm is not None or x.dim() != 2:
+        if norm is not None or rms_norm is not None or x.dim() != 2:
             raise ValueError("gemv: an activation prologue takes x [M, K] and no norm")
     if swiglu and (x.dim() != 2 or weight.dim() != 2 or weight.shape[0] % 2):
         raise ValueError(f"gemv: swiglu takes x [M, K] and weight [2I, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
@@ -389,7 +433,7 @@ def gemv_triton(x, weight, bias=None, *, out=None, config=None, norm=None, act=N
         raise ValueError(f"gemv: shapes {tuple(x.shape)} and {tuple(weight.shape)} do not match")
     if weight.stride(-1) != 1:
         raise ValueError("gemv: weight must be contiguous in K (stride 1 in its last dimension)")
-    if x.dtype != weight.dtype:
+    if x.dtype != weight.dtype and rms_norm is None:
         raise ValueError(f"gemv: x is {x.dtype}, weight is {weight.dtype}")
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -397,8 +441,15 @@ def gemv_triton(x, weight, bias=None, *, out=None, config=None, norm=None, act=N
     M, K = x.shape[-2], x.shape[-1]
     N = weight.shape[-2]
     out_shape = (G, M, N) if grouped else (M, N // 2 if swiglu else N)
+    if residual is not None:
+        if swiglu or grouped or tuple(residual.shape) != out_shape or residual.stride(-1) != 1:
+            raise ValueError(f"gemv: residual must be {list(out_shape)} with a contiguous last dimension, for x [M, K] "
+                             f"without swiglu; got {tuple(residual.shape)}")
+        if out is not None and out.data_ptr() == residual.data_ptr() and config is None:
+            raise ValueError("gemv: writing the residual in place needs a config (autotuning reruns the launch)")
+    out_dtype = residual.dtype if residual is not None else weight.dtype
     if out is None:
-        out = torch.empty(out_shape, dtype=x.dtype, device=x.device)
+        out = torch.empty(out_shape, dtype=out_dtype, device=x.device)
     if tuple(out.shape) != out_shape or out.stride(-1) != 1:
         raise ValueError(f"gemv: out must be {list(out_shape)} with a contiguous last dimension, got {tuple(out.shape)}")
     has_bias = bias is not None
@@ -414,19 +465,30 @@ def gemv_triton(x, weight, bias=None, *, out=None, config=None, norm=None, act=N
 
             return out.copy_(silu_mul_ref(torch.zeros(M, N, dtype=x.dtype, device=x.device) if bias is None
                                           else bias.unsqueeze(0).expand(M, N)))
-        return out.zero_() if not has_bias else out.copy_(bias.unsqueeze(-2).expand(out_shape))
+        prod = torch.zeros(out_shape, dtype=weight.dtype, device=x.device) if not has_bias else \
+            bias.unsqueeze(-2).expand(out_shape).to(weight.dtype)
+        return out.copy_(prod if residual is None else residual.float() + prod.float())
     config = _as_config(config)
     split = config.kwargs["SPLIT_K"] if config is not None else MAX_SPLIT_K
     min_bn = config.kwargs["BLOCK_N"] if config is not None else MIN_BLOCK_N
-    part, cnt = _workspace(x.device, split * G * M * N if split > 1 else 0, G * triton.cdiv(N, min_bn))
+    n_blocks = G * triton.cdiv(N, min_bn)
+    normed = norm is not None or rms_norm is not None
+    part, cnt = _workspace(x.device, split * (G * M * N + (n_blocks * M if normed else 0)) if split > 1 else 0, n_blocks)
     gs = (lambda t: t.stride(0)) if grouped else (lambda t: 0)
+    if norm is not None:
+        norm_args = (norm[0], norm[1], norm[0].stride(0), norm[2])
+    elif rms_norm is not None:
+        norm_args = (x, rms_norm[0], 0, rms_norm[1])
+    else:
+        norm_args = (x, x, 0, 0.0)
     args = (x, weight, bias if has_bias else x, out, part, cnt,
             M, N, K, G,
             gs(x), x.stride(-2), gs(weight), weight.stride(-2), gs(bias) if has_bias else 0, gs(out), out.stride(-2),
-            *((norm[0], norm[1], norm[0].stride(0), norm[2]) if norm is not None else (x, x, 0, 0.0)))
+            *norm_args, residual if residual is not None else x, residual.stride(0) if residual is not None else 0)
     use_pdl = pdl(x.device)
-    consts = dict(M_POW2=_m_pow2(M), HAS_BIAS=has_bias, DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
-                  PDL=use_pdl, PDL_TILES=early_tiles, NORM=norm is not None, ACT=ACTS.get(act, 0), SWIGLU=swiglu)
+    consts = dict(M_POW2=_m_pow2(M), HAS_BIAS=has_bias, DOT_PREC="ieee" if weight.dtype == torch.float32 else "tf32",
+                  PDL=use_pdl, PDL_TILES=early_tiles, NORM=1 if norm is not None else 2 if rms_norm is not None else 0,
+                  ACT=ACTS.get(act, 0), SWIGLU=swiglu, RESIDUAL=residual is not None)
     if config is None:
         def grid(meta):
             return triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"], G
@@ -442,9 +504,10 @@ def gemv_triton(x, weight, bias=None, *, out=None, config=None, norm=None, act=N
     return out
 
 
-def tuned_config(M, N, K, G=1, has_bias=False, dtype=torch.bfloat16, norm=False, act=None, swiglu=False):
-    """The configuration autotuning chose for this shape (None before the first call)."""
+def tuned_config(M, N, K, G=1, has_bias=False, dtype=torch.bfloat16, norm=0, act=None, swiglu=False, residual=False):
+    """The configuration autotuning chose for this shape (None before the first call); `norm` is the
+    NORM constexpr (0 none, 1 gated, 2 RMS)."""
     for key, cfg in _gemv_tuned.cache.items():
-        if key[:8] == (M, N, K, G, has_bias, norm, ACTS.get(act, 0), swiglu) and str(dtype) in key[8:]:
+        if key[:9] == (M, N, K, G, has_bias, norm, ACTS.get(act, 0), swiglu, residual) and str(dtype) in key[9:]:
             return cfg
     return None
