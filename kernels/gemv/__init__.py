@@ -219,7 +219,7 @@ def rms_norm_linear(x, norm_weight, eps, weight, bias=None, *, impl, swiglu=Fals
     weight's dtype or float32, norm_weight `[K]` in the weight's dtype -> `[M, N]` (`[M, N / 2]`). See
     the module docstring; `early_tiles` as `linear`'s."""
     check_impl(impl)
-    from kernels import mamba2_norm, rmsnorm, swiglu as swiglu_op
+    from kernels import mamba2_norm, rmsnorm
 
     if x.dim() != 2 or weight.dim() != 2 or x.shape[-1] != weight.shape[-1] or tuple(norm_weight.shape) != (x.shape[-1],):
         raise ValueError(f"rms_norm_linear: needs x [M, K], norm_weight [K] and weight [N, K], got {tuple(x.shape)}, "
