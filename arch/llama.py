@@ -10,9 +10,9 @@ checkpoint's state dict loads without renaming. Attention runs in one of two way
   are written into and read from a paged cache through `kernels.paged_attention` (prefill chunks
   and decode steps).
 
-On impl="triton" (`PagedBatch.impl`) `forward_paged` runs fused kernels: up to `kernels.gemv.MAX_ROWS`
-packed rows (decode steps) each RMSNorm inside the GEMV after it and each residual add inside the
-GEMV before it, more rows each residual add inside the RMSNorm kernel after it; q/k/v as one GEMV
+On impl="triton" (`PagedBatch.impl`) `forward_paged` runs fused kernels: for one packed row (batch-1
+decode; `FOLD_ROWS`) each RMSNorm inside the GEMV after it and each residual add inside the GEMV before
+it, for more rows each residual add inside the RMSNorm kernel after it; q/k/v as one GEMV
 (`Attention.qkv_weight`); in prefill RoPE on q and k and the K/V write in one kernel, in decode both inside the paged decode kernel (`rope=`); gate/up as
 one GEMV (`MLP.gate_up_weight`) with SwiGLU in its epilogue (`kernels.gemv.swiglu_linear`, else in
 its own kernel); every projection and the head go through `kernels.gemv` (the Triton GEMV where it
@@ -34,6 +34,12 @@ from torch import nn
 
 from arch.checkpoint import CheckpointError, assign_weights, config_from_dict, load_weights, read_json
 from kernels import gemv, paged_attention, rmsnorm, rotary
+
+# Packed rows up to which the Triton path runs each RMSNorm inside the GEMV after it and each residual
+# add inside the GEMV before it: faster for one row (llama-1b batch-1 decode step at 4k 859 -> 847 us),
+# slower for four, where the fused prologue loses to the norm kernel + GEMV pair and the pairs cost a
+# launch more than the add + norm kernel (results/step_ab.jsonl).
+FOLD_ROWS = 1
 
 
 @dataclass
@@ -328,7 +334,7 @@ class Block(nn.Module):
         return rmsnorm.add_rms_norm(self.mlp.forward_fused(h), x, next_norm.weight, next_norm.eps, impl="triton")
 
     def forward_fused_rows(self, x, attend):
-        """Triton path of `forward` for at most `kernels.gemv.MAX_ROWS` packed rows (decode steps):
+        """Triton path of `forward` for at most `FOLD_ROWS` packed rows (batch-1 decode steps):
         x [N, d] is the residual stream; `attend(x)` returns x + attention(input_layernorm(x)) with the
         norm inside the q/k/v GEMV and the add inside the o-projection's. Returns x_out, the MLP's
         norm and add likewise inside its GEMVs: four launches of GEMVs, no norm kernel."""
@@ -389,13 +395,13 @@ class Llama(nn.Module):
         return self.head(x)
 
     def forward_paged_fused(self, tokens, positions, batch: PagedBatch, logit_index=None):
-        """`forward_paged` on the fused Triton kernels. Up to `kernels.gemv.MAX_ROWS` rows (decode
-        steps, short chunks) every norm runs inside the GEMV after it and every residual add inside
-        the GEMV before it (`Block.forward_fused_rows`); more rows keep the norm kernels, each fused with
-        the residual add before it. The head reads only the rows in `logit_index`."""
+        """`forward_paged` on the fused Triton kernels. Up to `FOLD_ROWS` rows every norm runs inside
+        the GEMV after it and every residual add inside the GEMV before it (`Block.forward_fused_rows`);
+        more rows keep the norm kernels, each fused with the residual add before it. The head reads
+        only the rows in `logit_index`."""
         layers = self.model.layers
         x = self.model.embed_tokens(tokens)  # [N, d], the residual stream
-        if x.shape[0] <= gemv.MAX_ROWS:
+        if x.shape[0] <= FOLD_ROWS:
             for i, block in enumerate(layers):
                 x = block.forward_fused_rows(x, lambda x, b=block, i=i: b.self_attn.forward_paged(
                     x, positions, self.rotary, batch, i, norm=b.input_layernorm, residual=x))

@@ -21,14 +21,13 @@ The model runs three ways, all through `kernels.ssd`:
   path: with impl="ref" it is autograd through the reference scan, in chunks of at most REF_CHUNK);
 - `forward_chunk(tokens [b, T], conv, ssm, rows)`: a prefill chunk that starts from, and writes back,
   the rows `rows` of the batched state buffers; returns the last position's hidden state;
-- `step(tokens [B], conv, ssm)`: one token per sequence, both states updated in place. Up to
-  `kernels.gemv.MAX_ROWS` sequences on the Triton path a layer is three launches: in_proj with the
-  pre-norm in its GEMV (`kernels.gemv.rms_norm_linear`), the decode step, and out_proj with the gated
-  norm and the residual add in its GEMV (`kernels.gemv.gated_norm_linear(..., residual=)`), each where
-  it measured faster than the unfused pair (one group); the first layer's pre-norm runs with the
-  embedding lookup (`kernels.mamba2_norm.embed_rmsnorm`). More sequences add the residual inside the
-  next norm's kernel (`kernels.mamba2_norm.add_rmsnorm`). The projections and the head go through
-  `kernels.gemv` (the Triton GEMV where it measured faster than cuBLAS for that shape).
+- `step(tokens [B], conv, ssm)`: one token per sequence, both states updated in place; its norms go
+  through `kernels.mamba2_norm` (one launch each on the Triton path: embedding + pre-norm, residual add +
+  pre-norm, gated norm); the gated norm and out_proj go through `kernels.gemv.gated_norm_linear`, which
+  folds the norm into out_proj's GEMV prologue (one group, where it measured faster than the pair), so
+  a layer is four launches: add + norm, in_proj, decode step, gated norm + out_proj (five where the pair
+  is kept); in_proj and the head go through `kernels.gemv.linear` (the Triton GEMV where it measured
+  faster than cuBLAS for that shape).
 """
 
 import json
@@ -169,20 +168,14 @@ class Mixer(nn.Module):
             self._decay_key = key
         return self._decay
 
-    def step(self, h, conv_state, ssm_state, impl: str, *, state_ready: bool = False, norm=None, residual=None):
+    def step(self, h, conv_state, ssm_state, impl: str, *, state_ready: bool = False):
         """One token h [B, d]; conv_state [B, conv_dim, W-1] and ssm_state [B, H, P, N] updated in place.
 
         z, xBC and dt stay strided views of the in-projection, read in place by the kernels.
-        `state_ready`: see `Mamba2LM.step`. With `norm` (the block's pre-norm) h is the residual stream
-        r, normalised inside the in-projection's GEMV (`kernels.gemv.rms_norm_linear`); with `residual`
-        the result is residual + the mixer's output, added inside out_proj's GEMV.
+        `state_ready`: see `Mamba2LM.step`.
         """
         c = self.config
-        if norm is None:
-            zxbcdt = gemv.linear(h, self.in_proj.weight, self.in_proj.bias, impl=impl)
-        else:
-            zxbcdt = gemv.rms_norm_linear(h, norm.weight, norm.eps, self.in_proj.weight, self.in_proj.bias, impl=impl)
-        z, xBC, dt = self.split(zxbcdt)
+        z, xBC, dt = self.split(gemv.linear(h, self.in_proj.weight, self.in_proj.bias, impl=impl))
         y = ssd.mamba2_decode_step(
             xBC,
             dt,
@@ -200,10 +193,10 @@ class Mixer(nn.Module):
             state_ready=state_ready,
         )
         # The gate goes inside the norm, rmsnorm(y * silu(z)), so it is not passed to the decode step; the
-        # norm runs in out_proj's GEMV pass where that measured faster (one group).
+        # norm runs in out_proj's GEMV prologue where that measured faster (one group).
         return gemv.gated_norm_linear(
             y.reshape(h.shape[0], c.d_inner), z, self.norm.weight, self.norm.eps, self.out_proj.weight,
-            self.out_proj.bias, group_size=self.norm.group_size, impl=impl, residual=residual,
+            self.out_proj.bias, group_size=self.norm.group_size, impl=impl,
         )
 
 
@@ -271,10 +264,9 @@ class Mamba2LM(nn.Module):
     def step(self, tokens, conv, ssm, impl: str, *, state_ready: bool = False):
         """One token per sequence, tokens [B]; conv and ssm ([L, B, ...]) updated in place. Logits [B, V].
 
-        The same blocks as `forward`: r = embed(tokens); h = norm_0(r) (one kernel); then per layer
-        r = r + mixer(h), h = norm_{i+1}(r). Up to `kernels.gemv.MAX_ROWS` sequences each later norm
-        runs inside the next in-projection's GEMV (or the head's) and each add inside out_proj's; more
-        sequences fuse each add into the norm kernel that follows it.
+        The same blocks as `forward`, with each residual add fused into the norm that follows it (the
+        next block's pre-norm, or norm_f): r = embed(tokens); h = norm_0(r); then per layer
+        r = r + mixer(h), h = norm_{i+1}(r).
 
         `state_ready=True` promises that `ssm` was last written before a kernel launched without PDL
         (such as the sampling kernels that end a decoder's step), so each layer's step
@@ -285,12 +277,6 @@ class Mamba2LM(nn.Module):
         norms = [block.norm for block in layers] + [self.backbone.norm_f]
         table = self.backbone.embeddings.weight
         h, r = mamba2_norm.embed_rmsnorm(tokens, table, norms[0].weight, norms[0].eps, impl=impl)
-        if tokens.shape[0] <= gemv.MAX_ROWS:
-            # Each later pre-norm inside the in-projection's GEMV, each residual add inside out_proj's.
-            r = layers[0].mixer.step(h, conv[0], ssm[0], impl, state_ready=state_ready, residual=r)
-            for i in range(1, len(layers)):
-                r = layers[i].mixer.step(r, conv[i], ssm[i], impl, state_ready=state_ready, norm=norms[i], residual=r)
-            return gemv.rms_norm_linear(r, norms[-1].weight, norms[-1].eps, self.head_weight(), impl=impl)
         for i, block in enumerate(layers):
             out = block.mixer.step(h, conv[i], ssm[i], impl, state_ready=state_ready)
             h, r = mamba2_norm.add_rmsnorm(out, r, norms[i + 1].weight, norms[i + 1].eps, impl=impl)

@@ -35,17 +35,14 @@ accumulation. The grouped form runs G independent products in one launch: x `[G,
   recomputed by every one of its programs); elsewhere the pair. `swiglu_choices()` is its `choices()`.
 
 - `rms_norm_linear(x, norm_weight, eps, weight, bias=None, *, impl, swiglu=False, early_tiles=1) -> [M, N]`:
-  `linear(rmsnorm(x), weight, bias)` (or `swiglu_linear` of it), rmsnorm(x) = norm_weight *
-  (x / rms(x)) rounded to the weight's dtype (`kernels.rmsnorm.rms_norm`, or
-  `kernels.mamba2_norm.rmsnorm` for a float32 x: a decoder's pre-norm). As `gated_norm_linear`: per
-  shape the fastest of that pair and the GEMV with the norm in the same pass as the product (the
-  statistics gathered as the x tiles load, 1 / rms applied to the sums: kernels/gemv/README.md);
-  elsewhere the pair. `rms_choices()` is its `choices()`.
+  `linear(kernels.rmsnorm.rms_norm(x), weight, bias)` (or `swiglu_linear` of it): a decoder's pre-norm
+  and the projection after it. As `gated_norm_linear`: per shape the fastest of that pair and the GEMV
+  with the norm in the same pass as the product (the statistics gathered as the x tiles load, 1 / rms
+  applied to the sums: kernels/gemv/README.md); elsewhere the pair. `rms_choices()` is its `choices()`.
 - `linear_residual(x, weight, residual, bias=None, *, impl, early_tiles=1) -> [M, N]`: `residual +
   linear(x, weight, bias)` in the residual's dtype (a decoder layer's residual add). Per shape the
   fastest of that pair and the GEMV that adds the residual in its epilogue; elsewhere the pair.
-  `gated_norm_linear(..., residual=r)` is the same around Mamba-2's out_proj. `residual_choices()` is
-  its `choices()`.
+  `residual_choices()` is its `choices()`.
 
 Inside a CUDA graph: call `linear` (or `gemv` with impl="triton") once per shape before capture,
 so that compilation, the measurement and the split-K workspace all happen outside it.
@@ -99,9 +96,8 @@ def choices() -> dict:
 
 
 def norm_choices() -> dict:
-    """`gated_norm_linear`'s choice per (M, N, K, dtype, has_bias, residual dtype or None) so far, as
-    `choices()` ("torch": the unfused pair)."""
-    return {key[:5] + key[6:]: {k: v for k, v in rec.items() if k != "config"} for key, rec in _NORM_CHOICES.items()}
+    """`gated_norm_linear`'s choice per shape so far, as `choices()` ("torch": the unfused pair)."""
+    return {key[:5]: {k: v for k, v in rec.items() if k != "config"} for key, rec in _NORM_CHOICES.items()}
 
 
 def act_choices() -> dict:
@@ -116,7 +112,7 @@ def swiglu_choices() -> dict:
 
 
 def rms_choices() -> dict:
-    """`rms_norm_linear`'s choice per (M, N, K, x dtype, has_bias, swiglu) so far, as `choices()`
+    """`rms_norm_linear`'s choice per (M, N, K, dtype, has_bias, swiglu) so far, as `choices()`
     ("torch": the norm kernel + `linear` or `swiglu_linear`)."""
     return {key[:5] + key[6:]: {k: v for k, v in rec.items() if k != "config"} for key, rec in _RMS_CHOICES.items()}
 
@@ -192,50 +188,42 @@ def linear(x, weight, bias=None, *, impl, early_tiles=1):
     return gemv_triton(x2, weight, bias, config=rec["config"], early_tiles=early_tiles).view(*x.shape[:-1], N)
 
 
-def gated_norm_linear(y, z, norm_weight, eps, weight, bias=None, *, group_size, impl, residual=None):
+def gated_norm_linear(y, z, norm_weight, eps, weight, bias=None, *, group_size, impl):
     """out_proj(gated_rmsnorm(y, z)): y, z `[M, K]` (z may be a strided view), norm_weight `[K]`, weight
-    `[N, K]`, bias `[N]` -> `[M, N]`; see the module docstring. With `residual` `[M, N]`: residual +
-    that, in the residual's dtype (the add in the GEMV's epilogue when the fused form runs)."""
+    `[N, K]`, bias `[N]` -> `[M, N]`; see the module docstring."""
     check_impl(impl)
     from kernels import mamba2_norm
 
     def pair(w):
         h = mamba2_norm.gated_rmsnorm(y, z, norm_weight, group_size, eps, impl=impl)
-        out = F.linear(h, w, bias) if impl == "ref" else linear(h, w, bias, impl=impl)
-        return out if residual is None else residual + out
+        return F.linear(h, w, bias) if impl == "ref" else linear(h, w, bias, impl=impl)
 
     K = y.shape[-1]
     if not (_fusable(y, weight, bias, impl) and group_size == K and tuple(z.shape) == tuple(y.shape)
             and tuple(norm_weight.shape) == (K,) and z.dtype == norm_weight.dtype == y.dtype
-            and _residual_fits(residual, y.shape[0], weight.shape[0])
             and not (torch.is_grad_enabled() and (z.requires_grad or norm_weight.requires_grad))):
         return pair(weight)
-    key = (*_key(y, weight, bias), None if residual is None else str(residual.dtype).removeprefix("torch."))
-    return _fused_or_pair(y, weight, bias, key, _NORM_CHOICES, pair, norm=(z, norm_weight, eps), residual=residual)
+    return _fused_or_pair(y, weight, bias, _key(y, weight, bias), _NORM_CHOICES, pair, norm=(z, norm_weight, eps))
 
 
 def rms_norm_linear(x, norm_weight, eps, weight, bias=None, *, impl, swiglu=False, early_tiles=1):
-    """`linear(rmsnorm(x), weight, bias)`, or `swiglu_linear` of it with `swiglu`: x `[M, K]` in the
-    weight's dtype or float32, norm_weight `[K]` in the weight's dtype -> `[M, N]` (`[M, N / 2]`). See
-    the module docstring; `early_tiles` as `linear`'s."""
+    """`linear(kernels.rmsnorm.rms_norm(x), weight, bias)`, or `swiglu_linear` of it with `swiglu`: x
+    `[M, K]`, norm_weight `[K]`, weight `[N, K]`, all one dtype -> `[M, N]` (`[M, N / 2]`). See the
+    module docstring; `early_tiles` as `linear`'s."""
     check_impl(impl)
-    from kernels import mamba2_norm, rmsnorm
+    from kernels import rmsnorm
 
     if x.dim() != 2 or weight.dim() != 2 or x.shape[-1] != weight.shape[-1] or tuple(norm_weight.shape) != (x.shape[-1],):
         raise ValueError(f"rms_norm_linear: needs x [M, K], norm_weight [K] and weight [N, K], got {tuple(x.shape)}, "
                          f"{tuple(norm_weight.shape)} and {tuple(weight.shape)}")
 
     def pair(w):
-        if x.dtype == norm_weight.dtype:
-            h = rmsnorm.rms_norm(x, norm_weight, eps, impl=impl)
-        else:
-            h = mamba2_norm.rmsnorm(x, norm_weight, eps, impl=impl)
+        h = rmsnorm.rms_norm(x, norm_weight, eps, impl=impl)
         if swiglu:
             return swiglu_linear(h, w, bias, impl=impl)
         return F.linear(h, w, bias) if impl == "ref" else linear(h, w, bias, impl=impl, early_tiles=early_tiles)
 
-    if not (_fusable(x, weight, bias, impl, x_float32=True) and norm_weight.dtype == weight.dtype
-            and not (swiglu and weight.shape[0] % 2)
+    if not (_fusable(x, weight, bias, impl) and norm_weight.dtype == x.dtype and not (swiglu and weight.shape[0] % 2)
             and not (torch.is_grad_enabled() and norm_weight.requires_grad)):
         return pair(weight)
     return _fused_or_pair(x, weight, bias, (*_key(x, weight, bias), swiglu), _RMS_CHOICES, pair,
@@ -305,14 +293,11 @@ def swiglu_linear(x, weight, bias=None, *, impl):
     return _fused_or_pair(x, weight, bias, _key(x, weight, bias), _SWIGLU_CHOICES, pair, swiglu=True)
 
 
-def _fusable(x, weight, bias, impl, x_float32=False) -> bool:
-    """Whether a fused GEMV may run: CUDA, impl="triton", 1..MAX_ROWS rows, no autograd, one dtype (x
-    may also be float32 with `x_float32`)."""
+def _fusable(x, weight, bias, impl) -> bool:
+    """Whether a fused GEMV may run: CUDA, impl="triton", 1..MAX_ROWS rows, no autograd, one dtype."""
     if impl != "triton" or not x.is_cuda or x.dim() != 2 or not 0 < x.shape[0] <= MAX_ROWS or x.shape[1] == 0:
         return False
-    if x.dtype != weight.dtype and not (x_float32 and x.dtype == torch.float32):
-        return False
-    if weight.dim() != 2 or weight.stride(-1) != 1 or (bias is not None and bias.dtype != weight.dtype):
+    if weight.dim() != 2 or weight.stride(-1) != 1 or any(t is not None and t.dtype != x.dtype for t in (weight, bias)):
         return False
     return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)))
 

@@ -28,8 +28,7 @@ go to the workspace beside the partial products, and the last program of a colum
 split order). Every program reads its rows' whole K range anyway; the statistics cost no extra pass.
 The normalised row is not rounded to the model dtype before the weight (the unfused norm kernels do),
 so the result differs from the unfused pair by that rounding (bf16: ~0.3% of an element); DOT rounds
-g * norm_weight to W's dtype for the tensor cores. With rms_norm, x may be float32 while W is not (the
-Mamba-2 residual stream).
+g * norm_weight to W's dtype for the tensor cores.
 
 RESIDUAL (constexpr; `gemv_triton(..., residual=r)`, G == 1): the output is r + x @ W^T in r's dtype,
 the product (+ bias) rounded to W's dtype first, then added in float32, as `r + F.linear(x, W, b)`
@@ -369,17 +368,15 @@ def _check_norm(x, norm):
     return z, nw, float(eps)
 
 
-def _check_rms_norm(x, weight, rms_norm):
-    """(norm weight, eps) for an RMS NORM launch, checked: x [M, K] in W's dtype or float32, weight [K]."""
+def _check_rms_norm(x, rms_norm):
+    """(norm weight, eps) for an RMS NORM launch, checked: x [M, K], weight [K] in x's dtype."""
     if len(rms_norm) != 2:
         raise ValueError("gemv: rms_norm must be (norm_weight, eps)")
     nw, eps = rms_norm
     if x.dim() != 2:
         raise ValueError(f"gemv: the RMSNorm prologue takes x [M, K], got {tuple(x.shape)}")
-    if tuple(nw.shape) != (x.shape[-1],):
-        raise ValueError(f"gemv: rms_norm needs a weight [{x.shape[-1]}], got {tuple(nw.shape)}")
-    if x.dtype not in (weight.dtype, torch.float32):
-        raise ValueError(f"gemv: with rms_norm x must be {weight.dtype} or float32, got {x.dtype}")
+    if tuple(nw.shape) != (x.shape[-1],) or nw.dtype != x.dtype:
+        raise ValueError(f"gemv: rms_norm needs a weight [{x.shape[-1]}] in x's dtype, got {tuple(nw.shape)} {nw.dtype}")
     return nw.contiguous(), float(eps)
 
 
@@ -395,8 +392,8 @@ def gemv_triton(x, weight, bias=None, *, out=None, config=None, norm=None, rms_n
     `norm=(z, norm_weight, eps)` (optionally a 4th item, group_size, which must be K): the product
     is gated_rmsnorm(x, z) @ W^T, the norm (`kernels.mamba2_norm.gated_rmsnorm`, one group) computed
     in the same pass as the product: x [M, K] only, z [M, K] and norm_weight [K] in x's dtype.
-    `rms_norm=(norm_weight, eps)`: the product is rmsnorm(x) * norm_weight @ W^T, likewise; x [M, K]
-    in W's dtype or float32. Both leave out the unfused norm's rounding of the normalised row (module
+    `rms_norm=(norm_weight, eps)`: the product is rmsnorm(x) * norm_weight @ W^T, likewise; x [M, K],
+    norm_weight [K] in x's dtype. Both leave out the unfused norm's rounding of the normalised row (module
     docstring).
 
     `act="sqrelu"`: the product is relu(x)^2 @ W^T, computed as the x tiles are loaded; x [M, K] only,
@@ -417,7 +414,7 @@ def gemv_triton(x, weight, bias=None, *, out=None, config=None, norm=None, rms_n
     if norm is not None:
         norm = _check_norm(x, norm)
     if rms_norm is not None:
-        rms_norm = _check_rms_norm(x, weight, rms_norm)
+        rms_norm = _check_rms_norm(x, rms_norm)
     if act is not None:
         if act not in ACTS:
             raise ValueError(f"gemv: act must be one of {sorted(ACTS)}, got {act!r}")
@@ -433,7 +430,7 @@ def gemv_triton(x, weight, bias=None, *, out=None, config=None, norm=None, rms_n
         raise ValueError(f"gemv: shapes {tuple(x.shape)} and {tuple(weight.shape)} do not match")
     if weight.stride(-1) != 1:
         raise ValueError("gemv: weight must be contiguous in K (stride 1 in its last dimension)")
-    if x.dtype != weight.dtype and rms_norm is None:
+    if x.dtype != weight.dtype:
         raise ValueError(f"gemv: x is {x.dtype}, weight is {weight.dtype}")
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -447,9 +444,8 @@ def gemv_triton(x, weight, bias=None, *, out=None, config=None, norm=None, rms_n
                              f"without swiglu; got {tuple(residual.shape)}")
         if out is not None and out.data_ptr() == residual.data_ptr() and config is None:
             raise ValueError("gemv: writing the residual in place needs a config (autotuning reruns the launch)")
-    out_dtype = residual.dtype if residual is not None else weight.dtype
     if out is None:
-        out = torch.empty(out_shape, dtype=out_dtype, device=x.device)
+        out = torch.empty(out_shape, dtype=x.dtype if residual is None else residual.dtype, device=x.device)
     if tuple(out.shape) != out_shape or out.stride(-1) != 1:
         raise ValueError(f"gemv: out must be {list(out_shape)} with a contiguous last dimension, got {tuple(out.shape)}")
     has_bias = bias is not None
@@ -465,8 +461,8 @@ def gemv_triton(x, weight, bias=None, *, out=None, config=None, norm=None, rms_n
 
             return out.copy_(silu_mul_ref(torch.zeros(M, N, dtype=x.dtype, device=x.device) if bias is None
                                           else bias.unsqueeze(0).expand(M, N)))
-        prod = torch.zeros(out_shape, dtype=weight.dtype, device=x.device) if not has_bias else \
-            bias.unsqueeze(-2).expand(out_shape).to(weight.dtype)
+        prod = torch.zeros(out_shape, dtype=x.dtype, device=x.device) if not has_bias else \
+            bias.unsqueeze(-2).expand(out_shape)
         return out.copy_(prod if residual is None else residual.float() + prod.float())
     config = _as_config(config)
     split = config.kwargs["SPLIT_K"] if config is not None else MAX_SPLIT_K
@@ -486,7 +482,7 @@ def gemv_triton(x, weight, bias=None, *, out=None, config=None, norm=None, rms_n
             gs(x), x.stride(-2), gs(weight), weight.stride(-2), gs(bias) if has_bias else 0, gs(out), out.stride(-2),
             *norm_args, residual if residual is not None else x, residual.stride(0) if residual is not None else 0)
     use_pdl = pdl(x.device)
-    consts = dict(M_POW2=_m_pow2(M), HAS_BIAS=has_bias, DOT_PREC="ieee" if weight.dtype == torch.float32 else "tf32",
+    consts = dict(M_POW2=_m_pow2(M), HAS_BIAS=has_bias, DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
                   PDL=use_pdl, PDL_TILES=early_tiles, NORM=1 if norm is not None else 2 if rms_norm is not None else 0,
                   ACT=ACTS.get(act, 0), SWIGLU=swiglu, RESIDUAL=residual is not None)
     if config is None:

@@ -1,5 +1,5 @@
 """Norms of the Mamba-2 decode step, each one launch on the Triton path: embedding + pre-norm, residual
-add + pre-norm (residual kept in float32), the pre-norm alone, and the gated group RMSNorm.
+add + pre-norm (residual kept in float32), and the gated group RMSNorm.
 
 Each public function takes `impl="triton"|"ref"` (already resolved by `kernels.resolve_impl`);
 semantics in ref.py, layouts and bytes in README.md.
@@ -8,7 +8,7 @@ semantics in ref.py, layouts and bytes in README.md.
 from kernels import check_impl
 from kernels.mamba2_norm import ref
 
-__all__ = ["embed_rmsnorm", "add_rmsnorm", "rmsnorm", "gated_rmsnorm"]
+__all__ = ["embed_rmsnorm", "add_rmsnorm", "gated_rmsnorm"]
 
 
 def _module(impl):
@@ -28,11 +28,6 @@ def embed_rmsnorm(tokens, table, weight, eps, *, impl):
 def add_rmsnorm(x, residual, weight, eps, *, impl):
     """x `[B, D]`, residual `[B, D]` fp32 -> (weight * rmsnorm(r) `[B, D]`, r = residual + x `[B, D]` fp32)."""
     return _module(impl).add_rmsnorm(x, residual, weight, eps)
-
-
-def rmsnorm(r, weight, eps, *, impl):
-    """r `[B, D]` (float32 or the weight's dtype) -> weight * rmsnorm(r) `[B, D]` in the weight's dtype."""
-    return _module(impl).rmsnorm(r, weight, eps)
 
 
 def gated_rmsnorm(y, z, weight, group_size, eps, *, impl):

@@ -1,12 +1,11 @@
 """Reference (plain PyTorch) of the norms around a Mamba-2 decode step; the Triton kernels must match it.
 
-Four ops, each the exact arithmetic of `arch.mamba2`'s modules (float32 inside; the result rounded to
+Three ops, each the exact arithmetic of `arch.mamba2`'s modules (float32 inside; the result rounded to
 the weight's / y's dtype before the weight multiplies it, as the modules do):
 
 - `embed_rmsnorm`: the first block's pre-norm of the embedding rows, r = table[tokens] in float32;
 - `add_rmsnorm`: the residual add r = residual + x in float32 and the next pre-norm (or the final norm)
   of r, as mamba-ssm's `layer_norm_fn(..., residual_in_fp32=True, prenorm=True)`;
-- `rmsnorm`: the pre-norm alone, of a float32 residual (or one in the weight's dtype);
 - `gated_rmsnorm`: rmsnorm(y * silu(z)) over groups of channels, as mamba-ssm's `RMSNormGated` with
   `norm_before_gate=False`.
 """
@@ -16,8 +15,7 @@ import torch.nn.functional as F
 
 
 def rmsnorm(r, weight, eps):
-    """r [B, D] float32 (or the weight's dtype) -> weight * (r / rms(r)) in the weight's dtype."""
-    r = r.float()
+    """r [B, D] float32 -> weight * (r / rms(r)) in the weight's dtype."""
     h = r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(weight.dtype)
 

@@ -83,11 +83,6 @@ def add_rmsnorm(x, residual, weight, eps):
     return _add_rmsnorm(x, None, residual, weight, eps)
 
 
-def rmsnorm(r, weight, eps):
-    """r [B, D] (float32 or the weight's dtype) -> normed [B, D] weight dtype; one launch."""
-    return _add_rmsnorm(r, None, None, weight, eps)[0]
-
-
 @triton.jit
 def _gated_rmsnorm_kernel(
     y_ptr, z_ptr, w_ptr, out_ptr,

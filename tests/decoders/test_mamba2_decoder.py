@@ -191,28 +191,19 @@ class LaunchCount(TorchDispatchMode):
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("batch", [2, 9])
-def test_triton_step_launches(monkeypatch, batch):
-    """Embedding + norm; per layer in_proj, decode step, gated norm, out_proj, then up to
-    `kernels.gemv.MAX_ROWS` sequences the residual add (inside out_proj's GEMV on a GPU, its own op in
-    the CPU's unfused pair) and the next pre-norm before the next in_proj (inside it on a GPU), for more
-    sequences the add + norm kernel; the head (after the final norm, its own kernel on the CPU)."""
-    from kernels import gemv
+def test_triton_step_launches_five_kernels_per_layer(monkeypatch):
+    """Embedding + norm, then per layer in_proj, decode step, gated norm, out_proj, add + norm; the head."""
     from kernels.mamba2_norm import triton as norm_tri
 
-    assert (batch <= gemv.MAX_ROWS) == (batch == 2)
     dec = tiny("triton", dtype="bfloat16")
-    cache = dec.new_cache([3] * batch, 8)
-    tokens = torch.arange(batch) * 7 + 5
+    cache = dec.new_cache([3, 3], 8)
+    tokens = torch.tensor([5, 9])
     dec.decode_forward(cache, tokens, None)
     with LaunchCount(monkeypatch, type(norm_tri._gated_rmsnorm_kernel)) as count:
         dec.decode_forward(cache, tokens, None)
     L = dec.config.n_layer
     # The projections and the head: F.linear, or its mm / addmm where the dispatcher decomposes it.
-    projections = [name for name in count.aten if name in ("linear", "mm", "addmm")]
-    assert len(projections) == 2 * L + 1
-    assert sorted(set(count.aten) - {"linear", "mm", "addmm"}) == (["add"] if batch == 2 else [])
-    assert count.aten.count("add") == (L if batch == 2 else 0)
+    assert set(count.aten) <= {"linear", "mm", "addmm"} and len(count.aten) == 2 * L + 1
     assert len(count.triton) == 3 * L + 1
 
 

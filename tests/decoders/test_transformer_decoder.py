@@ -85,10 +85,15 @@ def test_memory_counts_weights_and_kv(dec):
     assert mem.step_read_bytes == dec.weight_bytes() + 2 * 100 * kv_token
 
 
-def test_triton_path_equals_the_reference():
+@pytest.mark.parametrize("prompts", [[list(range(3, 40)), [7, 8, 9]], [list(range(5, 30))]])
+def test_triton_path_equals_the_reference(prompts):
+    """Two sequences: norm kernels fused with the residual adds; one (one row a decode step,
+    `arch.llama.FOLD_ROWS`): each norm inside the GEMV after it and each add inside the one before."""
+    from arch import llama
+
+    assert llama.FOLD_ROWS == 1
     ref = decoders.load("llama-tiny", device="cpu", dtype="float32", impl="ref", seed=1)
     tri = decoders.load("llama-tiny", device="cpu", dtype="float32", impl="triton", seed=1)
-    prompts = [list(range(3, 40)), [7, 8, 9]]
     a, b = ref.prefill(prompts, max_new_tokens=2), tri.prefill(prompts, max_new_tokens=2)
     torch.testing.assert_close(b.first_logits, a.first_logits, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(tri.step(b).logits, ref.step(a).logits, rtol=1e-4, atol=1e-5)

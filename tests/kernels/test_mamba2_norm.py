@@ -55,22 +55,6 @@ def test_triton_add_rmsnorm_matches_ref(B, D, dtype, nan_empty):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("r_dtype", DTYPES)
-def test_triton_rmsnorm_matches_ref_and_the_model_module(dtype, r_dtype, nan_empty):
-    """The pre-norm alone, of a float32 stream (Mamba-2) or one in the weight's dtype."""
-    r = strided(3, 200, seed=9, dtype=r_dtype) * 3
-    weight = rnd(200, seed=10, dtype=dtype)
-    h = mamba2_norm.rmsnorm(r, weight, 1e-5, impl="triton")
-    h_ref = mamba2_norm.rmsnorm(r, weight, 1e-5, impl="ref")
-    assert h.dtype == h_ref.dtype == dtype and not torch.isnan(h).any()
-    assert rel(h, h_ref) < (1e-5 if dtype == torch.float32 else 1e-2)
-    norm = RMSNorm(200, 1e-5, weight_dtype_out=True).to(DEV)
-    norm.weight.data = weight
-    if r_dtype == torch.float32:
-        assert torch.equal(h_ref, norm(r))
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
 def test_triton_embed_rmsnorm_matches_ref(dtype, nan_empty):
     table = rnd(50, 37, seed=7, dtype=dtype)
     weight = rnd(37, seed=8, dtype=dtype)
