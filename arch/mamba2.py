@@ -23,11 +23,12 @@ The model runs three ways, all through `kernels.ssd`:
   the rows `rows` of the batched state buffers; returns the last position's hidden state;
 - `step(tokens [B], conv, ssm)`: one token per sequence, both states updated in place; its norms go
   through `kernels.mamba2_norm` (one launch each on the Triton path: embedding + pre-norm, residual add +
-  pre-norm, gated norm); the gated norm and out_proj go through `kernels.gemv.gated_norm_linear`, which
-  folds the norm into out_proj's GEMV prologue (one group, where it measured faster than the pair), so
-  a layer is four launches: add + norm, in_proj, decode step, gated norm + out_proj (five where the pair
-  is kept); in_proj and the head go through `kernels.gemv.linear` (the Triton GEMV where it measured
-  faster than cuBLAS for that shape).
+  pre-norm). On the Triton path with one norm group the decode step also applies the gate, and the
+  RMSNorm of the gated output runs inside out_proj's GEMV (`kernels.gemv.rms_norm_linear`, where it
+  measured faster than the norm kernel + GEMV pair), so a layer is four launches: add + norm,
+  in_proj, decode step, out_proj; otherwise the gated norm goes with out_proj through
+  `kernels.gemv.gated_norm_linear`. The projections and the head go through `kernels.gemv.linear`
+  (the Triton GEMV where it measured faster than cuBLAS for that shape).
 """
 
 import json
@@ -176,6 +177,12 @@ class Mixer(nn.Module):
         """
         c = self.config
         z, xBC, dt = self.split(gemv.linear(h, self.in_proj.weight, self.in_proj.bias, impl=impl))
+        # Triton path, one norm group: the decode step applies the gate, g = y * silu(z) (rounded to the
+        # model dtype, the one rounding the module does not do), and the RMSNorm of g runs inside
+        # out_proj's GEMV (`gemv.rms_norm_linear`, where that measured faster than the norm kernel +
+        # GEMV pair). Otherwise the gate goes inside the gated norm, rmsnorm(y * silu(z)), with out_proj
+        # (`gemv.gated_norm_linear`: the pair on the reference path).
+        gate_in_step = impl == "triton" and self.norm.group_size == c.d_inner
         y = ssd.mamba2_decode_step(
             xBC,
             dt,
@@ -189,13 +196,15 @@ class Mixer(nn.Module):
             ngroups=c.ngroups,
             headdim=c.headdim,
             dt_limit=c.dt_limit,
+            z=z.unflatten(-1, (c.nheads, c.headdim)) if gate_in_step else None,
             impl=impl,
             state_ready=state_ready,
-        )
-        # The gate goes inside the norm, rmsnorm(y * silu(z)), so it is not passed to the decode step; the
-        # norm runs in out_proj's GEMV prologue where that measured faster (one group).
+        ).reshape(h.shape[0], c.d_inner)
+        if gate_in_step:
+            return gemv.rms_norm_linear(y, self.norm.weight, self.norm.eps, self.out_proj.weight, self.out_proj.bias,
+                                        impl=impl)
         return gemv.gated_norm_linear(
-            y.reshape(h.shape[0], c.d_inner), z, self.norm.weight, self.norm.eps, self.out_proj.weight,
+            y, z, self.norm.weight, self.norm.eps, self.out_proj.weight,
             self.out_proj.bias, group_size=self.norm.group_size, impl=impl,
         )
 

@@ -164,8 +164,8 @@ class LaunchCount(TorchDispatchMode):
     """Counts the ATen ops that launch a kernel (not views or allocations) and the Triton launches."""
 
     NO_KERNEL = {"view", "_unsafe_view", "reshape", "split", "split_with_sizes", "squeeze", "unsqueeze", "t",
-                 "transpose", "as_strided", "empty", "empty_strided", "detach", "alias", "select", "slice", "expand",
-                 "promote_types"}
+                 "transpose", "as_strided", "empty", "empty_strided", "empty_like", "detach", "alias", "select", "slice",
+                 "expand", "unflatten", "promote_types"}
 
     def __init__(self, monkeypatch, kernel_class):
         super().__init__()
@@ -192,7 +192,8 @@ class LaunchCount(TorchDispatchMode):
 
 @torch.inference_mode()
 def test_triton_step_launches_five_kernels_per_layer(monkeypatch):
-    """Embedding + norm, then per layer in_proj, decode step, gated norm, out_proj, add + norm; the head."""
+    """Embedding + norm, then per layer in_proj, decode step (with the gate), the norm, out_proj, add +
+    norm; the head. On a GPU the norm runs inside out_proj's GEMV where that measured faster."""
     from kernels.mamba2_norm import triton as norm_tri
 
     dec = tiny("triton", dtype="bfloat16")
