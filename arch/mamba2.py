@@ -23,11 +23,10 @@ The model runs three ways, all through `kernels.ssd`:
   the rows `rows` of the batched state buffers; returns the last position's hidden state;
 - `step(tokens [B], conv, ssm)`: one token per sequence, both states updated in place; its norms go
   through `kernels.mamba2_norm` (one launch each on the Triton path: embedding + pre-norm, residual add +
-  pre-norm). On the Triton path with one norm group the decode step also applies the gate, and the
-  RMSNorm of the gated output runs inside out_proj's GEMV (`kernels.gemv.rms_norm_linear`, where it
-  measured faster than the norm kernel + GEMV pair), so a layer is four launches: add + norm,
-  in_proj, decode step, out_proj; otherwise the gated norm goes with out_proj through
-  `kernels.gemv.gated_norm_linear`. The projections and the head go through `kernels.gemv.linear`
+  pre-norm). On the Triton path with one norm group and one sequence (`GATE_IN_STEP_ROWS`) the decode
+  step also applies the gate, and the RMSNorm of the gated output goes with out_proj through
+  `kernels.gemv.rms_norm_linear` (inside its GEMV where that measures faster than the norm kernel +
+  GEMV pair); otherwise the gated norm goes with out_proj through `kernels.gemv.gated_norm_linear`. The projections and the head go through `kernels.gemv.linear`
   (the Triton GEMV where it measured faster than cuBLAS for that shape).
 """
 
@@ -43,6 +42,11 @@ from torch import nn
 from arch.checkpoint import CheckpointError, assign_weights, config_from_dict, load_weights, read_json
 from arch.llama import RMSNorm
 from kernels import gemv, mamba2_norm, ssd
+
+# Sequences up to which the Triton decode step applies the gate in the SSM step and runs the RMSNorm of
+# the gated output with out_proj (`Mixer.step`): faster at one (mamba2-1.3b step at 4k 1091 -> 1051 us),
+# slower at four and sixteen (1617 -> 1675 us, 2685 -> 3070 us; results/step_ab.jsonl).
+GATE_IN_STEP_ROWS = 1
 
 # Largest chunk of the reference SSD scan (impl="ref", the training path; the Triton path uses the config's
 # chunk_size). Its intermediates cost about H (L + P N / L) floats per token, the [L, L] decays against the
@@ -177,12 +181,12 @@ class Mixer(nn.Module):
         """
         c = self.config
         z, xBC, dt = self.split(gemv.linear(h, self.in_proj.weight, self.in_proj.bias, impl=impl))
-        # Triton path, one norm group: the decode step applies the gate, g = y * silu(z) (rounded to the
+        # Triton path, one norm group, up to GATE_IN_STEP_ROWS sequences: the decode step applies the gate, g = y * silu(z) (rounded to the
         # model dtype, the one rounding the module does not do), and the RMSNorm of g runs inside
         # out_proj's GEMV (`gemv.rms_norm_linear`, where that measured faster than the norm kernel +
         # GEMV pair). Otherwise the gate goes inside the gated norm, rmsnorm(y * silu(z)), with out_proj
         # (`gemv.gated_norm_linear`: the pair on the reference path).
-        gate_in_step = impl == "triton" and self.norm.group_size == c.d_inner
+        gate_in_step = impl == "triton" and self.norm.group_size == c.d_inner and h.shape[0] <= GATE_IN_STEP_ROWS
         y = ssd.mamba2_decode_step(
             xBC,
             dt,

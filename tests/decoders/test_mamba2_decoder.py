@@ -151,13 +151,21 @@ def test_memory_model_is_exact_and_context_free():
 
 
 @pytest.mark.skipif(not TRITON_SSD.exists(), reason="kernels/ssd/triton.py is not written yet")
-def test_triton_equals_ref_whole_model():
+@pytest.mark.parametrize("lens", [[37, 20], [37]])
+def test_triton_equals_ref_whole_model(lens):
+    """Two sequences, and one: then the Triton step gates in the SSM step (`arch.mamba2.GATE_IN_STEP_ROWS`)."""
+    assert mamba2.GATE_IN_STEP_ROWS == 1
     ref, tri = tiny("ref"), tiny("triton")
     tokens = random_tokens((2, 70), seed=9)
     assert rel(tri.logits(tokens), ref.logits(tokens)) < 1e-4
-    prompts = [tokens[0, :37].tolist(), tokens[1, :20].tolist()]
+    prompts = [tokens[i, :n].tolist() for i, n in enumerate(lens)]
     a, b = tri.generate(prompts, max_new_tokens=4), ref.generate(prompts, max_new_tokens=4)
     assert a.tokens == b.tokens
+    with torch.inference_mode():
+        step = torch.tensor([3])
+        got = tri.decode_forward(tri.new_cache([5], 8), step, None)
+        want = ref.decode_forward(ref.new_cache([5], 8), step, None)
+    assert rel(got, want) < 1e-4
 
 
 class LaunchCount(TorchDispatchMode):
@@ -192,8 +200,7 @@ class LaunchCount(TorchDispatchMode):
 
 @torch.inference_mode()
 def test_triton_step_launches_five_kernels_per_layer(monkeypatch):
-    """Embedding + norm, then per layer in_proj, decode step (with the gate), the norm, out_proj, add +
-    norm; the head. On a GPU the norm runs inside out_proj's GEMV where that measured faster."""
+    """Embedding + norm, then per layer in_proj, decode step, gated norm, out_proj, add + norm; the head."""
     from kernels.mamba2_norm import triton as norm_tri
 
     dec = tiny("triton", dtype="bfloat16")
