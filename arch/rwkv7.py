@@ -392,7 +392,7 @@ class RWKV7(nn.Module):
 
     def fused_step(self, tokens, shift, wkv):
         """`forward_step` on the fused Triton kernels. Each norm is fused with the residual add before
-        it and the token shift after it; each add writes the residual `[B, C]` to a new tensor.
+        it and the token shift after it; the residual x `[B, C]` is updated in place.
 
         The embedding lookup comes first and is a PyTorch kernel (launched without PDL): every write
         to `wkv` before this call has finished when it starts, which lets each layer's WKV step
@@ -405,23 +405,16 @@ class RWKV7(nn.Module):
         delta, v_first = None, None
         for i, block in enumerate(layers):
             n = block.attn_norm
-            # [6, B, C]; each residual add goes to a new tensor, so the kernel can spread a row over
-            # several programs (`rwkv7_fused.add_norm_shift(x_out=)`)
-            x_new = torch.empty_like(x)
-            xs = add_norm_shift(x, delta, n.weight, n.bias, shift[i, 0], block.attn.packed().mix, eps=n.eps, impl="triton",
-                                x_out=x_new)
-            x = x_new
+            # [6, B, C]
+            xs = add_norm_shift(x, delta, n.weight, n.bias, shift[i, 0], block.attn.packed().mix, eps=n.eps, impl="triton")
             out, v_first = block.attn.fused_step(xs, v_first, wkv[i])
             n, ffn = block.ffn_norm, block.ffn
             # [1, B, C]
-            x_new = torch.empty_like(x)
-            xk = add_norm_shift(x, out, n.weight, n.bias, shift[i, 1], ffn.x_k.view(1, -1), eps=n.eps, impl="triton",
-                                x_out=x_new)
-            x = x_new
+            xk = add_norm_shift(x, out, n.weight, n.bias, shift[i, 1], ffn.x_k.view(1, -1), eps=n.eps, impl="triton")
             delta = gemv.act_linear(gemv.linear(xk[0], ffn.key.weight, impl="triton"), "sqrelu", ffn.value.weight,
                                     impl="triton", x_is_scratch=True)
         n = self.model.norm
-        h = add_norm_shift(x, delta, n.weight, n.bias, eps=n.eps, impl="triton", x_out=torch.empty_like(x))
+        h = add_norm_shift(x, delta, n.weight, n.bias, eps=n.eps, impl="triton")
         w = self.model.embeddings.weight if self.config.tie_word_embeddings else self.lm_head.weight
         return gemv.linear(h, w, impl="triton")
 

@@ -25,13 +25,11 @@ def _pick(impl, ref, name):
     return getattr(tri, name)
 
 
-def add_norm_shift(x, delta, weight, bias, prev=None, mixes=None, *, eps, impl, x_out=None):
+def add_norm_shift(x, delta, weight, bias, prev=None, mixes=None, *, eps, impl):
     """x `[B, C]` <- x + delta (when given); h = LayerNorm(x). With prev `[B, C]` and mixes `[M, C]`:
-    returns the mixed inputs `[M, B, C]` (h + (prev - h) * mix_m) and sets prev <- h; else returns h.
-    With `x_out` `[B, C]` the new residual goes there instead and x is not modified (the Triton kernel
-    then spreads each row over several programs)."""
+    returns the mixed inputs `[M, B, C]` (h + (prev - h) * mix_m) and sets prev <- h; else returns h."""
     fn = _pick(impl, add_norm_shift_ref, "add_norm_shift_triton")
-    return fn(x, delta, weight, bias, prev, mixes, eps=eps, x_out=x_out)
+    return fn(x, delta, weight, bias, prev, mixes, eps=eps)
 
 
 def lora_hidden(blocks, acts, *, impl):

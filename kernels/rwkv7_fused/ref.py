@@ -30,12 +30,9 @@ W_SCALE = 0.6065306597126334
 ACTS = (None, "tanh", "sigmoid")
 
 
-def add_norm_shift_ref(x, delta, weight, bias, prev=None, mixes=None, *, eps, x_out=None):
-    """x `[B, C]` (set to x + delta when delta is given; with x_out `[B, C]` the sum goes there and x
-    stays), LN weight/bias `[C]` (bias may be None). With prev `[B, C]` and mixes `[M, C]`: returns
-    `[M, B, C]` and sets prev to h; else h `[B, C]`."""
-    if x_out is not None:
-        x = x_out.copy_(x)
+def add_norm_shift_ref(x, delta, weight, bias, prev=None, mixes=None, *, eps):
+    """x `[B, C]` (set to x + delta when delta is given), LN weight/bias `[C]` (bias may be None).
+    With prev `[B, C]` and mixes `[M, C]`: returns `[M, B, C]` and sets prev to h; else h `[B, C]`."""
     if delta is not None:
         x.copy_(x.float() + delta.float())
     h = F.layer_norm(x.float(), x.shape[-1:], weight.float(), None if bias is None else bias.float(), eps).to(x.dtype)

@@ -4,8 +4,7 @@ Every kernel reads and writes rows of `[B, C]` activations (channels contiguous,
 tensor) and computes in float32. None allocates inside a launch, none synchronises with the host:
 a decode step built from them can be captured in a CUDA graph.
 
-- `_add_norm_shift_kernel`, grid (B, splits): each program reads the whole row (LayerNorm needs its
-  statistics) and writes one slice of columns (one slice, the whole row, when x is updated in place).
+- `_add_norm_shift_kernel`, grid (B,): one program per row holds the whole row (LayerNorm needs it).
 - `_lora_hidden_kernel`, grid (B,): writes the B rows of every LoRA block of the block-diagonal
   hidden matrix.
 - `_time_mix_inputs_kernel` and `_gate_output_kernel`, grid (H, B): one program per head, since the
@@ -40,74 +39,54 @@ def _check_rows(name, t, C):
 
 @triton.jit
 def _add_norm_shift_kernel(
-    x, delta, weight, bias, prev, mix, out, x_out,
-    s_x, s_d, s_p, s_xo, B, C, eps,
-    M: tl.constexpr, BC: tl.constexpr, BS: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HAS_SHIFT: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr = False,
+    x, delta, weight, bias, prev, mix, out,
+    s_x, s_d, s_p, B, C, eps,
+    M: tl.constexpr, BC: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SHIFT: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
-    # Program (row, s): the row's statistics from the whole row, then columns [s BS, (s + 1) BS) of
-    # every output (SPLIT; x_out is then not x, so no program overwrites what another still reads),
-    # or the whole row (BS == BC, one program a row, x_out may be x).
     i_b = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BC)
     m = c < C
-    cs = tl.program_id(1) * BS + tl.arange(0, BS)
-    ms = cs < C
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         # The norm's weight and bias are no kernel's output: fetched while the previous kernel finishes.
-        wv = tl.load(weight + cs, mask=ms, other=0.0).to(tl.float32)
+        wv = tl.load(weight + c, mask=m, other=0.0).to(tl.float32)
         if HAS_BIAS:
-            bv = tl.load(bias + cs, mask=ms, other=0.0).to(tl.float32)
+            bv = tl.load(bias + c, mask=m, other=0.0).to(tl.float32)
         tl.extra.cuda.gdc_wait()
     xv = tl.load(x + i_b * s_x + c, mask=m, other=0.0)
     if HAS_DELTA:
         # why: rounded to the residual's dtype before the norm, as the unfused x = x + out is
         xv = (xv.to(tl.float32) + tl.load(delta + i_b * s_d + c, mask=m, other=0.0).to(tl.float32)).to(xv.dtype)
+        tl.store(x + i_b * s_x + c, xv, mask=m)
     xf = xv.to(tl.float32)
     mean = tl.sum(xf, axis=0) / C
     xc = tl.where(m, xf - mean, 0.0)
-    rstd = tl.rsqrt(tl.sum(xc * xc, axis=0) / C + eps)
-    if SPLIT:
-        # This program's columns again (from L2), the sum rounded as above.
-        xsv = tl.load(x + i_b * s_x + cs, mask=ms, other=0.0)
-        if HAS_DELTA:
-            xsv = (xsv.to(tl.float32) + tl.load(delta + i_b * s_d + cs, mask=ms, other=0.0).to(tl.float32)).to(xsv.dtype)
-        xcs = tl.where(ms, xsv.to(tl.float32) - mean, 0.0)
-    else:
-        xsv = xv
-        xcs = xc
-    if HAS_DELTA:
-        tl.store(x_out + i_b * s_xo + cs, xsv, mask=ms)
-    if not PDL:
-        wv = tl.load(weight + cs, mask=ms, other=0.0).to(tl.float32)
+    var = tl.sum(xc * xc, axis=0) / C
+    if PDL:
+        h = xc * tl.rsqrt(var + eps) * wv
         if HAS_BIAS:
-            bv = tl.load(bias + cs, mask=ms, other=0.0).to(tl.float32)
-    h = xcs * rstd * wv
-    if HAS_BIAS:
-        h += bv
+            h += bv
+    else:
+        h = xc * tl.rsqrt(var + eps) * tl.load(weight + c, mask=m, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            h += tl.load(bias + c, mask=m, other=0.0).to(tl.float32)
     hq = h.to(out.dtype.element_ty)
     if HAS_SHIFT:
-        p = tl.load(prev + i_b * s_p + cs, mask=ms, other=0.0).to(tl.float32)
-        tl.store(prev + i_b * s_p + cs, hq.to(prev.dtype.element_ty), mask=ms)
+        p = tl.load(prev + i_b * s_p + c, mask=m, other=0.0).to(tl.float32)
+        tl.store(prev + i_b * s_p + c, hq.to(prev.dtype.element_ty), mask=m)
         hf = hq.to(tl.float32)
         d = p - hf
         for j in tl.static_range(M):
-            mx = tl.load(mix + j * C + cs, mask=ms, other=0.0).to(tl.float32)
-            tl.store(out + (j * B + i_b) * C + cs, (hf + d * mx).to(out.dtype.element_ty), mask=ms)
+            mx = tl.load(mix + j * C + c, mask=m, other=0.0).to(tl.float32)
+            tl.store(out + (j * B + i_b) * C + c, (hf + d * mx).to(out.dtype.element_ty), mask=m)
     else:
-        tl.store(out + i_b * C + cs, hq, mask=ms)
+        tl.store(out + i_b * C + c, hq, mask=m)
 
 
-# Columns a program writes when the residual goes out of place (`add_norm_shift_triton(x_out=)`).
-SPLIT_COLUMNS = 256
-
-
-def add_norm_shift_triton(x, delta, weight, bias, prev=None, mixes=None, *, eps, out=None, x_out=None):
+def add_norm_shift_triton(x, delta, weight, bias, prev=None, mixes=None, *, eps, out=None):
     """See `add_norm_shift_ref`. Returns `[M, B, C]` (with prev) or h `[B, C]`, contiguous (written
-    into `out` when given). With `x_out` (not x) the sum x + delta goes there, x is left as it was, and
-    the row is split over programs of SPLIT_COLUMNS columns, each taking the row's statistics from the
-    whole row; otherwise one program a row, x updated in place."""
+    into `out` when given)."""
     B, C = x.shape
     _check_rows("x", x, C)
     if delta is not None:
@@ -116,29 +95,19 @@ def add_norm_shift_triton(x, delta, weight, bias, prev=None, mixes=None, *, eps,
         _check_rows("prev", prev, C)
         if mixes.shape[-1] != C or not mixes.is_contiguous():
             raise ValueError(f"rwkv7_fused: mixes must be contiguous [M, {C}], got {tuple(mixes.shape)}")
-    if x_out is not None:
-        _check_rows("x_out", x_out, C)
-        if x_out.data_ptr() == x.data_ptr():
-            x_out = None
     shape = (mixes.shape[0], B, C) if prev is not None else (B, C)
     if out is None:
         out = torch.empty(shape, dtype=x.dtype, device=x.device)
     elif out.shape != shape or not out.is_contiguous():
         raise ValueError(f"rwkv7_fused: out must be contiguous {list(shape)}, got {tuple(out.shape)}")
     BC = triton.next_power_of_2(C)
-    split = x_out is not None and C > SPLIT_COLUMNS
-    if x_out is not None and delta is None:
-        x_out.copy_(x)
-    xo = x if x_out is None else x_out
-    BS = SPLIT_COLUMNS if split else BC
     use_pdl = pdl(x.device)
-    _add_norm_shift_kernel[(B, triton.cdiv(C, BS))](
+    _add_norm_shift_kernel[(B,)](
         x, x if delta is None else delta, weight, weight if bias is None else bias,
-        x if prev is None else prev, weight if mixes is None else mixes, out, xo,
-        x.stride(0), 0 if delta is None else delta.stride(0), 0 if prev is None else prev.stride(0), xo.stride(0),
-        B, C, eps,
-        M=1 if mixes is None else mixes.shape[0], BC=BC, BS=BS,
-        HAS_DELTA=delta is not None, HAS_BIAS=bias is not None, HAS_SHIFT=prev is not None, SPLIT=split, PDL=use_pdl,
+        x if prev is None else prev, weight if mixes is None else mixes, out,
+        x.stride(0), 0 if delta is None else delta.stride(0), 0 if prev is None else prev.stride(0), B, C, eps,
+        M=1 if mixes is None else mixes.shape[0], BC=BC,
+        HAS_DELTA=delta is not None, HAS_BIAS=bias is not None, HAS_SHIFT=prev is not None, PDL=use_pdl,
         num_warps=_row_warps(C), launch_pdl=use_pdl,
     )
     return out

@@ -26,12 +26,9 @@ def randn(*shape, seed=0, scale=1.0):
     return scale * torch.randn(*shape, generator=g, device=DEVICE)
 
 
-@pytest.mark.parametrize("B,C", [(1, 40), (3, 100), (2, 600)])  # 600: three programs a row, the last one short
+@pytest.mark.parametrize("B,C", [(1, 40), (3, 100)])
 @pytest.mark.parametrize("mode", ["shift6", "shift1", "plain", "no_delta_no_bias"])
-@pytest.mark.parametrize("out_of_place", [False, True])
-def test_add_norm_shift_triton_matches_ref(B, C, mode, out_of_place):
-    """In place (one program a row) and with the residual out of place (x_out; rows wider than
-    SPLIT_COLUMNS are split over programs)."""
+def test_add_norm_shift_triton_matches_ref(B, C, mode):
     x0, delta = randn(B, C, seed=1), randn(B, C, seed=2)
     weight, bias = 1 + randn(C, seed=3, scale=0.1), randn(C, seed=4, scale=0.1)
     prev0, mixes = randn(B, C, seed=5), torch.rand(6 if mode == "shift6" else 1, C, device=DEVICE)
@@ -44,20 +41,14 @@ def test_add_norm_shift_triton_matches_ref(B, C, mode, out_of_place):
         x = torch.full((B, C + 3), float("nan"), device=DEVICE)[:, :C].copy_(x0)
         prev = torch.full((B, C + 5), float("nan"), device=DEVICE)[:, :C].copy_(prev0)
         args = (x, delta, weight, bias, prev if shift else None, mixes if shift else None)
-        x_out = nan(B, C) if out_of_place else None
         if impl == "ref":
-            out = add_norm_shift(*args, eps=1e-5, impl="ref", x_out=x_out)
+            out = add_norm_shift(*args, eps=1e-5, impl="ref")
         else:
-            out = add_norm_shift_triton(*args, eps=1e-5, out=nan(*((mixes.shape[0], B, C) if shift else (B, C))),
-                                        x_out=x_out)
-        outs[impl] = (out, x, prev) + ((x_out,) if out_of_place else ())
+            out = add_norm_shift_triton(*args, eps=1e-5, out=nan(*((mixes.shape[0], B, C) if shift else (B, C))))
+        outs[impl] = (out, x, prev)
     for got, want in zip(outs["triton"], outs["ref"]):
         assert not got.isnan().any()
         assert rel(got, want) < 1e-5
-    if out_of_place:
-        assert torch.equal(outs["triton"][1], x0)
-        if delta is not None:
-            assert rel(outs["triton"][3], x0 + delta) < 1e-6
 
 
 @pytest.mark.parametrize("B", [1, 3])
