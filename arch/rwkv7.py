@@ -239,8 +239,10 @@ class TimeMix(nn.Module):
         offs = [sum(pack.ranks[:j]) for j in range(nb + 1)]
         if 6 * B <= CROSS_ROWS:
             # [6B, 3C + R]: every mixed input times every down-projection; only the diagonal blocks
-            # are used, but the weights are read once, which is what the step costs
-            y = gemv.linear(xs.view(6 * B, C), pack.down, impl="triton")
+            # are used, but the weights are read once, which is what the step costs. cuBLAS, not the
+            # per-shape choice: alone the Triton GEMV ties with it, inside the graphed step cuBLAS was
+            # faster each time the choice fell to it (kernels/gemv/README.md, performance log)
+            y = F.linear(xs.view(6 * B, C), pack.down)
             r, k, v = (y[j * B : (j + 1) * B, j * C : (j + 1) * C] for j in range(3))
             lo = [y[(g0 + j) * B : (g0 + j + 1) * B, 3 * C + offs[j] : 3 * C + offs[j + 1]] for j in range(nb)]
         else:
