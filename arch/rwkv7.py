@@ -27,9 +27,10 @@ differentiable, memory-light chunked form that training uses; impl="triton" as t
   from a carried state, which they update; padded positions leave the state untouched;
 - `forward_step(tokens [B], shift, wkv)`: one token per sequence, state updated in place. With
   impl="triton" it runs the fused step (`fused_step`): the same math in 11 kernels per layer
-  (kernels.rwkv7_fused around 5 GEMVs and the WKV-7 step) instead of about 60; the GEMVs and the
-  head go through `kernels.gemv.linear` (the Triton GEMV where it measured faster than cuBLAS),
-  the FFN's value projection through `kernels.gemv.act_linear` with relu^2 in its prologue.
+  (kernels.rwkv7_fused around 5 GEMVs and the WKV-7 step) instead of about 60; the r/k/v + LoRA
+  cross GEMM runs on cuBLAS, the other GEMVs and the head go through `kernels.gemv.linear` (the Triton
+  GEMV where it measured faster than cuBLAS), the FFN's value projection through
+  `kernels.gemv.act_linear` with relu^2 in its prologue.
 
 The fused step reads the projections through packed weights: on its first call a layer's six mixes
 become rows of one `[6, C]` tensor, the r/k/v projections and the LoRA down-projections rows of one
