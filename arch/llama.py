@@ -13,9 +13,9 @@ checkpoint's state dict loads without renaming. Attention runs in one of two way
 On impl="triton" (`PagedBatch.impl`) `forward_paged` runs fused kernels: for one packed row (batch-1
 decode; `FOLD_ROWS`) each RMSNorm inside the GEMV after it and each residual add inside the GEMV before
 it, for more rows each residual add inside the RMSNorm kernel after it; q/k/v as one GEMV
-(`Attention.qkv_weight`); in prefill RoPE on q and k and the K/V write in one kernel, in decode both inside the paged decode kernel (`rope=`); gate/up as
-one GEMV (`MLP.gate_up_weight`) with SwiGLU in its epilogue (`kernels.gemv.swiglu_linear`, else in
-its own kernel); every projection and the head go through `kernels.gemv` (the Triton GEMV where it
+(`Attention.qkv_weight`); in prefill RoPE on q and k and the K/V write in one kernel, in decode both
+inside the paged decode kernel (`rope=`); gate/up as one GEMV (`MLP.gate_up_weight`) with SwiGLU in
+its epilogue (`kernels.gemv.swiglu_linear`, else in its own kernel); every projection and the head go through `kernels.gemv` (the Triton GEMV where it
 measured faster than cuBLAS for that shape, decode rows only). The fused weights are
 the only copy: `q_proj.weight` etc. are views into them (see `fuse_linears`), so HF names still load
 and save, and parameter counts stay right. `forward` and impl="ref" keep the plain reference math.

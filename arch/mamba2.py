@@ -26,8 +26,9 @@ The model runs three ways, all through `kernels.ssd`:
   pre-norm). On the Triton path with one norm group and one sequence (`GATE_IN_STEP_ROWS`) the decode
   step also applies the gate, and the RMSNorm of the gated output goes with out_proj through
   `kernels.gemv.rms_norm_linear` (inside its GEMV where that measures faster than the norm kernel +
-  GEMV pair); otherwise the gated norm goes with out_proj through `kernels.gemv.gated_norm_linear`. The projections and the head go through `kernels.gemv.linear`
-  (the Triton GEMV where it measured faster than cuBLAS for that shape).
+  GEMV pair); otherwise the gated norm goes with out_proj through `kernels.gemv.gated_norm_linear`.
+  The projections and the head go through `kernels.gemv.linear` (the Triton GEMV where it measured
+  faster than cuBLAS for that shape).
 """
 
 import json
@@ -181,11 +182,12 @@ class Mixer(nn.Module):
         """
         c = self.config
         z, xBC, dt = self.split(gemv.linear(h, self.in_proj.weight, self.in_proj.bias, impl=impl))
-        # Triton path, one norm group, up to GATE_IN_STEP_ROWS sequences: the decode step applies the gate, g = y * silu(z) (rounded to the
-        # model dtype, the one rounding the module does not do), and the RMSNorm of g runs inside
-        # out_proj's GEMV (`gemv.rms_norm_linear`, where that measured faster than the norm kernel +
-        # GEMV pair). Otherwise the gate goes inside the gated norm, rmsnorm(y * silu(z)), with out_proj
-        # (`gemv.gated_norm_linear`: the pair on the reference path).
+        # Triton path, one norm group, up to GATE_IN_STEP_ROWS sequences: the decode step applies the
+        # gate, g = y * silu(z) (rounded to the model dtype, the one rounding the module does not do),
+        # and the RMSNorm of g goes with out_proj (`gemv.rms_norm_linear`: inside its GEMV where that
+        # measures faster than the norm kernel + GEMV pair). Otherwise the gate goes inside the gated
+        # norm, rmsnorm(y * silu(z)), with out_proj (`gemv.gated_norm_linear`: the pair on the
+        # reference path).
         gate_in_step = impl == "triton" and self.norm.group_size == c.d_inner and h.shape[0] <= GATE_IN_STEP_ROWS
         y = ssd.mamba2_decode_step(
             xBC,

@@ -243,7 +243,8 @@ def linear_residual(x, weight, residual, bias=None, *, impl, early_tiles=1):
         out = F.linear(x, w, bias) if impl == "ref" else linear(x, w, bias, impl=impl, early_tiles=early_tiles)
         return residual + out
 
-    if not (_fusable(x, weight, bias, impl) and _residual_fits(residual, x.shape[0], weight.shape[0])):
+    if not (_fusable(x, weight, bias, impl) and residual.stride(-1) == 1 and residual.is_floating_point()
+            and not (torch.is_grad_enabled() and residual.requires_grad)):
         return pair(weight)
     key = (*_key(x, weight, bias), str(residual.dtype).removeprefix("torch."))
     return _fused_or_pair(x, weight, bias, key, _RESIDUAL_CHOICES, pair, early_tiles=early_tiles, residual=residual)
@@ -300,14 +301,6 @@ def _fusable(x, weight, bias, impl) -> bool:
     if weight.dim() != 2 or weight.stride(-1) != 1 or any(t is not None and t.dtype != x.dtype for t in (weight, bias)):
         return False
     return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)))
-
-
-def _residual_fits(residual, M, N) -> bool:
-    """Whether the epilogue can add `residual` (None: nothing to add): [M, N], contiguous rows, no autograd."""
-    if residual is None:
-        return True
-    return (tuple(residual.shape) == (M, N) and residual.stride(-1) == 1 and residual.is_floating_point()
-            and not (torch.is_grad_enabled() and residual.requires_grad))
 
 
 def _key(x, weight, bias):
