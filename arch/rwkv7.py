@@ -27,10 +27,11 @@ differentiable, memory-light chunked form that training uses; impl="triton" as t
   from a carried state, which they update; padded positions leave the state untouched;
 - `forward_step(tokens [B], shift, wkv)`: one token per sequence, state updated in place. With
   impl="triton" it runs the fused step (`fused_step`): the same math in 11 kernels per layer
-  (kernels.rwkv7_fused around 5 GEMVs and the WKV-7 step) instead of about 60; the r/k/v + LoRA
-  cross GEMM runs on cuBLAS, the other GEMVs and the head go through `kernels.gemv.linear` (the Triton
-  GEMV where it measured faster than cuBLAS), the FFN's value projection through
-  `kernels.gemv.act_linear` with relu^2 in its prologue.
+  (kernels.rwkv7_fused around 5 GEMVs and the WKV-7 step) instead of about 60; up to
+  `gemv.MAX_ROWS` sequences the r/k/v + LoRA down-projections run as one `kernels.gemv.select_linear`
+  (each weight row block times its own mixed input), the other GEMVs and the head go through
+  `kernels.gemv.linear` (the Triton GEMV where it measured faster than cuBLAS), the FFN's value
+  projection through `kernels.gemv.act_linear` with relu^2 in its prologue.
 
 The fused step reads the projections through packed weights: on its first call a layer's six mixes
 become rows of one `[6, C]` tensor, the r/k/v projections and the LoRA down-projections rows of one
@@ -41,6 +42,7 @@ The carried state of a batch: `shift [L, 2, B, C]` (the last normalised input of
 channel mixing, model dtype) and `wkv [L, B, H, K, V]` float32.
 """
 
+import itertools
 import json
 import math
 from dataclasses import asdict, dataclass
@@ -61,9 +63,10 @@ FAMILY = "rwkv7"
 REF_CHUNK = 64
 # exp(-0.5): the largest per-token decay rate, so exp(w) stays in (0.545, 1).
 W_SCALE = 0.6065306597126334
-# The fused step multiplies all six mixed inputs by every down-projection in one GEMM (6B rows) while
-# that is still bound by reading the weights; above this many rows it runs r/k/v as one batched GEMM
-# and the LoRA down-projections as another, so the wasted products do not become the cost.
+# Above gemv.MAX_ROWS sequences the fused step multiplies all six mixed inputs by every
+# down-projection in one GEMM (6B rows) while that is still bound by reading the weights; above this
+# many rows it runs r/k/v as one batched GEMM and the LoRA down-projections as another, so the wasted
+# products do not become the cost.
 CROSS_ROWS = 96
 
 
@@ -75,6 +78,9 @@ class Packed:
     down: torch.Tensor  # [3C + R, C] rows: r_proj, k_proj, v_proj, then the LoRA down-projections
     up: torch.Tensor  # [C, R] column blocks: the LoRA up-projections
     ranks: tuple  # widths of the LoRA blocks, in the order (v,) w, a, g
+    # rows of `down` per mixed input, as `gemv.select_linear` takes them: input i (r, k, v, w, a, g)
+    # multiplies rows down_splits[i]:down_splits[i + 1] (v's LoRA goes with v_proj)
+    down_splits: tuple
     key: tuple  # data pointers of the parameters when packed: a change means the model was moved
 
 
@@ -226,7 +232,12 @@ class TimeMix(nn.Module):
             for p in ups:
                 p.data = up[:, col : col + p.shape[1]]
                 col += p.shape[1]
-        self._packed = Packed(mix, down, up, tuple(p.shape[1] for p in ups), tuple(p.data_ptr() for p in params))
+        # LoRA j takes input 6 - len(ups) + j: (v,) w, a, g
+        rows = [p.shape[0] for p in downs[:3]] + [0, 0, 0]
+        for j, p in enumerate(downs[3:]):
+            rows[6 - len(ups) + j] += p.shape[0]
+        splits = tuple(itertools.accumulate(rows, initial=0))
+        self._packed = Packed(mix, down, up, tuple(p.shape[1] for p in ups), splits, tuple(p.data_ptr() for p in params))
         return self._packed
 
     def fused_step(self, xs, v_first, state):
@@ -238,11 +249,15 @@ class TimeMix(nn.Module):
         # the LoRA down-projections take the mixed inputs from group g0 on: (v,) w, a, g
         g0 = 6 - nb
         offs = [sum(pack.ranks[:j]) for j in range(nb + 1)]
-        if 6 * B <= CROSS_ROWS:
+        if B <= gemv.MAX_ROWS:
+            # [B, 3C + R]: each row block of the packed weight times its own mixed input, the weights
+            # read once (per shape the row-select GEMV or cuBLAS over all six inputs, whichever is faster)
+            y = gemv.select_linear(xs, pack.down, pack.down_splits, impl="triton")
+            r, k, v = (y[:, j * C : (j + 1) * C] for j in range(3))
+            lo = [y[:, 3 * C + offs[j] : 3 * C + offs[j + 1]] for j in range(nb)]
+        elif 6 * B <= CROSS_ROWS:
             # [6B, 3C + R]: every mixed input times every down-projection; only the diagonal blocks
-            # are used, but the weights are read once, which is what the step costs. cuBLAS, not the
-            # per-shape choice: alone the Triton GEMV ties with it, inside the graphed step cuBLAS was
-            # faster each time the choice fell to it (kernels/gemv/README.md, performance log)
+            # are used, but the weights are read once, which is what the step costs
             y = F.linear(xs.view(6 * B, C), pack.down)
             r, k, v = (y[j * B : (j + 1) * B, j * C : (j + 1) * C] for j in range(3))
             lo = [y[(g0 + j) * B : (g0 + j + 1) * B, 3 * C + offs[j] : 3 * C + offs[j + 1]] for j in range(nb)]

@@ -43,6 +43,13 @@ accumulation. The grouped form runs G independent products in one launch: x `[G,
   linear(x, weight, bias)` in the residual's dtype (a decoder layer's residual add). Per shape the
   fastest of that pair and the GEMV that adds the residual in its epilogue; elsewhere the pair.
   `residual_choices()` is its `choices()`.
+- `select_linear(x, weight, row_splits, bias=None, *, impl) -> [M, N]`: S inputs x `[S, M, K]`, weight
+  `[N, K]`, row_splits S + 1 host ints rising from 0 to N: columns row_splits[i]:row_splits[i + 1] are
+  input i times those weight rows (RWKV-7's r/k/v and LoRA down-projections, each of its own token-shift
+  mix, from one packed weight). Per shape the fastest of the pair (F.linear of all S * M rows by the
+  whole weight, S times the products for the same weight bytes, then the column blocks gathered) and
+  the GEMV whose programs each multiply their rows by the one input those rows take; elsewhere each
+  input's block by F.linear. `select_choices()` is its `choices()`.
 
 Inside a CUDA graph: call `linear` (or `gemv` with impl="triton") once per shape before capture,
 so that compilation, the measurement and the split-K workspace all happen outside it.
@@ -58,7 +65,7 @@ from kernels.gemv.ref import gemv_ref
 
 __all__ = ["gemv", "linear", "choices", "gated_norm_linear", "norm_choices", "act_linear", "act_choices",
            "swiglu_linear", "swiglu_choices", "rms_norm_linear", "rms_choices", "linear_residual",
-           "residual_choices", "gemv_ref", "MAX_ROWS"]
+           "residual_choices", "select_linear", "select_choices", "gemv_ref", "MAX_ROWS"]
 
 MAX_ROWS = 8
 # (M, N, K, dtype name, has_bias, device index) -> the measured choice.
@@ -73,6 +80,8 @@ _SWIGLU_CHOICES: dict = {}
 _RMS_CHOICES: dict = {}
 # The same for `linear_residual` (key + the residual's dtype), "torch" standing for linear + the add.
 _RESIDUAL_CHOICES: dict = {}
+# The same for `select_linear` (key + the row splits), "torch" standing for F.linear + the gather.
+_SELECT_CHOICES: dict = {}
 
 
 def gemv(x, weight, bias=None, *, impl, out=None):
@@ -123,6 +132,12 @@ def residual_choices() -> dict:
     return {key[:5] + key[6:]: {k: v for k, v in rec.items() if k != "config"} for key, rec in _RESIDUAL_CHOICES.items()}
 
 
+def select_choices() -> dict:
+    """`select_linear`'s choice per (M, N, K, dtype, has_bias, row_splits) so far, as `choices()`
+    ("torch": F.linear of every input + the gather of the column blocks)."""
+    return {key[:5] + key[6:]: {k: v for k, v in rec.items() if k != "config"} for key, rec in _SELECT_CHOICES.items()}
+
+
 def _graph_us(call, weights) -> float:
     """µs per call of `call(w)`, one call per weight copy, replayed from a CUDA graph: as in a decode
     step, calls run back to back and every weight comes from HBM (the copies overflow L2)."""
@@ -135,7 +150,7 @@ def _choose(x2, weight, bias, key, baseline=None, table=_CHOICES, **fused):
     """Time every Triton configuration that fits this shape and F.linear (or `baseline(w)`) the same
     way; keep the fastest. The Triton candidates run with `fused` (`gemv_triton`'s norm= / rms_norm= /
     act= / swiglu= / residual=)."""
-    from kernels.gemv.triton import CONFIGS, config_fits, config_name, gemv_triton
+    from kernels.gemv.triton import CONFIGS, config_fits, config_name, gemv_triton, select_align
 
     M, N, K = key[:3]
     device = x2.device
@@ -146,7 +161,8 @@ def _choose(x2, weight, bias, key, baseline=None, table=_CHOICES, **fused):
         def baseline(w):
             return F.linear(x2, w, bias)
     times = {"torch": _graph_us(baseline, weights)}
-    configs = {config_name(c): c for c in CONFIGS if config_fits(c, M, K)}
+    align = select_align(fused["select"]) if fused.get("select") is not None else 0
+    configs = {config_name(c): c for c in CONFIGS if config_fits(c, M, K, align)}
     for name, cfg in configs.items():
         times[name] = _graph_us(lambda w, cfg=cfg: gemv_triton(x2, w, bias, config=cfg, **fused), weights)
     del weights
@@ -248,6 +264,29 @@ def linear_residual(x, weight, residual, bias=None, *, impl, early_tiles=1):
         return pair(weight)
     key = (*_key(x, weight, bias), str(residual.dtype).removeprefix("torch."))
     return _fused_or_pair(x, weight, bias, key, _RESIDUAL_CHOICES, pair, early_tiles=early_tiles, residual=residual)
+
+
+def select_linear(x, weight, row_splits, bias=None, *, impl):
+    """x `[S, M, K]`, weight `[N, K]` (bias `[N]`), row_splits S + 1 ints rising from 0 to N -> `[M, N]`
+    whose columns row_splits[i]:row_splits[i + 1] are F.linear(x[i], those weight rows, bias). See the
+    module docstring."""
+    check_impl(impl)
+    splits = tuple(int(v) for v in row_splits)
+    if (x.dim() != 3 or weight.dim() != 2 or x.shape[-1] != weight.shape[-1] or len(splits) != x.shape[0] + 1
+            or splits[0] != 0 or splits[-1] != weight.shape[0] or any(b < a for a, b in zip(splits, splits[1:]))):
+        raise ValueError(f"select_linear: needs x [S, M, K], weight [N, K] and S + 1 row splits rising from 0 to N, "
+                         f"got {tuple(x.shape)}, {tuple(weight.shape)} and {splits}")
+    S, M, K = x.shape
+    blocks = list(zip(splits, splits[1:]))
+    if not (_fusable(x[0], weight, bias, impl) and x.stride(-1) == 1):
+        return torch.cat([F.linear(x[i], weight[a:b], None if bias is None else bias[a:b])
+                          for i, (a, b) in enumerate(blocks)], -1)
+
+    def pair(w):
+        y = F.linear(x.reshape(S * M, K), w, bias)
+        return torch.cat([y[i * M : (i + 1) * M, a:b] for i, (a, b) in enumerate(blocks)], -1)
+
+    return _fused_or_pair(x, weight, bias, (*_key(x[0], weight, bias), splits), _SELECT_CHOICES, pair, select=splits)
 
 
 def act_linear(x, act, weight, bias=None, *, impl, x_is_scratch=False):

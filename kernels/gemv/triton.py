@@ -41,7 +41,16 @@ SWIGLU (constexpr; `gemv_triton(..., swiglu=True)`, G == 1): W is [gate; up] (N 
 output is silu(x @ gate^T) * (x @ up^T) [M, I]. Program n takes gate and up rows of the same BLOCK_N
 / 2 outputs (interleaved as its local rows), so the epilogue computes each output once from its two
 products.
+
+SELECT (constexpr; `gemv_triton(..., select=row_splits)`, G == 1): x is [S, M, K], S inputs of M rows,
+and W's rows row_splits[i]:row_splits[i + 1] multiply input i only; the output is [M, N]. A program
+reads the input index of its first row from a per-row int32 table (made once per row_splits) and
+takes that input's rows as x. Every split point must be a multiple of BLOCK_N, so a program's rows
+share one input; SELECT is the largest power of two (<= 64) dividing them all, and configurations
+with a larger BLOCK_N are not run.
 """
+
+import math
 
 import os
 
@@ -101,9 +110,12 @@ def _m_pow2(M):
     return max(1, triton.next_power_of_2(M))
 
 
-def config_fits(config, M, K) -> bool:
-    """Whether `config` is a sensible candidate at M rows and depth K (used to prune autotuning)."""
+def config_fits(config, M, K, select=0) -> bool:
+    """Whether `config` is a sensible candidate at M rows and depth K (used to prune autotuning);
+    `select`: the SELECT alignment of a row-select launch (0: none), which BLOCK_N must divide."""
     kw = config.kwargs
+    if select and select % kw["BLOCK_N"]:
+        return False
     if not kw["DOT"] and _m_pow2(M) * kw["BLOCK_N"] * kw["BLOCK_K"] > FMA_REGS * 32 * config.num_warps:
         return False
     # Every split gets at least one whole tile.
@@ -111,7 +123,7 @@ def config_fits(config, M, K) -> bool:
 
 
 def _prune(configs, nargs, **kwargs):
-    kept = [c for c in configs if config_fits(c, nargs["M"], nargs["K"])]
+    kept = [c for c in configs if config_fits(c, nargs["M"], nargs["K"], kwargs.get("SELECT", 0))]
     return kept or configs[:1]
 
 
@@ -176,11 +188,12 @@ def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr,
     M, N, K, G,
     stride_xg, stride_xm, stride_wg, stride_wn, stride_bg, stride_og, stride_om,
-    z_ptr, nw_ptr, stride_zm, eps, r_ptr, stride_rm,
+    z_ptr, nw_ptr, stride_zm, eps, r_ptr, stride_rm, sel_ptr,
     M_POW2: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr,
     DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     LOOP_STAGES: tl.constexpr = None, PDL: tl.constexpr = False, PDL_TILES: tl.constexpr = 1,
     NORM: tl.constexpr = 0, ACT: tl.constexpr = 0, SWIGLU: tl.constexpr = False, RESIDUAL: tl.constexpr = False,
+    SELECT: tl.constexpr = 0,
 ):
     # tl.dot needs at least 16 rows: x is padded with masked (zero) rows.
     BLOCK_M: tl.constexpr = 16 if DOT and M_POW2 < 16 else M_POW2
@@ -208,7 +221,12 @@ def _gemv_kernel(
         per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
         k_lo = pid_k * per
         k_hi = tl.minimum(K, k_lo + per)
-    x_rows = x_ptr + g * stride_xg + offs_m[:, None] * stride_xm
+    if SELECT:
+        # The input all of this program's rows multiply (written at model load, so read before the wait).
+        xg = tl.load(sel_ptr + pid_n * BLOCK_N).to(tl.int64)
+    else:
+        xg = g
+    x_rows = x_ptr + xg * stride_xg + offs_m[:, None] * stride_xm
     w_rows = w_ptr + g * stride_wg + offs_n[:, None].to(tl.int64) * stride_wn
     if DOT:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -310,7 +328,7 @@ def _autotune_bench(fn, quantiles):
 
 _gemv_tuned = triton.autotune(
     configs=CONFIGS[:1] if INTERPRET else CONFIGS,
-    key=["M", "N", "K", "G", "HAS_BIAS", "NORM", "ACT", "SWIGLU", "RESIDUAL"],
+    key=["M", "N", "K", "G", "HAS_BIAS", "NORM", "ACT", "SWIGLU", "RESIDUAL", "SELECT"],
     prune_configs_by={"early_config_prune": _prune},
     do_bench=_autotune_bench,
 )(_gemv_kernel)
@@ -382,10 +400,35 @@ def _check_rms_norm(x, rms_norm):
 
 # Activations the prologue computes, by name: the ACT constexpr.
 ACTS = {"sqrelu": 1}
+# (row_splits, device) -> the int32 input index of every weight row, for SELECT launches.
+_select_tables: dict = {}
+
+
+def select_align(row_splits) -> int:
+    """The SELECT constexpr of `row_splits`: the largest power of two <= 64 dividing every split
+    point (the first and last, 0 and N, excluded)."""
+    inner = math.gcd(*row_splits[1:-1])
+    return 64 if inner == 0 else min(64, inner & -inner)
+
+
+def _check_select(x, weight, row_splits):
+    """The row table of a SELECT launch, checked: x [S, M, K], weight [N, K], row_splits S + 1 ints
+    rising from 0 to N."""
+    if x.dim() != 3 or weight.dim() != 2:
+        raise ValueError(f"gemv: select takes x [S, M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
+    splits = tuple(int(v) for v in row_splits)
+    if (len(splits) != x.shape[0] + 1 or splits[0] != 0 or splits[-1] != weight.shape[0]
+            or any(b < a for a, b in zip(splits, splits[1:]))):
+        raise ValueError(f"gemv: select needs {x.shape[0] + 1} row splits rising from 0 to {weight.shape[0]}, got {splits}")
+    key = (splits, str(x.device))
+    if key not in _select_tables:
+        sizes = torch.tensor([b - a for a, b in zip(splits, splits[1:])])
+        _select_tables[key] = torch.repeat_interleave(torch.arange(len(sizes), dtype=torch.int32), sizes).to(x.device)
+    return _select_tables[key], select_align(splits)
 
 
 def gemv_triton(x, weight, bias=None, *, out=None, config=None, norm=None, rms_norm=None, act=None, swiglu=False,
-                residual=None, early_tiles=1):
+                residual=None, early_tiles=1, select=None):
     """See `kernels.gemv.gemv`. `config` (a `triton.Config` of CONFIGS or a dict with META keys and
     optional num_warps / num_stages) launches that configuration instead of the autotuned one.
 
@@ -402,6 +445,11 @@ def gemv_triton(x, weight, bias=None, *, out=None, config=None, norm=None, rms_n
     `residual=r` ([M, N], any float dtype, not with swiglu): the result is r + the product in r's
     dtype (module docstring); `out` may be r itself when `config` is given (autotuning would run
     the launch more than once).
+
+    `select=row_splits` (S + 1 host ints rising from 0 to N): x is [S, M, K] and the output [M, N]
+    takes columns row_splits[i]:row_splits[i + 1] from input i and those weight rows (module
+    docstring); not with a norm, act, swiglu or residual. A `config` must have a BLOCK_N dividing
+    every split point.
 
     `early_tiles` (1 or 2; PDL launches of FMA configurations only): the weight tiles each program
     loads before its PDL wait. One is the default: in graphed decode steps of all three families a
@@ -422,8 +470,15 @@ def gemv_triton(x, weight, bias=None, *, out=None, config=None, norm=None, rms_n
             raise ValueError("gemv: an activation prologue takes x [M, K] and no norm")
     if swiglu and (x.dim() != 2 or weight.dim() != 2 or weight.shape[0] % 2):
         raise ValueError(f"gemv: swiglu takes x [M, K] and weight [2I, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
-    grouped = x.dim() == 3
-    if x.dim() not in (2, 3) or weight.dim() != x.dim():
+    sel, align = x, 0
+    if select is not None:
+        if norm is not None or rms_norm is not None or act is not None or swiglu or residual is not None:
+            raise ValueError("gemv: select takes no norm, act, swiglu or residual")
+        sel, align = _check_select(x, weight, select)
+        if config is not None and align % _as_config(config).kwargs["BLOCK_N"]:
+            raise ValueError(f"gemv: config BLOCK_N does not divide the row splits {tuple(select)}")
+    grouped = x.dim() == 3 and select is None
+    if x.dim() not in (2, 3) or (weight.dim() != x.dim() and select is None):
         raise ValueError(f"gemv: x [M, K] with weight [N, K], or x [G, M, K] with weight [G, N, K]; "
                          f"got {tuple(x.shape)} and {tuple(weight.shape)}")
     if x.shape[-1] != weight.shape[-1] or (grouped and x.shape[0] != weight.shape[0]):
@@ -435,6 +490,7 @@ def gemv_triton(x, weight, bias=None, *, out=None, config=None, norm=None, rms_n
     if x.stride(-1) != 1:
         x = x.contiguous()
     G = x.shape[0] if grouped else 1
+    stride_xg = x.stride(0) if x.dim() == 3 else 0
     M, K = x.shape[-2], x.shape[-1]
     N = weight.shape[-2]
     out_shape = (G, M, N) if grouped else (M, N // 2 if swiglu else N)
@@ -479,12 +535,12 @@ def gemv_triton(x, weight, bias=None, *, out=None, config=None, norm=None, rms_n
         norm_args = (x, x, 0, 0.0)
     args = (x, weight, bias if has_bias else x, out, part, cnt,
             M, N, K, G,
-            gs(x), x.stride(-2), gs(weight), weight.stride(-2), gs(bias) if has_bias else 0, gs(out), out.stride(-2),
-            *norm_args, residual if residual is not None else x, residual.stride(0) if residual is not None else 0)
+            stride_xg, x.stride(-2), gs(weight), weight.stride(-2), gs(bias) if has_bias else 0, gs(out), out.stride(-2),
+            *norm_args, residual if residual is not None else x, residual.stride(0) if residual is not None else 0, sel)
     use_pdl = pdl(x.device)
     consts = dict(M_POW2=_m_pow2(M), HAS_BIAS=has_bias, DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
                   PDL=use_pdl, PDL_TILES=early_tiles, NORM=1 if norm is not None else 2 if rms_norm is not None else 0,
-                  ACT=ACTS.get(act, 0), SWIGLU=swiglu, RESIDUAL=residual is not None)
+                  ACT=ACTS.get(act, 0), SWIGLU=swiglu, RESIDUAL=residual is not None, SELECT=align)
     if config is None:
         def grid(meta):
             return triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"], G
@@ -500,10 +556,11 @@ def gemv_triton(x, weight, bias=None, *, out=None, config=None, norm=None, rms_n
     return out
 
 
-def tuned_config(M, N, K, G=1, has_bias=False, dtype=torch.bfloat16, norm=0, act=None, swiglu=False, residual=False):
+def tuned_config(M, N, K, G=1, has_bias=False, dtype=torch.bfloat16, norm=0, act=None, swiglu=False, residual=False,
+                 select=0):
     """The configuration autotuning chose for this shape (None before the first call); `norm` is the
-    NORM constexpr (0 none, 1 gated, 2 RMS)."""
+    NORM constexpr (0 none, 1 gated, 2 RMS), `select` the SELECT one."""
     for key, cfg in _gemv_tuned.cache.items():
-        if key[:9] == (M, N, K, G, has_bias, norm, ACTS.get(act, 0), swiglu, residual) and str(dtype) in key[9:]:
+        if key[:10] == (M, N, K, G, has_bias, norm, ACTS.get(act, 0), swiglu, residual, select) and str(dtype) in key[10:]:
             return cfg
     return None

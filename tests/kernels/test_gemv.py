@@ -634,3 +634,114 @@ def test_gpu_gemv_sqrelu_and_swiglu_bf16(M):
                          (G_.swiglu_choices(), (M, 16384, 2048, "bfloat16", False))):
         rec = choices[key]
         assert rec["impl"] in ("triton", "torch") and rec["triton_us"] > 0 and rec["torch_us"] > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Row select: S inputs, each weight row block multiplied by its own input (RWKV-7's packed r/k/v +
+# LoRA down-projections, each of its own token-shift mix)
+
+
+def select_inputs(S, M, K, splits, dtype=torch.float32, bias=True):
+    x = torch.randn(S, M, K, device=DEVICE).to(dtype)
+    w = (torch.randn(splits[-1], K, device=DEVICE) * K ** -0.5).to(dtype)
+    b = torch.randn(splits[-1], device=DEVICE).to(dtype) if bias else None
+    return x, w, b
+
+
+def select_ref(x, w, b, splits):
+    """Input i times weight rows splits[i]:splits[i + 1], block by block, in float32."""
+    return torch.cat([gemv_ref(x[i].float(), w[a:c].float(), None if b is None else b[a:c].float())
+                      for i, (a, c) in enumerate(zip(splits, splits[1:]))], -1)
+
+
+# Blocks of 16, 32, none and 48 rows (the split points share the factor 16), and an odd last block.
+SPLITS = (0, 16, 48, 48, 96, 101)
+
+
+@pytest.mark.parametrize("kind", ["fma", "fma-split3", "fma-split4-pipelined", "dot"])
+@pytest.mark.parametrize("M", [1, 3])
+def test_gemv_select_matches_blockwise_products(kind, M, nan_empty):
+    from kernels.gemv.triton import gemv_triton, select_align
+
+    assert select_align(SPLITS) == 16
+    x, w, b = select_inputs(len(SPLITS) - 1, M, 150, SPLITS)
+    got = gemv_triton(x, w, b, config=KINDS[kind], select=SPLITS)
+    assert got.shape == (M, SPLITS[-1]) and not got.isnan().any()
+    assert rel(got, select_ref(x, w, b, SPLITS)) < 1e-5
+    # Each block really takes its own input: the same weights against input 0 everywhere differ.
+    assert rel(got, gemv_ref(x[0], w, b)) > 0.1
+
+
+def test_gemv_select_default_config_and_refusals():
+    from kernels.gemv.triton import config_fits, gemv_triton, select_align
+
+    x, w, b = select_inputs(3, 1, 64, (0, 8, 8, 40))
+    assert rel(gemv_triton(x, w, b, select=(0, 8, 8, 40)), select_ref(x, w, b, (0, 8, 8, 40))) < 1e-5
+    # BLOCK_N must divide every split point: 8 rules out 16-row blocks, one input allows any.
+    assert select_align((0, 8, 8, 40)) == 8 and select_align((0, 40)) == 64
+    assert not config_fits(_as_triton_config(KINDS["dot"]), 1, 64, select=8)
+    with pytest.raises(ValueError, match="does not divide"):
+        gemv_triton(x, w, config=KINDS["dot"], select=(0, 8, 8, 40))
+    with pytest.raises(ValueError, match="row splits rising"):
+        gemv_triton(x, w, select=(0, 8, 40))
+    with pytest.raises(ValueError, match="row splits rising"):
+        gemv_triton(x, w, select=(0, 16, 8, 40))
+    with pytest.raises(ValueError, match="no norm"):
+        gemv_triton(x, w, select=(0, 8, 8, 40), act="sqrelu")
+    with pytest.raises(ValueError, match="select takes x"):
+        gemv_triton(x[0], w, select=(0, 40))
+    with pytest.raises(ValueError, match="select_linear: needs"):
+        G_.select_linear(x, w, (0, 8, 40), impl="ref")
+
+
+def _as_triton_config(kw):
+    from kernels.gemv.triton import _as_config
+
+    return _as_config(kw)
+
+
+@pytest.mark.parametrize("impl", ["ref", "triton"])
+def test_select_linear_is_blockwise_f_linear(impl, monkeypatch):
+    """On the CPU (and with impl="ref") it is each input's block by F.linear; with the fused path
+    stood in for on the CPU, both picks give the same columns."""
+    from kernels.gemv.triton import CONFIGS
+
+    x, w, b = select_inputs(5, 2, 96, SPLITS)
+    want = select_ref(x, w, b, SPLITS)
+    assert rel(G_.select_linear(x, w, SPLITS, b, impl=impl), want) < 1e-5
+    if impl == "ref":
+        return
+    monkeypatch.setattr(G_, "_fusable", lambda *a, **k: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(G_, "_SELECT_CHOICES", {})
+    picks = iter(["triton", "torch"])
+
+    def choose(x2, weight, bias, key, baseline, table, **fused):
+        assert fused == {"select": SPLITS}
+        baseline(weight)
+        table[key] = {"impl": next(picks), "config": CONFIGS[0]}
+        return table[key]
+
+    monkeypatch.setattr(G_, "_choose", choose)
+    for _ in range(2):
+        assert rel(G_.select_linear(x, w, SPLITS, b, impl="triton"), want) < 1e-5
+        G_._SELECT_CHOICES.clear()
+
+
+@gpu_only
+@pytest.mark.parametrize("M", [1, 4])
+def test_gpu_select_linear_bf16(M):
+    from kernels.gemv.triton import CONFIGS, config_fits, gemv_triton, select_align
+
+    # rwkv7-1.5b's packed down-projection: r, k, v (+ v's LoRA), w, a and g LoRAs
+    C = 2048
+    splits = (0, C, 2 * C, 3 * C + 64, 3 * C + 160, 3 * C + 256, 3 * C + 512)
+    x, w, _ = select_inputs(6, M, C, splits, dtype=torch.bfloat16, bias=False)
+    want = select_ref(x, w, None, splits)
+    fits = [c for c in CONFIGS if config_fits(c, M, C, select_align(splits))]
+    assert fits
+    for cfg in fits:
+        assert rel(gemv_triton(x, w, config=cfg, select=splits), want) < 1e-2
+    assert rel(G_.select_linear(x, w, splits, impl="triton"), want) < 1e-2
+    rec = G_.select_choices()[(M, splits[-1], C, "bfloat16", False, splits)]
+    assert rec["impl"] in ("triton", "torch") and rec["triton_us"] > 0 and rec["torch_us"] > 0
