@@ -328,8 +328,9 @@ def _decode_split_kernel(
                     v0 = tl.where(new_row, v_new[None, :], v0)
         if KV_READY:
             # The first tile, from registers; the loop takes the rest.
-            p, alpha, m_i, l_i = _online_softmax(q, k0, valid0, m_i, l_i, qk_scale)
-            acc = tl.dot(p.to(v0.dtype), v0)
+            # (names of its own: the loops below carry p and alpha, with other shapes in the merge)
+            p0, alpha0, m_i, l_i = _online_softmax(q, k0, valid0, m_i, l_i, qk_scale)
+            acc = acc * alpha0[:, None] + tl.dot(p0.to(v0.dtype), v0)
             loop_start = start + BLOCK_N
         else:
             loop_start = start
