@@ -84,9 +84,6 @@ class PagedBatch:
     max_seqlen_q: int = 1
     impl: str = "ref"
     workspace: dict | None = field(default=None, repr=False)
-    # Triton decode: seq_lens, block_tables and the cached rows were last written before a kernel
-    # launched without PDL (`paged_decode_attention(kv_ready=True)`).
-    kv_ready: bool = False
 
 
 def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -267,7 +264,7 @@ class Attention(FusedLinears):
             q, k, v = self.qkv_projection(x, early_tiles=2, norm=norm)
             out = paged_attention.paged_decode_attention(
                 q, k_cache, v_cache, batch.block_tables, batch.seq_lens, self.scale, impl="triton", workspace=batch.workspace,
-                rope=(k, v, *rotary.tables()), kv_ready=batch.kv_ready,
+                rope=(k, v, *rotary.tables()),
             )
             return self.out_projection(out, early_tiles=2, residual=residual)
         if fused:

@@ -145,9 +145,6 @@ class TransformerDecoder(AutoregressiveDecoder):
             decode=True,
             impl=self.impl,
             workspace=cache.workspace,
-            # seq_lens is made just above by PyTorch kernels and the embedding lookup (no PDL)
-            # follows; the cached rows and block tables were written in earlier steps or prefill.
-            kv_ready=True,
         )
         return self.model.forward_paged(tokens, positions, batch)
 

@@ -9,7 +9,7 @@ already resolved by `kernels.resolve_impl`; anything else is an error.
 - `decode_workspace(batch, num_q_heads, num_kv_heads, head_dim, max_seq_len, device, *, num_splits=None,
   variant="split")`
 - `paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *, impl, out=None, workspace=None,
-  rope=None, kv_ready=False)`
+  rope=None)`
 - `paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, *, causal, impl,
   max_seqlen_q=None)`
 """
@@ -51,7 +51,7 @@ def decode_workspace(batch, num_q_heads, num_kv_heads, head_dim, max_seq_len, de
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *, impl, out=None, workspace=None,
-                           rope=None, kv_ready=False):
+                           rope=None):
     """Attention of q `[B, Hq, D]` (position seq_lens-1) over each sequence's seq_lens cached positions.
 
     Returns `[B, Hq, D]` in q's dtype, written into `out` when given. Hq must be a multiple of Hkv.
@@ -60,9 +60,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *
     step's k `[B, Hkv, D]` arrive unrotated, and the call rotates both at position seq_len - 1 (RoPE
     tables `[P, D/2]` float32, as `kernels.rotary`) and writes the rotated k and v into the cache at
     that position before attending (q itself is left as it was). The Triton kernel does it in the
-    same launch. `kv_ready=True` (Triton, with `rope`): the caller promises that seq_lens, the block
-    tables and the cached rows were last written before a kernel launched without PDL, so the kernel
-    may read lengths and pages before its PDL wait (see the Triton function).
+    same launch.
     """
     check_impl(impl)
     if impl == "ref":
@@ -74,7 +72,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *
         out.copy_(result)
         return out
     return _triton().paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale,
-                                            out=out, workspace=workspace, rope=rope, kv_ready=kv_ready)
+                                            out=out, workspace=workspace, rope=rope)
 
 
 def paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, *, causal, impl,

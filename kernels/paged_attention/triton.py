@@ -217,19 +217,6 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping):
 
 
 @triton.jit
-def _online_softmax(q, k, valid, m_i, l_i, qk_scale):
-    """One K tile of the online softmax: q `[G_PAD, D_PAD]`, k `[BLOCK_N, D_PAD]`, `valid` `[BLOCK_N]`
-    -> (p `[G_PAD, BLOCK_N]`, alpha, the new max, the new sum); the caller scales its accumulator by
-    alpha and adds p @ v. Scores in log2 units (`qk_scale` = scale * log2 e)."""
-    qk = tl.dot(q, tl.trans(k)) * qk_scale
-    qk = tl.where(valid[None, :], qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
-    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
-
-
-@triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, lse_ptr, part_ptr, cnt_ptr, out_ptr,
     qk_scale,
@@ -245,12 +232,11 @@ def _decode_split_kernel(
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
     S_PAD: tl.constexpr, FLAT_MERGE: tl.constexpr, EARLY_V: tl.constexpr, PDL: tl.constexpr = False,
     kn_ptr=None, vn_ptr=None, cos_ptr=None, sin_ptr=None, stride_knb=0, stride_knh=0, stride_vnb=0, stride_vnh=0,
-    stride_cos=0, ROPE: tl.constexpr = False, KV_READY: tl.constexpr = False,
+    stride_cos=0, ROPE: tl.constexpr = False,
 ):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-        if not KV_READY:
-            tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_wait()
     split = tl.program_id(0)
     hk = tl.program_id(1)
     b = tl.program_id(2)
@@ -272,29 +258,12 @@ def _decode_split_kernel(
         qmask = (g[:, None] < G) & (d[None, :] < D)
     o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
     if start < end:
-        bt_row = bt_ptr + b.to(tl.int64) * stride_btb
-        if KV_READY:
-            # seq_len and the pages of the split's first tile were read before the PDL wait (they
-            # were written before this step's kernels: `kv_ready`); its K and V are loaded right
-            # after it, beside q, and the step's own row, written below, replaces its stale copy.
-            pos0 = start + tl.arange(0, BLOCK_N)
-            valid0 = pos0 < end
-            page0 = tl.load(bt_row + pos0 // PAGE, mask=valid0, other=0).to(tl.int64)
-            if D == D_PAD:
-                kvmask0 = valid0[:, None]
-            else:
-                kvmask0 = valid0[:, None] & (d[None, :] < D)
-            if PDL:
-                tl.extra.cuda.gdc_wait()
-            k0 = tl.load(k_ptr + (page0 * stride_kb + (pos0 % PAGE) * stride_kt + hk * stride_kh)[:, None] + d[None, :],
-                         mask=kvmask0, other=0.0)
-            v0 = tl.load(v_ptr + (page0 * stride_vb + (pos0 % PAGE) * stride_vt + hk * stride_vh)[:, None] + d[None, :],
-                         mask=kvmask0, other=0.0)
         # [G_PAD, D_PAD]: the G query heads sharing kv head hk are the M rows of both dots.
         q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=qmask, other=0.0)
         m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([G_PAD], dtype=tl.float32)
         acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
+        bt_row = bt_ptr + b.to(tl.int64) * stride_btb
         if ROPE:
             # The step's own token, at position seq_len - 1: rotate q here instead of in a kernel
             # before. The split holding that position also rotates the new key of kv head hk and
@@ -316,25 +285,11 @@ def _decode_split_kernel(
                 v_new = tl.load(vn_ptr + b * stride_vnb + hk * stride_vnh + d, mask=dmask, other=0.0)
                 page_new = tl.load(bt_row + p_new // PAGE).to(tl.int64)
                 row_new = page_new * stride_kb + (p_new % PAGE) * stride_kt + hk * stride_kh
-                k_rot = (k_a * cos + k_b * sin).to(k_ptr.dtype.element_ty)
-                v_new = v_new.to(v_ptr.dtype.element_ty)
-                tl.store(k_ptr + row_new + d, k_rot, mask=dmask)
-                tl.store(v_ptr + page_new * stride_vb + (p_new % PAGE) * stride_vt + hk * stride_vh + d, v_new,
-                         mask=dmask)
+                tl.store(k_ptr + row_new + d, (k_a * cos + k_b * sin).to(k_ptr.dtype.element_ty), mask=dmask)
+                tl.store(v_ptr + page_new * stride_vb + (p_new % PAGE) * stride_vt + hk * stride_vh + d,
+                         v_new.to(v_ptr.dtype.element_ty), mask=dmask)
                 tl.debug_barrier()
-                if KV_READY:
-                    new_row = (pos0 == p_new)[:, None]
-                    k0 = tl.where(new_row, k_rot[None, :], k0)
-                    v0 = tl.where(new_row, v_new[None, :], v0)
-        if KV_READY:
-            # The first tile, from registers; the loop takes the rest.
-            # (names of its own: the loops below carry p and alpha, with other shapes in the merge)
-            p0, alpha0, m_i, l_i = _online_softmax(q, k0, valid0, m_i, l_i, qk_scale)
-            acc = acc * alpha0[:, None] + tl.dot(p0.to(v0.dtype), v0)
-            loop_start = start + BLOCK_N
-        else:
-            loop_start = start
-        for n0 in range(loop_start, end, BLOCK_N):
+        for n0 in range(start, end, BLOCK_N):
             pos = n0 + tl.arange(0, BLOCK_N)
             valid = pos < end
             page = tl.load(bt_row + pos // PAGE, mask=valid, other=0).to(tl.int64)
@@ -348,7 +303,13 @@ def _decode_split_kernel(
             if EARLY_V:
                 v_off = page * stride_vb + (pos % PAGE) * stride_vt + hk * stride_vh
                 v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=kvmask, other=0.0)
-            p, alpha, m_new, l_i = _online_softmax(q, k, valid, m_i, l_i, qk_scale)
+            # [G_PAD, BLOCK_N] scores in log2 units
+            qk = tl.dot(q, tl.trans(k)) * qk_scale
+            qk = tl.where(valid[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
             if not EARLY_V:
                 v_off = page * stride_vb + (pos % PAGE) * stride_vt + hk * stride_vh
                 v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=kvmask, other=0.0)
@@ -426,16 +387,13 @@ def _decode_split_kernel(
                 red_ptrs = out_ptr + b * stride_ob + (hk * G + gr)[:, None] * stride_oh + d[None, :]
                 red_mask = gr_ok[:, None] & (d[None, :] < D)
                 tl.store(red_ptrs, (red / den[:, None]).to(out_ptr.dtype.element_ty), mask=red_mask)
-    else:
-        if PDL and KV_READY:
-            tl.extra.cuda.gdc_wait()
-        if split == 0:
-            # Only an empty sequence (padding slot) has no data in split 0: defined as a zero output.
-            tl.store(o_ptrs, tl.zeros([G_PAD, D_PAD], dtype=out_ptr.dtype.element_ty), mask=qmask)
+    elif split == 0:
+        # Only an empty sequence (padding slot) has no data in split 0: defined as a zero output.
+        tl.store(o_ptrs, tl.zeros([G_PAD, D_PAD], dtype=out_ptr.dtype.element_ty), mask=qmask)
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *, out=None, workspace=None,
-                           config=None, rope=None, kv_ready=False):
+                           config=None, rope=None):
     """Flash-decoding over the paged cache: q `[B, Hq, D]` -> `[B, Hq, D]` in q's dtype.
 
     `rope=(k, v, cos, sin)`: q and k `[B, Hkv, D]` are not yet rotated and the step's K/V row (position
@@ -446,11 +404,6 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *
     Without a workspace one is allocated for max_seq_len = block_tables.shape[1] * block_size (a
     host bound, no sync); pass one made by `decode_workspace` to capture the call in a CUDA graph.
     The workspace's variant picks tiles and merge; `config` overrides the tiles (the benchmark's sweep).
-
-    `kv_ready=True` (with `rope` only) promises that seq_lens, the block tables and every cached row
-    before position seq_len - 1 were last written before a kernel launched without PDL: under PDL
-    each program then reads its length and its first tile's pages before its wait, and loads that
-    tile's K and V right after it, beside q (README.md, "Decode with kv_ready").
     """
     batch, num_q_heads, head_dim = q.shape
     check_cache(k_cache, v_cache)
@@ -494,9 +447,6 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *
         rope_args = dict(kn_ptr=k_new, vn_ptr=v_new, cos_ptr=cos, sin_ptr=sin, stride_knb=k_new.stride(0),
                          stride_knh=k_new.stride(1), stride_vnb=v_new.stride(0), stride_vnh=v_new.stride(1),
                          stride_cos=cos.stride(0), ROPE=True)
-    elif kv_ready:
-        raise ValueError("paged_decode_attention: kv_ready needs rope (without it the step's row was written by "
-                         "an earlier kernel of the step)")
     use_pdl = pdl(q.device)
     _decode_split_kernel[(splits, num_kv_heads, batch)](
         q, k_cache, v_cache, block_tables, seq_lens, lse, part, cnt, out,
@@ -515,7 +465,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *
         # S_PAD only shapes the flat merge; fixed otherwise so the default compiles once for all split counts.
         S_PAD=s_pad if spec.flat_merge else 1, FLAT_MERGE=spec.flat_merge,
         EARLY_V=spec.early_v, PDL=use_pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=use_pdl,
-        KV_READY=kv_ready, **rope_args,
+        **rope_args,
     )
     return out
 

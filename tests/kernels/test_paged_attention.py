@@ -159,8 +159,7 @@ def rope_tables(max_pos, head_dim):
     return ang.cos().float().to(DEVICE), ang.sin().float().to(DEVICE)
 
 
-def run_decode_rope(seq_lens, page, group, num_kv_heads, head_dim, *, num_splits=None, variant="split", tol=TOL,
-                    kv_ready=False):
+def run_decode_rope(seq_lens, page, group, num_kv_heads, head_dim, *, num_splits=None, variant="split", tol=TOL):
     """Decode with the step's RoPE and cache write folded in, against the reference doing them first."""
     k_cache, v_cache, block_tables, lens = make_cache(seq_lens, page, num_kv_heads, head_dim)
     # The step's own row (position seq_len - 1) is not in the cache yet: NaN there until written.
@@ -180,7 +179,7 @@ def run_decode_rope(seq_lens, page, group, num_kv_heads, head_dim, *, num_splits
     workspace = pa.decode_workspace(B, hq, num_kv_heads, head_dim, max(seq_lens), DEVICE, num_splits=num_splits,
                                     variant=variant)
     got = pa.paged_decode_attention(q, k_cache, v_cache, block_tables, lens, scale, impl="triton",
-                                    workspace=workspace, rope=(k, v, cos, sin), kv_ready=kv_ready)
+                                    workspace=workspace, rope=(k, v, cos, sin))
     assert not torch.isnan(got).any()
     assert rel_rms(got, want) < tol
     assert torch.equal(qkv, before)
@@ -204,25 +203,6 @@ def test_decode_rope_folded_in_matches_ref(seq_lens, page, group, num_kv_heads, 
     run_decode_rope(seq_lens, page, group, num_kv_heads, head_dim, num_splits=num_splits, variant=variant)
 
 
-@pytest.mark.parametrize(
-    "seq_lens,page,group,num_kv_heads,head_dim,num_splits,variant",
-    [
-        # one split: the step's row is in the last of five 64-row tiles, read by the loop
-        ([300, 0, 17], 16, 4, 1, 64, 1, "split"),
-        # seven splits of one tile: the row is in the first (and only) tile of the last split, which
-        # was loaded before the row was written and is patched in registers
-        ([300, 17, 1], 16, 2, 2, 64, 7, "long"),
-        ([33, 5], 16, 2, 2, 80, 3, "long"),  # D=80: padded tile columns
-        ([130, 64], 64, 8, 1, 128, 2, "split"),  # the row is in the second tile of the last split
-    ],
-)
-def test_decode_rope_kv_ready_matches_ref(seq_lens, page, group, num_kv_heads, head_dim, num_splits, variant):
-    # kv_ready peels each split's first tile off the loop (its pages read before the PDL wait on a
-    # GPU; the interpreter has no PDL, so these check the peeled tile and the patched row).
-    run_decode_rope(seq_lens, page, group, num_kv_heads, head_dim, num_splits=num_splits, variant=variant,
-                    kv_ready=True)
-
-
 def test_decode_rope_bad_shapes_are_an_error():
     k_cache, v_cache, block_tables, lens = make_cache([5], 16, 2, 64)
     q = torch.randn(1, 4, 64, device=DEVICE).to(DTYPE)
@@ -232,8 +212,6 @@ def test_decode_rope_bad_shapes_are_an_error():
         pa.paged_decode_attention(q, k_cache, v_cache, block_tables, lens, 0.1, impl="triton", rope=(k[:, :1], k, cos, sin))
     with pytest.raises(ValueError, match="rope tables"):
         pa.paged_decode_attention(q, k_cache, v_cache, block_tables, lens, 0.1, impl="triton", rope=(k, k, cos.double(), sin))
-    with pytest.raises(ValueError, match="kv_ready needs rope"):
-        pa.paged_decode_attention(q, k_cache, v_cache, block_tables, lens, 0.1, impl="triton", kv_ready=True)
 
 
 def test_decode_unknown_variant_is_an_error():
@@ -425,9 +403,8 @@ def test_gpu_decode_ref_vs_triton_variants(seq_lens, page, group, num_kv_heads, 
         ([17, 4097, 1, 1000], 128, 4, 2, 80),
     ],
 )
-@pytest.mark.parametrize("kv_ready", [False, True])
-def test_gpu_decode_rope_folded_in(seq_lens, page, group, num_kv_heads, head_dim, variant, kv_ready):
-    run_decode_rope(seq_lens, page, group, num_kv_heads, head_dim, variant=variant, kv_ready=kv_ready)
+def test_gpu_decode_rope_folded_in(seq_lens, page, group, num_kv_heads, head_dim, variant):
+    run_decode_rope(seq_lens, page, group, num_kv_heads, head_dim, variant=variant)
 
 
 @gpu_only
