@@ -76,7 +76,7 @@ SPECS = [
     _spec("mamba2_norm gated_rmsnorm", "mamba2_norm", "_gated_rmsnorm_kernel",
           dict(BLOCK=4096, s_yd=1, s_zd=1, s_od=1), dict(num_warps=8), floats=("eps",)),
     _spec("rwkv7 add_norm_shift", "rwkv7_fused", "_add_norm_shift_kernel",
-          dict(B=1, M=6, BC=2048, HAS_DELTA=True, HAS_BIAS=True, HAS_SHIFT=True), dict(num_warps=8), _RWKV_PTRS,
+          dict(B=1, M=6, M_PAD=8, BC=2048, HAS_DELTA=True, HAS_BIAS=True, HAS_SHIFT=True), dict(num_warps=8), _RWKV_PTRS,
           floats=("eps",)),
     _spec("rwkv7 lora_hidden", "rwkv7_fused", "_lora_hidden_kernel",
           dict(B=1, NB=4, A0=0, A1=1, A2=0, A3=2, BD=512), dict(num_warps=2), _RWKV_PTRS),

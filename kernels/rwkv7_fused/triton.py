@@ -12,8 +12,9 @@ a decode step built from them can be captured in a CUDA graph.
 - `_sqrelu_kernel`, grid (cdiv(n, BLOCK),).
 
 PDL (constexpr of every kernel, see `kernels.pdl`): gdc_launch_dependents() and gdc_wait() before
-the first load of an activation; `_add_norm_shift_kernel` and `_gate_output_kernel` load their norm
-weight and bias before the wait.
+the first load of an activation; weights (norm weights and biases, mixes, k_k, k_a, r_k) are loaded
+before the wait. Every kernel issues all its activation loads before its first store or reduction,
+so the loads share one memory round trip (README.md, performance log).
 """
 
 import torch
@@ -41,45 +42,52 @@ def _check_rows(name, t, C):
 def _add_norm_shift_kernel(
     x, delta, weight, bias, prev, mix, out,
     s_x, s_d, s_p, B, C, eps,
-    M: tl.constexpr, BC: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SHIFT: tl.constexpr,
-    PDL: tl.constexpr = False,
+    M: tl.constexpr, M_PAD: tl.constexpr, BC: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_SHIFT: tl.constexpr, PDL: tl.constexpr = False,
 ):
     i_b = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BC)
     m = c < C
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-        # The norm's weight and bias are no kernel's output: fetched while the previous kernel finishes.
-        wv = tl.load(weight + c, mask=m, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            bv = tl.load(bias + c, mask=m, other=0.0).to(tl.float32)
+    # The norm's weight and bias and the mixes are no kernel's output: under PDL they are fetched while
+    # the previous kernel finishes.
+    wv = tl.load(weight + c, mask=m, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        bv = tl.load(bias + c, mask=m, other=0.0).to(tl.float32)
+    if HAS_SHIFT:
+        j = tl.arange(0, M_PAD)[:, None]
+        jm = (j < M) & m[None, :]
+        # [M_PAD, BC]
+        mx = tl.load(mix + j * C + c[None, :], mask=jm, other=0.0)
+    if PDL:
         tl.extra.cuda.gdc_wait()
+    # why: every activation is loaded before the first store; a load after a store to another
+    # buffer is not moved above it (the compiler cannot rule out aliasing), so each would wait its
+    # own memory round trip behind the store before it
     xv = tl.load(x + i_b * s_x + c, mask=m, other=0.0)
     if HAS_DELTA:
+        dv = tl.load(delta + i_b * s_d + c, mask=m, other=0.0).to(tl.float32)
+    if HAS_SHIFT:
+        p = tl.load(prev + i_b * s_p + c, mask=m, other=0.0).to(tl.float32)
+    if HAS_DELTA:
         # why: rounded to the residual's dtype before the norm, as the unfused x = x + out is
-        xv = (xv.to(tl.float32) + tl.load(delta + i_b * s_d + c, mask=m, other=0.0).to(tl.float32)).to(xv.dtype)
+        xv = (xv.to(tl.float32) + dv).to(xv.dtype)
         tl.store(x + i_b * s_x + c, xv, mask=m)
     xf = xv.to(tl.float32)
     mean = tl.sum(xf, axis=0) / C
     xc = tl.where(m, xf - mean, 0.0)
     var = tl.sum(xc * xc, axis=0) / C
-    if PDL:
-        h = xc * tl.rsqrt(var + eps) * wv
-        if HAS_BIAS:
-            h += bv
-    else:
-        h = xc * tl.rsqrt(var + eps) * tl.load(weight + c, mask=m, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            h += tl.load(bias + c, mask=m, other=0.0).to(tl.float32)
+    h = xc * tl.rsqrt(var + eps) * wv
+    if HAS_BIAS:
+        h += bv
     hq = h.to(out.dtype.element_ty)
     if HAS_SHIFT:
-        p = tl.load(prev + i_b * s_p + c, mask=m, other=0.0).to(tl.float32)
         tl.store(prev + i_b * s_p + c, hq.to(prev.dtype.element_ty), mask=m)
         hf = hq.to(tl.float32)
         d = p - hf
-        for j in tl.static_range(M):
-            mx = tl.load(mix + j * C + c, mask=m, other=0.0).to(tl.float32)
-            tl.store(out + (j * B + i_b) * C + c, (hf + d * mx).to(out.dtype.element_ty), mask=m)
+        tl.store(out + (j * B + i_b) * C + c[None, :], (hf[None, :] + d[None, :] * mx.to(tl.float32)).to(out.dtype.element_ty),
+                 mask=jm)
     else:
         tl.store(out + i_b * C + c, hq, mask=m)
 
@@ -106,7 +114,7 @@ def add_norm_shift_triton(x, delta, weight, bias, prev=None, mixes=None, *, eps,
         x, x if delta is None else delta, weight, weight if bias is None else bias,
         x if prev is None else prev, weight if mixes is None else mixes, out,
         x.stride(0), 0 if delta is None else delta.stride(0), 0 if prev is None else prev.stride(0), B, C, eps,
-        M=1 if mixes is None else mixes.shape[0], BC=BC,
+        M=1 if mixes is None else mixes.shape[0], M_PAD=1 if mixes is None else triton.next_power_of_2(mixes.shape[0]), BC=BC,
         HAS_DELTA=delta is not None, HAS_BIAS=bias is not None, HAS_SHIFT=prev is not None, PDL=use_pdl,
         num_warps=_row_warps(C), launch_pdl=use_pdl,
     )
@@ -114,16 +122,20 @@ def add_norm_shift_triton(x, delta, weight, bias, prev=None, mixes=None, *, eps,
 
 
 @triton.jit
-def _hidden_block(src, s_src, i_b, lo, hi, dst, cols, D, ACT: tl.constexpr):
-    """One row of one block: act(src[i_b, :]) in columns [lo, hi) of dst, zeros elsewhere."""
-    inb = (cols >= lo) & (cols < hi)
-    y = tl.load(src + i_b * s_src + (cols - lo), mask=inb, other=0.0).to(tl.float32)
+def _hidden_block(src, s_src, i_b, lo, hi, cols):
+    """One row of one block, loaded (float32): src[i_b, :] in columns [lo, hi)."""
+    return tl.load(src + i_b * s_src + (cols - lo), mask=(cols >= lo) & (cols < hi), other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store_hidden(y, lo, hi, dst, cols, D, ACT: tl.constexpr):
+    """act(y) in columns [lo, hi) of a row of dst, zeros elsewhere."""
     if ACT == 1:
         # why: tanh(y) = 2 sigmoid(2y) - 1, one exp, no libdevice call
         y = 2.0 * tl.sigmoid(2.0 * y) - 1.0
     if ACT == 2:
         y = tl.sigmoid(y)
-    tl.store(dst + cols, tl.where(inb, y, 0.0).to(dst.dtype.element_ty), mask=cols < D)
+    tl.store(dst + cols, tl.where((cols >= lo) & (cols < hi), y, 0.0).to(dst.dtype.element_ty), mask=cols < D)
 
 
 @triton.jit
@@ -138,11 +150,18 @@ def _lora_hidden_kernel(
         tl.extra.cuda.gdc_wait()
     i_b = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BD)
-    _hidden_block(p0, s0, i_b, 0, o1, out + i_b * D, cols, D, A0)
-    _hidden_block(p1, s1, i_b, o1, o2, out + (B + i_b) * D, cols, D, A1)
-    _hidden_block(p2, s2, i_b, o2, o3, out + (2 * B + i_b) * D, cols, D, A2)
+    # why: all blocks are loaded before the first store; a load after a store to another buffer is
+    # not moved above it (the compiler cannot rule out aliasing), so it would wait behind it
+    y0 = _hidden_block(p0, s0, i_b, 0, o1, cols)
+    y1 = _hidden_block(p1, s1, i_b, o1, o2, cols)
+    y2 = _hidden_block(p2, s2, i_b, o2, o3, cols)
     if NB == 4:
-        _hidden_block(p3, s3, i_b, o3, D, out + (3 * B + i_b) * D, cols, D, A3)
+        y3 = _hidden_block(p3, s3, i_b, o3, D, cols)
+    _store_hidden(y0, 0, o1, out + i_b * D, cols, D, A0)
+    _store_hidden(y1, o1, o2, out + (B + i_b) * D, cols, D, A1)
+    _store_hidden(y2, o2, o3, out + (2 * B + i_b) * D, cols, D, A2)
+    if NB == 4:
+        _store_hidden(y3, o3, D, out + (3 * B + i_b) * D, cols, D, A3)
 
 
 def lora_hidden_triton(blocks, acts, *, out=None):
@@ -180,31 +199,40 @@ def _time_mix_inputs_kernel(
     s_r, s_k, s_v, s_vf, B, C, D,
     HAS_VLORA: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
     i_h = tl.program_id(0)
     i_b = tl.program_id(1).to(tl.int64)
     d = tl.arange(0, BD)
     m = d < D
     c = i_h * D + d
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    # Biases, k_k and k_a are no kernel's output: under PDL fetched while the previous kernel finishes
+    # (k_a would otherwise be loaded only after the key norm's reduction, a round trip of its own).
+    bw = tl.load(bias_w + c, mask=m, other=0.0).to(tl.float32)
+    ba = tl.load(bias_a + c, mask=m, other=0.0).to(tl.float32)
+    kkw = tl.load(k_k + c, mask=m, other=0.0).to(tl.float32)
+    kaw = tl.load(k_a + c, mask=m, other=0.0).to(tl.float32)
+    if HAS_VLORA:
+        bv = tl.load(bias_v + c, mask=m, other=0.0).to(tl.float32)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     rr = tl.load(r + i_b * s_r + c, mask=m, other=0.0).to(tl.float32)
     kf = tl.load(k + i_b * s_k + c, mask=m, other=0.0).to(tl.float32)
     vf = tl.load(v + i_b * s_v + c, mask=m, other=0.0).to(tl.float32)
     # u_v, u_w, u_a: row blocks of the contiguous LoRA up-projection output, row stride C
     uw = tl.load(u_w + i_b * C + c, mask=m, other=0.0).to(tl.float32)
     ua = tl.load(u_a + i_b * C + c, mask=m, other=0.0).to(tl.float32)
-    w = -_W_SCALE * tl.sigmoid(uw + tl.load(bias_w + c, mask=m, other=0.0).to(tl.float32))
-    iclr = tl.sigmoid(ua + tl.load(bias_a + c, mask=m, other=0.0).to(tl.float32))
+    w = -_W_SCALE * tl.sigmoid(uw + bw)
+    iclr = tl.sigmoid(ua + ba)
     if HAS_VLORA:
         uv = tl.load(u_v + i_b * C + c, mask=m, other=0.0).to(tl.float32)
-        t = tl.sigmoid(uv + tl.load(bias_v + c, mask=m, other=0.0).to(tl.float32))
+        t = tl.sigmoid(uv + bv)
         vfirst = tl.load(v_first + i_b * s_vf + c, mask=m, other=0.0).to(tl.float32)
         vf = vf + (vfirst - vf) * t
-    kk = kf * tl.load(k_k + c, mask=m, other=0.0).to(tl.float32)
+    kk = kf * kkw
     # F.normalize: divide by max(||kk||, 1e-12)
     kk = kk / tl.maximum(tl.sqrt(tl.sum(kk * kk, axis=0)), 1e-12)
-    kf = kf * (1.0 + (iclr - 1.0) * tl.load(k_a + c, mask=m, other=0.0).to(tl.float32))
+    kf = kf * (1.0 + (iclr - 1.0) * kaw)
     row = i_b * C + c
     dt = x.dtype.element_ty
     tl.store(x + row, rr.to(dt), mask=m)
@@ -255,25 +283,24 @@ def _gate_output_kernel(
     c = i_h * D + d
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-        # The group norm's weight and bias are no kernel's output: fetched before the wait.
-        nw = tl.load(norm_w + c, mask=m, other=0.0).to(tl.float32)
-        nb = tl.load(norm_b + c, mask=m, other=0.0).to(tl.float32)
-        tl.extra.cuda.gdc_wait()
-    of = tl.load(o + i_b * s_o + c, mask=m, other=0.0).to(tl.float32)
-    mean = tl.sum(of, axis=0) / D
-    oc = tl.where(m, of - mean, 0.0)
-    var = tl.sum(oc * oc, axis=0) / D
+    # The group norm's weight and bias and r_k are no kernel's output: under PDL fetched before the wait.
+    nw = tl.load(norm_w + c, mask=m, other=0.0).to(tl.float32)
+    nb = tl.load(norm_b + c, mask=m, other=0.0).to(tl.float32)
+    rk = tl.load(r_k + c, mask=m, other=0.0).to(tl.float32)
     if PDL:
-        y = oc * tl.rsqrt(var + eps) * nw
-        y += nb
-    else:
-        y = oc * tl.rsqrt(var + eps) * tl.load(norm_w + c, mask=m, other=0.0).to(tl.float32)
-        y += tl.load(norm_b + c, mask=m, other=0.0).to(tl.float32)
+        tl.extra.cuda.gdc_wait()
+    # why: every activation is loaded before the reductions; loads after them would each add a
+    # memory round trip (the compiler does not move loads above the reductions' barriers)
+    of = tl.load(o + i_b * s_o + c, mask=m, other=0.0).to(tl.float32)
     rr = tl.load(r + i_b * s_x + c, mask=m, other=0.0).to(tl.float32)
     kk = tl.load(k + i_b * s_x + c, mask=m, other=0.0).to(tl.float32)
     vv = tl.load(v + i_b * s_x + c, mask=m, other=0.0).to(tl.float32)
-    bonus = tl.sum(rr * kk * tl.load(r_k + c, mask=m, other=0.0).to(tl.float32), axis=0)
     gg = tl.load(g + i_b * s_g + c, mask=m, other=0.0).to(tl.float32)
+    mean = tl.sum(of, axis=0) / D
+    oc = tl.where(m, of - mean, 0.0)
+    var = tl.sum(oc * oc, axis=0) / D
+    y = oc * tl.rsqrt(var + eps) * nw + nb
+    bonus = tl.sum(rr * kk * rk, axis=0)
     tl.store(out + i_b * C + c, ((y + bonus * vv) * gg).to(out.dtype.element_ty), mask=m)
 
 
