@@ -163,11 +163,12 @@ def _gemv_tile(acc, ss, w, x_rows, k, k_hi, m_mask, DOT: tl.constexpr, BLOCK_M: 
 
 @triton.jit
 def _store_out(res, out_rows, offs_n, pid_n, o_mask, m_mask, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, r_rows, prod_dt: tl.constexpr):
+               SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, r, prod_dt: tl.constexpr):
     """Write the float32 products `res` [BLOCK_M, BLOCK_N] of the weight rows offs_n. With SWIGLU (the
     rows are gate and up pairs) write silu(gate) * up [BLOCK_M, BLOCK_N / 2] instead, rounded as the
     unfused pair rounds it: both products to the output dtype, silu(gate) to it, the product to it.
-    With RESIDUAL write r + res, res rounded to `prod_dt` (W's dtype) first, the sum to the output dtype."""
+    With RESIDUAL write r + res (r: the residual's tile, loaded, float32), res rounded to `prod_dt`
+    (W's dtype) first, the sum to the output dtype."""
     dt = out_rows.dtype.element_ty
     if SWIGLU:
         gate, up = tl.split(tl.reshape(res, (BLOCK_M, BLOCK_N // 2, 2)))
@@ -177,7 +178,6 @@ def _store_out(res, out_rows, offs_n, pid_n, o_mask, m_mask, N, BLOCK_M: tl.cons
         oj = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         tl.store(out_rows + oj[None, :], y, mask=m_mask[:, None] & (oj < N // 2)[None, :])
     elif RESIDUAL:
-        r = tl.load(r_rows + offs_n[None, :], mask=o_mask, other=0.0).to(tl.float32)
         tl.store(out_rows + offs_n[None, :], (r + res.to(prod_dt).to(tl.float32)).to(dt), mask=o_mask)
     else:
         tl.store(out_rows + offs_n[None, :], res.to(dt), mask=o_mask)
@@ -265,6 +265,13 @@ def _gemv_kernel(
             acc, ss = _gemv_tile(acc, ss, w_b, x_rows, k_b, k_hi, m_mask, DOT, BLOCK_M, DOT_PREC, NORM, z_rows, nw_ptr,
                                  ACT)
         k_start = k_lo + PEEL * BLOCK_K
+    o_mask = m_mask[:, None] & n_mask[None, :]
+    r_rows = r_ptr + offs_m[:, None] * stride_rm
+    r = 0.0
+    if RESIDUAL and SPLIT_K == 1:
+        # why: loaded here, not in the epilogue, so the load overlaps the K loop instead of adding a
+        # memory round trip after it
+        r = tl.load(r_rows + offs_n[None, :], mask=o_mask, other=0.0).to(tl.float32)
     for k0 in tl.range(k_start, k_hi, BLOCK_K, num_stages=LOOP_STAGES):
         k = k0 + offs_k
         k_mask = k < k_hi
@@ -280,16 +287,14 @@ def _gemv_kernel(
         res = tl.sum(acc, axis=2)
     if NORM != 0 and not DOT:
         ss = tl.sum(ss, axis=1)
-    o_mask = m_mask[:, None] & n_mask[None, :]
     out_rows = out_ptr + g * stride_og + offs_m[:, None] * stride_om
-    r_rows = r_ptr + offs_m[:, None] * stride_rm
     prod_dt: tl.constexpr = w_ptr.dtype.element_ty
     if SPLIT_K == 1:
         if NORM != 0:
             res *= tl.rsqrt(ss / K + eps)[:, None]
         if HAS_BIAS:
             res += tl.load(b_ptr + g * stride_bg + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        _store_out(res, out_rows, offs_n, pid_n, o_mask, m_mask, N, BLOCK_M, BLOCK_N, SWIGLU, RESIDUAL, r_rows, prod_dt)
+        _store_out(res, out_rows, offs_n, pid_n, o_mask, m_mask, N, BLOCK_M, BLOCK_N, SWIGLU, RESIDUAL, r, prod_dt)
     else:
         # Partials [SPLIT_K, G, M, N], float32; with NORM then the sums of squares [SPLIT_K, n blocks, M].
         mn = offs_m[:, None] * N + offs_n[None, :]
@@ -317,8 +322,9 @@ def _gemv_kernel(
                 total *= tl.rsqrt(ss_total / K + eps)[:, None]
             if HAS_BIAS:
                 total += tl.load(b_ptr + g * stride_bg + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-            _store_out(total, out_rows, offs_n, pid_n, o_mask, m_mask, N, BLOCK_M, BLOCK_N, SWIGLU, RESIDUAL, r_rows,
-                       prod_dt)
+            if RESIDUAL:
+                r = tl.load(r_rows + offs_n[None, :], mask=o_mask, other=0.0).to(tl.float32)
+            _store_out(total, out_rows, offs_n, pid_n, o_mask, m_mask, N, BLOCK_M, BLOCK_N, SWIGLU, RESIDUAL, r, prod_dt)
 
 
 def _autotune_bench(fn, quantiles):
