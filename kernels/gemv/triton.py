@@ -322,9 +322,11 @@ def _gemv_kernel(
                 total *= tl.rsqrt(ss_total / K + eps)[:, None]
             if HAS_BIAS:
                 total += tl.load(b_ptr + g * stride_bg + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            r_last = r
             if RESIDUAL:
-                r = tl.load(r_rows + offs_n[None, :], mask=o_mask, other=0.0).to(tl.float32)
-            _store_out(total, out_rows, offs_n, pid_n, o_mask, m_mask, N, BLOCK_M, BLOCK_N, SWIGLU, RESIDUAL, r, prod_dt)
+                r_last = tl.load(r_rows + offs_n[None, :], mask=o_mask, other=0.0).to(tl.float32)
+            _store_out(total, out_rows, offs_n, pid_n, o_mask, m_mask, N, BLOCK_M, BLOCK_N, SWIGLU, RESIDUAL, r_last,
+                       prod_dt)
 
 
 def _autotune_bench(fn, quantiles):
