@@ -28,7 +28,7 @@ differentiable, memory-light chunked form that training uses; impl="triton" as t
 - `forward_step(tokens [B], shift, wkv)`: one token per sequence, state updated in place. With
   impl="triton" it runs the fused step (`fused_step`): the same math in 11 kernels per layer
   (kernels.rwkv7_fused around 5 GEMVs and the WKV-7 step) instead of about 60; up to
-  `gemv.MAX_ROWS` sequences the r/k/v + LoRA down-projections run as one `kernels.gemv.select_linear`
+  `SELECT_ROWS` sequences the r/k/v + LoRA down-projections run as one `kernels.gemv.select_linear`
   (each weight row block times its own mixed input), the other GEMVs and the head go through
   `kernels.gemv.linear` (the Triton GEMV where it measured faster than cuBLAS), the FFN's value
   projection through `kernels.gemv.act_linear` with relu^2 in its prologue.
@@ -63,10 +63,12 @@ FAMILY = "rwkv7"
 REF_CHUNK = 64
 # exp(-0.5): the largest per-token decay rate, so exp(w) stays in (0.545, 1).
 W_SCALE = 0.6065306597126334
-# Above gemv.MAX_ROWS sequences the fused step multiplies all six mixed inputs by every
-# down-projection in one GEMM (6B rows) while that is still bound by reading the weights; above this
-# many rows it runs r/k/v as one batched GEMM and the LoRA down-projections as another, so the wasted
-# products do not become the cost.
+# Up to this many sequences the fused step runs the r/k/v and LoRA down-projections as one row-select
+# GEMV (`gemv.select_linear`: each weight row block times its own mixed input).
+SELECT_ROWS = gemv.MAX_ROWS
+# Above SELECT_ROWS it multiplies all six mixed inputs by every down-projection in one GEMM (6B rows)
+# while that is still bound by reading the weights; above this many rows it runs r/k/v as one batched
+# GEMM and the LoRA down-projections as another, so the wasted products do not become the cost.
 CROSS_ROWS = 96
 
 
@@ -249,7 +251,7 @@ class TimeMix(nn.Module):
         # the LoRA down-projections take the mixed inputs from group g0 on: (v,) w, a, g
         g0 = 6 - nb
         offs = [sum(pack.ranks[:j]) for j in range(nb + 1)]
-        if B <= gemv.MAX_ROWS:
+        if B <= SELECT_ROWS:
             # [B, 3C + R]: each row block of the packed weight times its own mixed input, the weights
             # read once (per shape the row-select GEMV or cuBLAS over all six inputs, whichever is faster)
             y = gemv.select_linear(xs, pack.down, pack.down_splits, impl="triton")

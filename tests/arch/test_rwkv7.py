@@ -105,9 +105,12 @@ def test_triton_matches_ref_in_model():
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("cross_rows", [rwkv7.CROSS_ROWS, 0])
-def test_fused_triton_step_matches_ref_step(monkeypatch, cross_rows):
-    """Both GEMM layouts of the fused step: one cross GEMM (small batch) and batched r/k/v + LoRA GEMMs."""
+@pytest.mark.parametrize("select_rows,cross_rows", [(rwkv7.SELECT_ROWS, rwkv7.CROSS_ROWS), (0, rwkv7.CROSS_ROWS), (0, 0)])
+def test_fused_triton_step_matches_ref_step(monkeypatch, select_rows, cross_rows):
+    """The three layouts of the down-projections in the fused step: the row-select GEMV (small batch;
+    its row splits differ between layer 0 and the layers with a value LoRA), one cross GEMM, and
+    batched r/k/v + LoRA GEMMs."""
+    monkeypatch.setattr(rwkv7, "SELECT_ROWS", select_rows)
     monkeypatch.setattr(rwkv7, "CROSS_ROWS", cross_rows)
     ref, tri = tiny_model(seed=9), tiny_model(seed=9)
     x = tokens(3, 12, seed=9)
