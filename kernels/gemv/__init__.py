@@ -149,7 +149,7 @@ def _graph_us(call, weights) -> float:
 def _choose(x2, weight, bias, key, baseline=None, table=_CHOICES, **fused):
     """Time every Triton configuration that fits this shape and F.linear (or `baseline(w)`) the same
     way; keep the fastest. The Triton candidates run with `fused` (`gemv_triton`'s norm= / rms_norm= /
-    act= / swiglu= / residual=)."""
+    act= / swiglu= / residual= / select=)."""
     from kernels.gemv.triton import CONFIGS, config_fits, config_name, gemv_triton, select_align
 
     M, N, K = key[:3]
@@ -347,11 +347,11 @@ def _key(x, weight, bias):
 
 
 def _fused_or_pair(x, weight, bias, key, table, pair, *, timed_pair=None, early_tiles=1, **fused):
-    """The GEMV with `fused` (`gemv_triton`'s norm= / rms_norm= / act= / swiglu= / residual=) or
-    `pair(weight)`, whichever `table` records as faster for `key`. The first call of a key outside
-    capture measures both: the pair as `timed_pair()` (default: `pair`) per weight copy, after one call
-    of it that lets `linear` measure its own shape outside any graph. During capture an unmeasured key
-    runs the pair."""
+    """The GEMV with `fused` (`gemv_triton`'s norm= / rms_norm= / act= / swiglu= / residual= /
+    select=) or `pair(weight)`, whichever `table` records as faster for `key`. The first call of a key
+    outside capture measures both: the pair as `timed_pair()` (default: `pair`) per weight copy, after
+    one call of it that lets `linear` measure its own shape outside any graph. During capture an
+    unmeasured key runs the pair."""
     rec = table.get(key)
     if rec is None:
         if torch.cuda.is_current_stream_capturing():

@@ -51,7 +51,6 @@ with a larger BLOCK_N are not run.
 """
 
 import math
-
 import os
 
 import torch
