@@ -2,6 +2,7 @@
 
     python -m kernels.pdl_check                  # no GPU needed; TRITON_INTERPRET must be unset
     python -m kernels.pdl_check --before DIR     # also compile the pre-PDL sources DIR/<folder>.py
+    python -m kernels.pdl_check --order          # also each PDL kernel's global memory order in SASS
 
 Every kernel that takes the `PDL` constexpr is compiled for `GPUTarget("cuda", 90, 32)` at a decode
 shape (llama-1b / mamba2-1.3b / rwkv7-1.5b sizes, bf16), with PDL False and True, then assembled by
@@ -10,6 +11,12 @@ Triton's bundled ptxas. Per kernel: registers (ptxas -v) with and without PDL, w
 wait in the PTX and in the SASS (for the GEMV: which of them are weight loads, the only ones marked
 evict_first), and, with --before, whether the PDL=False PTX is the pre-PDL kernel's (`.loc` line
 info stripped).
+
+--order prints the PDL compile's global loads, stores, atomics and barriers in SASS order, runs
+collapsed (`LDG x8 WAIT LDG x3 STG BAR x5 STG x7`). A load after a store or a barrier waits a memory
+round trip of its own (the compiler moves no load above a store to another buffer, which might
+alias, nor above a reduction's barrier): in a latency-bound decode kernel every activation load
+should come before the first STG and BAR.
 """
 
 import argparse
@@ -198,10 +205,28 @@ def loads_before_wait(ptx, sass):
     return len(before), len(first), s_before
 
 
+def memory_order(sass):
+    """The global loads (LDG), stores (STG), atomics (ATOM), async copies (LDGSTS), barriers (BAR) and
+    the PDL wait (WAIT: ACQBULK in sm_90 SASS) of `sass` in order, runs collapsed: "LDG x2 WAIT STG"."""
+    ops = []
+    for line in sass.splitlines():
+        m = re.search(r"\b(LDGSTS|LDGDEPBAR|LDG|STG|ATOMG|RED|BAR|ACQBULK)\b", line)
+        if m:
+            ops.append({"ACQBULK": "WAIT", "ATOMG": "ATOM", "LDGDEPBAR": "DEPBAR"}.get(m.group(1), m.group(1)))
+    runs = []
+    for op in ops:
+        if runs and runs[-1][0] == op:
+            runs[-1][1] += 1
+        else:
+            runs.append([op, 1])
+    return " ".join(op if n == 1 else f"{op} x{n}" for op, n in runs)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--before", help="folder of the pre-PDL sources, <kernel folder>.py each (e.g. from git show)")
     ap.add_argument("--only", help="compile only the kernels whose label contains this")
+    ap.add_argument("--order", action="store_true", help="also print each PDL compile's memory order (SASS)")
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("unset TRITON_INTERPRET: the check compiles for sm_90")
@@ -228,6 +253,8 @@ def main():
         lb_s = "no wait" if lb is None else f"{lb[0]} ({lb[1]})"
         sass_s = "?" if lb is None or lb[2] is None else str(lb[2])
         print(f"{label:<34}{off[2]:>5}{on[2]:>7}{off[3] + ' ' + on[3]:>12}  {flags:<16}{lb_s:<34}{sass_s:<22}{same}{before_regs}")
+        if args.order:
+            print(f"    {memory_order(on[1])}")
 
 
 if __name__ == "__main__":

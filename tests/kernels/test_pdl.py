@@ -777,3 +777,22 @@ def test_gpu_write_kv_then_paged_decode_graph(monkeypatch):
     monkeypatch.delenv("DECLAB_PDL")
     for a, b in zip(run(), plain):
         assert same(a, b)
+
+
+def test_pdl_check_memory_order_collapses_runs():
+    from kernels.pdl_check import memory_order
+
+    sass = """
+        /*0010*/                   LDG.E.128 R4, desc[UR4][R2.64] ;
+        /*0020*/                   LDG.E.128 R8, desc[UR4][R2.64+0x10] ;
+        /*0030*/                   ACQBULK ;
+        /*0040*/                   LDG.E.U16 R12, desc[UR4][R6.64] ;
+        /*0050*/                   STG.E.128 desc[UR4][R6.64], R4 ;
+        /*0060*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0070*/                   LDG.E.U16 R13, desc[UR4][R10.64] ;
+        /*0080*/                   ATOMG.E.ADD.STRONG.GPU PT, R3, desc[UR4][R14.64], R5 ;
+        /*0090*/                   STG.E.U16 desc[UR4][R6.64], R13 ;
+        /*00a0*/                   STG.E.U16 desc[UR4][R6.64+0x2], R13 ;
+        /*00b0*/                   EXIT ;
+    """
+    assert memory_order(sass) == "LDG x2 WAIT LDG STG BAR LDG ATOM STG x2"
