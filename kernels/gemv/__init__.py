@@ -98,44 +98,50 @@ def gemv(x, weight, bias=None, *, impl, out=None):
     return gemv_triton(x, weight, bias, out=out)
 
 
+def _records(table) -> dict:
+    """A choice table as the `*_choices()` functions return it: keys without the device index (the
+    sixth field), records without the config object (its name stays)."""
+    return {key[:5] + key[6:]: {k: v for k, v in rec.items() if k != "config"} for key, rec in table.items()}
+
+
 def choices() -> dict:
     """`linear`'s choice per shape so far: {(M, N, K, dtype, has_bias): record} (device index dropped;
     the record's config as its name)."""
-    return {key[:5]: {k: v for k, v in rec.items() if k != "config"} for key, rec in _CHOICES.items()}
+    return _records(_CHOICES)
 
 
 def norm_choices() -> dict:
     """`gated_norm_linear`'s choice per shape so far, as `choices()` ("torch": the unfused pair)."""
-    return {key[:5]: {k: v for k, v in rec.items() if k != "config"} for key, rec in _NORM_CHOICES.items()}
+    return _records(_NORM_CHOICES)
 
 
 def act_choices() -> dict:
     """`act_linear`'s choice per (M, N, K, dtype, has_bias, act) so far, as `choices()` ("torch": the
     activation kernel + `linear`)."""
-    return {key[:5] + key[6:]: {k: v for k, v in rec.items() if k != "config"} for key, rec in _ACT_CHOICES.items()}
+    return _records(_ACT_CHOICES)
 
 
 def swiglu_choices() -> dict:
     """`swiglu_linear`'s choice per shape so far, as `choices()` ("torch": `linear` + the SwiGLU kernel)."""
-    return {key[:5]: {k: v for k, v in rec.items() if k != "config"} for key, rec in _SWIGLU_CHOICES.items()}
+    return _records(_SWIGLU_CHOICES)
 
 
 def rms_choices() -> dict:
     """`rms_norm_linear`'s choice per (M, N, K, dtype, has_bias, swiglu) so far, as `choices()`
     ("torch": the norm kernel + `linear` or `swiglu_linear`)."""
-    return {key[:5] + key[6:]: {k: v for k, v in rec.items() if k != "config"} for key, rec in _RMS_CHOICES.items()}
+    return _records(_RMS_CHOICES)
 
 
 def residual_choices() -> dict:
     """`linear_residual`'s choice per (M, N, K, dtype, has_bias, residual dtype) so far, as `choices()`
     ("torch": `linear` + the add)."""
-    return {key[:5] + key[6:]: {k: v for k, v in rec.items() if k != "config"} for key, rec in _RESIDUAL_CHOICES.items()}
+    return _records(_RESIDUAL_CHOICES)
 
 
 def select_choices() -> dict:
     """`select_linear`'s choice per (M, N, K, dtype, has_bias, row_splits) so far, as `choices()`
     ("torch": F.linear of every input + the gather of the column blocks)."""
-    return {key[:5] + key[6:]: {k: v for k, v in rec.items() if k != "config"} for key, rec in _SELECT_CHOICES.items()}
+    return _records(_SELECT_CHOICES)
 
 
 def _graph_us(call, weights) -> float:
@@ -266,16 +272,23 @@ def linear_residual(x, weight, residual, bias=None, *, impl, early_tiles=1):
     return _fused_or_pair(x, weight, bias, key, _RESIDUAL_CHOICES, pair, early_tiles=early_tiles, residual=residual)
 
 
+def check_row_splits(x, weight, row_splits, caller="select_linear") -> tuple:
+    """row_splits as a tuple of ints, checked against x `[S, M, K]` and weight `[N, K]`: S + 1 split
+    points rising from 0 to N (ValueError naming `caller` otherwise)."""
+    splits = tuple(int(v) for v in row_splits)
+    if (x.dim() != 3 or weight.dim() != 2 or x.shape[-1] != weight.shape[-1] or len(splits) != x.shape[0] + 1
+            or splits[0] != 0 or splits[-1] != weight.shape[0] or any(b < a for a, b in zip(splits, splits[1:]))):
+        raise ValueError(f"{caller}: needs x [S, M, K], weight [N, K] and S + 1 row splits rising from 0 to N, "
+                         f"got {tuple(x.shape)}, {tuple(weight.shape)} and {splits}")
+    return splits
+
+
 def select_linear(x, weight, row_splits, bias=None, *, impl):
     """x `[S, M, K]`, weight `[N, K]` (bias `[N]`), row_splits S + 1 ints rising from 0 to N -> `[M, N]`
     whose columns row_splits[i]:row_splits[i + 1] are F.linear(x[i], those weight rows, bias). See the
     module docstring."""
     check_impl(impl)
-    splits = tuple(int(v) for v in row_splits)
-    if (x.dim() != 3 or weight.dim() != 2 or x.shape[-1] != weight.shape[-1] or len(splits) != x.shape[0] + 1
-            or splits[0] != 0 or splits[-1] != weight.shape[0] or any(b < a for a, b in zip(splits, splits[1:]))):
-        raise ValueError(f"select_linear: needs x [S, M, K], weight [N, K] and S + 1 row splits rising from 0 to N, "
-                         f"got {tuple(x.shape)}, {tuple(weight.shape)} and {splits}")
+    splits = check_row_splits(x, weight, row_splits)
     S, M, K = x.shape
     blocks = list(zip(splits, splits[1:]))
     if not (_fusable(x[0], weight, bias, impl) and x.stride(-1) == 1):

@@ -58,6 +58,7 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
+from kernels.gemv import check_row_splits
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -421,12 +422,7 @@ def select_align(row_splits) -> int:
 def _check_select(x, weight, row_splits):
     """The row table of a SELECT launch, checked: x [S, M, K], weight [N, K], row_splits S + 1 ints
     rising from 0 to N."""
-    if x.dim() != 3 or weight.dim() != 2:
-        raise ValueError(f"gemv: select takes x [S, M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
-    splits = tuple(int(v) for v in row_splits)
-    if (len(splits) != x.shape[0] + 1 or splits[0] != 0 or splits[-1] != weight.shape[0]
-            or any(b < a for a, b in zip(splits, splits[1:]))):
-        raise ValueError(f"gemv: select needs {x.shape[0] + 1} row splits rising from 0 to {weight.shape[0]}, got {splits}")
+    splits = check_row_splits(x, weight, row_splits, caller="gemv")
     key = (splits, str(x.device))
     if key not in _select_tables:
         sizes = torch.tensor([b - a for a, b in zip(splits, splits[1:])])

@@ -688,7 +688,7 @@ def test_gemv_select_default_config_and_refusals():
         gemv_triton(x, w, select=(0, 16, 8, 40))
     with pytest.raises(ValueError, match="no norm"):
         gemv_triton(x, w, select=(0, 8, 8, 40), act="sqrelu")
-    with pytest.raises(ValueError, match="select takes x"):
+    with pytest.raises(ValueError, match="gemv: needs x"):
         gemv_triton(x[0], w, select=(0, 40))
     with pytest.raises(ValueError, match="select_linear: needs"):
         G_.select_linear(x, w, (0, 8, 40), impl="ref")
