@@ -25,9 +25,10 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping):
     """
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    # Viewed flat, slot s is row s of [num_blocks * block_size, Hkv, D].
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep].to(k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
+    block_size = k_cache.shape[1]
+    # Indexed, not viewed flat: the caches may be any strided view (a head-major pool).
+    k_cache[slots // block_size, slots % block_size] = k[keep].to(k_cache.dtype)
+    v_cache[slots // block_size, slots % block_size] = v[keep].to(v_cache.dtype)
 
 
 def gather_kv(k_cache, v_cache, block_table, seq_len):

@@ -31,11 +31,13 @@ def rel_rms(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def make_cache(seq_lens, page, num_kv_heads, head_dim, *, shuffle=True, dtype=DTYPE, seed=0):
+def make_cache(seq_lens, page, num_kv_heads, head_dim, *, shuffle=True, dtype=DTYPE, seed=0, head_major=False):
     """Random paged caches holding `seq_lens` positions, their block tables, and NaN everywhere else.
 
     Pages are handed out in a random order when `shuffle`; unused block-table entries point at
-    random pages (whose unused rows are NaN), as a real allocator may leave them.
+    random pages (whose unused rows are NaN), as a real allocator may leave them. `head_major`: the
+    same values stored `[num_blocks, Hkv, page, D]` and seen through the kernels' layout, as
+    `decoders.kv_cache.PagedKVCache` stores them.
     """
     gen = torch.Generator().manual_seed(seed)
     pages_per_seq = [-(-n // page) for n in seq_lens]
@@ -55,12 +57,17 @@ def make_cache(seq_lens, page, num_kv_heads, head_dim, *, shuffle=True, dtype=DT
         k_cache[ids[pos // page], pos % page] = torch.randn(n, num_kv_heads, head_dim, generator=gen)
         v_cache[ids[pos // page], pos % page] = torch.randn(n, num_kv_heads, head_dim, generator=gen)
     seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
-    return (k_cache.to(DEVICE, dtype), v_cache.to(DEVICE, dtype), block_tables.to(DEVICE), seq_lens.to(DEVICE))
+    k_cache, v_cache = k_cache.to(DEVICE, dtype), v_cache.to(DEVICE, dtype)
+    if head_major:
+        k_cache, v_cache = (c.transpose(1, 2).contiguous().transpose(1, 2) for c in (k_cache, v_cache))
+        assert k_cache.stride(2) == page * head_dim
+    return k_cache, v_cache, block_tables.to(DEVICE), seq_lens.to(DEVICE)
 
 
 def run_decode(seq_lens, page, group, num_kv_heads, head_dim, *, shuffle=True, num_splits=None, tol=TOL,
-               variant="split"):
-    k_cache, v_cache, block_tables, lens = make_cache(seq_lens, page, num_kv_heads, head_dim, shuffle=shuffle)
+               variant="split", head_major=False):
+    k_cache, v_cache, block_tables, lens = make_cache(seq_lens, page, num_kv_heads, head_dim, shuffle=shuffle,
+                                                      head_major=head_major)
     q = torch.randn(len(seq_lens), group * num_kv_heads, head_dim, device=DEVICE).to(DTYPE)
     scale = head_dim**-0.5
     want = pa.paged_decode_attention(q, k_cache, v_cache, block_tables, lens, scale, impl="ref")
@@ -77,8 +84,9 @@ def run_decode(seq_lens, page, group, num_kv_heads, head_dim, *, shuffle=True, n
     assert rel_rms(got, want) < tol
 
 
-def run_prefill(q_lens, seq_lens, page, group, num_kv_heads, head_dim, causal, *, tol=TOL, num_splits=None):
-    k_cache, v_cache, block_tables, lens = make_cache(seq_lens, page, num_kv_heads, head_dim)
+def run_prefill(q_lens, seq_lens, page, group, num_kv_heads, head_dim, causal, *, tol=TOL, num_splits=None,
+                head_major=False):
+    k_cache, v_cache, block_tables, lens = make_cache(seq_lens, page, num_kv_heads, head_dim, head_major=head_major)
     cu = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32).to(DEVICE)
     q = torch.randn(sum(q_lens), group * num_kv_heads, head_dim, device=DEVICE).to(DTYPE)
     scale = head_dim**-0.5
@@ -159,9 +167,10 @@ def rope_tables(max_pos, head_dim):
     return ang.cos().float().to(DEVICE), ang.sin().float().to(DEVICE)
 
 
-def run_decode_rope(seq_lens, page, group, num_kv_heads, head_dim, *, num_splits=None, variant="split", tol=TOL):
+def run_decode_rope(seq_lens, page, group, num_kv_heads, head_dim, *, num_splits=None, variant="split", tol=TOL,
+                    head_major=False):
     """Decode with the step's RoPE and cache write folded in, against the reference doing them first."""
-    k_cache, v_cache, block_tables, lens = make_cache(seq_lens, page, num_kv_heads, head_dim)
+    k_cache, v_cache, block_tables, lens = make_cache(seq_lens, page, num_kv_heads, head_dim, head_major=head_major)
     # The step's own row (position seq_len - 1) is not in the cache yet: NaN there until written.
     for b, n in enumerate(seq_lens):
         if n:
@@ -212,6 +221,28 @@ def test_decode_rope_bad_shapes_are_an_error():
         pa.paged_decode_attention(q, k_cache, v_cache, block_tables, lens, 0.1, impl="triton", rope=(k[:, :1], k, cos, sin))
     with pytest.raises(ValueError, match="rope tables"):
         pa.paged_decode_attention(q, k_cache, v_cache, block_tables, lens, 0.1, impl="triton", rope=(k, k, cos.double(), sin))
+
+
+@pytest.mark.parametrize("variant", ["split", "long", "onetile"])
+def test_head_major_caches_match_ref(variant):
+    # The decoders' storage order: every kernel reads the caches through their strides.
+    run_decode([300, 1, 17], 16, 4, 2, 64, num_splits=7, variant=variant, head_major=True)
+    run_decode_rope([17, 300], 16, 2, 2, 80, num_splits=3, variant=variant, head_major=True)
+    run_prefill([17, 1, 100], [17, 40, 300], 16, 4, 2, 64, causal=True, head_major=True)
+    run_prefill([32], [300], 16, 4, 2, 64, causal=False, num_splits=3, head_major=True)
+
+
+def test_write_kv_head_major_cache():
+    k_cache, v_cache, _, _ = make_cache([40], 16, 2, 64, head_major=True)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    slots = torch.tensor([3, -1, 17, 40], device=DEVICE)
+    k = torch.randn(4, 2, 64, device=DEVICE).to(DTYPE)
+    v = torch.randn_like(k)
+    pa.write_kv(k, v, k_ref, v_ref, slots, impl="ref")
+    pa.write_kv(k, v, k_cache, v_cache, slots, impl="triton")
+    torch.testing.assert_close(k_cache, k_ref, equal_nan=True, rtol=0, atol=0)
+    torch.testing.assert_close(v_cache, v_ref, equal_nan=True, rtol=0, atol=0)
+    assert torch.equal(k_cache[2, 8], k[3]) and torch.equal(v_cache[0, 3], v[0])
 
 
 def test_decode_unknown_variant_is_an_error():
