@@ -4,8 +4,8 @@ Split as in vLLM v1:
 
 - `BlockPool` is host-side bookkeeping: a free queue of block ids and a reference count per
   block. Blocks are shared between sequences that forked from a common prefix.
-- `PagedKVCache` owns the device tensors `k`, `v` `[L, num_blocks, block_size, Hkv, D]` (views of
-  head-major storage) and a block list per sequence. Sequences grow (`append`), reserve room ahead (`reserve`, so that decode
+- `PagedKVCache` owns the device tensors `k`, `v` `[L, num_blocks, block_size, Hkv, D]` and a
+  block list per sequence. Sequences grow (`append`), reserve room ahead (`reserve`, so that decode
   steps never touch the host), fork (the new sequence shares every block; a shared, partly filled
   last block is copied before either side writes into it: copy-on-write at block granularity) and
   free their blocks. Block tables and slot mappings come out as device tensors.
@@ -77,13 +77,9 @@ class PagedKVCache:
         if num_blocks is None:
             num_blocks = memory_bytes // self.bytes_per_block
         self.pool = BlockPool(num_blocks)
-        # Head-major storage [L, num_blocks, Hkv, block_size, D], seen through the kernels' layout
-        # [L, num_blocks, block_size, Hkv, D] (they take any strides): a decode program reads one kv
-        # head, so each page holds its rows as one contiguous run of block_size * D elements instead
-        # of D-element pieces Hkv * D apart (kernels/paged_attention/README.md, "Cache layout").
-        shape = (num_layers, num_blocks, num_kv_heads, block_size, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device).transpose(2, 3)
-        self.v = torch.zeros(shape, dtype=dtype, device=device).transpose(2, 3)
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.blocks: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}
         self._next_id = 0
