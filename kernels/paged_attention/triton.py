@@ -9,11 +9,10 @@ Decode is CUDA-graph safe: the grid depends only on host integers (batch, heads,
 count fixed in a `DecodeWorkspace`), the per-sequence split length is computed on the device from
 `seq_lens`, and no call reads a device value on the host.
 
-PDL (`kernels.pdl`): the KV write and the decode kernel take a `PDL` constexpr and are launched with
-launch_pdl; every program calls gdc_launch_dependents() and gdc_wait() before its first load (the
-slot mapping, seq_lens, block tables, the cache and q may all come from earlier kernels), so the
-split-K counters and partials are only touched after the previous kernel has finished. Prefill is
-launched as before.
+PDL (`kernels.pdl`): the KV write takes a `PDL` constexpr and is launched with launch_pdl; every
+program calls gdc_launch_dependents() and gdc_wait() before its first load. The decode kernel is
+launched without PDL: with it, a graphed llama-1b step was 4% slower at 128k (README.md, performance
+log #15). Prefill is launched as before.
 
 Decode with ROPE (constexpr; `paged_decode_attention(..., rope=(k, v, cos, sin))`) also rotates q
 and the step's k at position seq_len - 1 and writes the rotated k and v into the cache: the split
@@ -230,13 +229,10 @@ def _decode_split_kernel(
     num_splits,
     G: tl.constexpr, G_PAD: tl.constexpr, G_R: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
-    S_PAD: tl.constexpr, FLAT_MERGE: tl.constexpr, EARLY_V: tl.constexpr, PDL: tl.constexpr = False,
+    S_PAD: tl.constexpr, FLAT_MERGE: tl.constexpr, EARLY_V: tl.constexpr,
     kn_ptr=None, vn_ptr=None, cos_ptr=None, sin_ptr=None, stride_knb=0, stride_knh=0, stride_vnb=0, stride_vnh=0,
     stride_cos=0, ROPE: tl.constexpr = False,
 ):
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
     split = tl.program_id(0)
     hk = tl.program_id(1)
     b = tl.program_id(2)
@@ -447,7 +443,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *
         rope_args = dict(kn_ptr=k_new, vn_ptr=v_new, cos_ptr=cos, sin_ptr=sin, stride_knb=k_new.stride(0),
                          stride_knh=k_new.stride(1), stride_vnb=v_new.stride(0), stride_vnh=v_new.stride(1),
                          stride_cos=cos.stride(0), ROPE=True)
-    use_pdl = pdl(q.device)
+    # Launched without PDL (module docstring).
     _decode_split_kernel[(splits, num_kv_heads, batch)](
         q, k_cache, v_cache, block_tables, seq_lens, lse, part, cnt, out,
         scale * LOG2E,
@@ -464,7 +460,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *
         CHUNK=min(chunk, s_pad) if spec.flat_merge else chunk,
         # S_PAD only shapes the flat merge; fixed otherwise so the default compiles once for all split counts.
         S_PAD=s_pad if spec.flat_merge else 1, FLAT_MERGE=spec.flat_merge,
-        EARLY_V=spec.early_v, PDL=use_pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=use_pdl,
+        EARLY_V=spec.early_v, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **rope_args,
     )
     return out

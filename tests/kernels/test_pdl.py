@@ -373,22 +373,6 @@ def _paged_inputs(seq_lens, page, num_kv_heads, head_dim, seed=0):
 
 
 @interpreter_only
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_paged_decode_pdl_path(monkeypatch, num_splits):
-    pa = kmod("paged_attention")
-
-    def make():
-        k_cache, v_cache, tables, lens = _paged_inputs([40, 1, 75], 16, 2, 16)
-        q = randn(3, 4, 16, seed=1)
-        ws = pa.decode_workspace(3, 4, 2, 16, 80, DEVICE, num_splits=num_splits)
-        out = torch.empty(3, 4, 16)
-        run = lambda: [pa.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.25, out=out, workspace=ws)]  # noqa: E731
-        return run, (q, k_cache, v_cache, tables, lens, out, ws.lse, ws.partial, ws.counters)
-
-    run_pdl(monkeypatch, "paged_attention", make)
-
-
-@interpreter_only
 def test_write_kv_pdl_path(monkeypatch):
     pa = kmod("paged_attention")
 
