@@ -5,9 +5,10 @@
 Measures the copy-bandwidth ceiling, then write_kv (Triton vs index_copy_), decode (contexts 4k,
 32k, 128k x batch 1, 16, 64 x head dim 64 and 128, Hq=32, Hkv=8, pages 16 and 128; SDPA and
 compiled FlexAttention over contiguous K/V as peers) and causal prefill (4k, 16k, 32k tokens,
-batch 1, D=128, beside SDPA's flash backend), then small tile/split sweeps and the batch-1 decode
-variants ("long", "onetile") and the two page storage orders (token- and head-major) while time remains. `--sections decode,variants --decode-batches 1` runs
-only the batch-1 decode points and the variants (about 40 s).
+batch 1, D=128, beside SDPA's flash backend), then small tile/split sweeps, the batch-1 decode
+variants ("long", "onetile") and the two page storage orders (token- and head-major) while time
+remains. `--sections decode,variants --decode-batches 1` runs only the batch-1 decode points and the
+variants (about 40 s).
 write_kv and decode are timed per call inside a CUDA graph of 16 calls (one per simulated layer)
 over distinct caches, so graph launch is amortised as in a decode step and small caches are not
 served from L2; the method is recorded in each record. Finishes in about 2 minutes.
