@@ -3,12 +3,13 @@
     python scripts/attention_timeline.py OUT.jsonl [--model llama-1b] [--ctx 4096,32768]
 
 A copy of `kernels/paged_attention/triton.py` is patched to read `%globaltimer` in every program at
-six points (start, after gdc_wait, after the seq_len load, after the K/V loop, after the split-K
-ticket, after the merge's store) and store them per layer; the decoder's decode calls are routed to
+six points (start, start again where the kernel waited on the previous one until it stopped using
+PDL, after the seq_len load, after the K/V loop, after the split-K ticket, after the merge's store)
+and store them per layer; the decoder's decode calls are routed to
 that copy, a few steps run from the CUDA graph, and the stamps of the last replay are summarised
-in ns from the moment the wait returned (the minimum over programs of the second stamp), as medians
-over layers 1.. (layer 0 follows the embedding, not a GEMV). `prev_t5_to_t1` is the time from a
-layer's merge to the next layer's wait: the GEMVs and norms in between. The patch asserts that it
+in ns from the first program's second stamp, as medians over layers 1.. (layer 0 follows the
+embedding, not a GEMV). `prev_t5_to_t1` is the time from a layer's merge to the next layer's first
+program: the GEMVs and norms in between. The patch asserts that it
 applied, so a changed kernel fails here instead of giving no stamps. Results of one run are in
 results/step_ab.jsonl (the records with `median_ns`).
 """
@@ -43,23 +44,19 @@ def patched_source():
     src = SOURCE.read_text()
     src = _replace(src, "    stride_cos=0, ROPE: tl.constexpr = False,\n):",
                    "    stride_cos=0, ROPE: tl.constexpr = False, probe_ptr=None, probe_layer=0,\n):")
-    src = _replace(src, """    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+    src = _replace(src, """):
     split = tl.program_id(0)
     hk = tl.program_id(1)
     b = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-""", f"""    split = tl.program_id(0)
+""", f"""):
+    split = tl.program_id(0)
     hk = tl.program_id(1)
     b = tl.program_id(2)
     pidx = (b * tl.num_programs(1) + hk) * tl.num_programs(0) + split
     nprog = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
     pbase = probe_ptr + probe_layer * 6 * nprog + pidx
     t0 = {STAMP}
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
     t1 = {STAMP}
     seq_len = tl.load(seq_lens_ptr + b)
     t2 = {STAMP} + seq_len.to(tl.int64) * 0
