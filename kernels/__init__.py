@@ -4,10 +4,13 @@
 will actually run. It is called once per model load; the result is logged and recorded in every
 benchmark record. There is no silent fallback: asking for Triton where it cannot run is an error.
 
-`pdl(device)` says whether the Triton kernels of a decode step launch with programmatic dependent
-launch (PDL, `launch_pdl=True` plus the `PDL` constexpr of each kernel): True only on a CUDA device
+`pdl(device, kernel)` says whether the Triton kernels of a decode step launch with programmatic
+dependent launch (PDL, `launch_pdl=True` plus the `PDL` constexpr of each kernel; every kernel of a
+step but the paged decode attention, which measured faster without it): True only on a CUDA device
 of compute capability >= 9.0 (Hopper), outside the interpreter (TRITON_INTERPRET != "1"), and
 unless the environment variable DECLAB_PDL is "0" (the switch for users and benchmarks; default on).
+DECLAB_PDL_OFF, a comma list of kernel folders (`PDL_KERNELS`, e.g. "ssd,mamba2_norm"), turns it off
+for those kernels only, for per-kernel A/B runs; each launch site passes its module's `__name__`.
 Under PDL a kernel may start while the one before it on the stream is still running: every program
 calls `gdc_launch_dependents()` at its start (the next PDL kernel may then launch) and
 `gdc_wait()` (griddepcontrol.wait: the previous grid has completed and its memory is visible)
@@ -31,6 +34,8 @@ import torch
 log = logging.getLogger("declab.kernels")
 
 IMPLS = ("auto", "triton", "ref")
+# Kernel folders whose Triton launches follow `pdl`.
+PDL_KERNELS = ("gemv", "rmsnorm", "rotary", "swiglu", "mamba2_norm", "rwkv7_fused", "paged_attention", "ssd", "wkv7")
 
 
 def triton_available(device: torch.device | str | None = None) -> bool:
@@ -50,11 +55,14 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-def pdl(device: torch.device | str | int | None = None) -> bool:
+def pdl(device: torch.device | str | int | None = None, kernel: str | None = None) -> bool:
     """Whether kernels launched for tensors on `device` use programmatic dependent launch (see the
-    module docstring): a CUDA device of compute capability >= 9, TRITON_INTERPRET != "1" and
-    DECLAB_PDL != "0". `device` None means the current CUDA device (False without one)."""
+    module docstring): a CUDA device of compute capability >= 9, TRITON_INTERPRET != "1",
+    DECLAB_PDL != "0", and `kernel` (a module name under kernels/, e.g. "kernels.ssd.triton") not in
+    DECLAB_PDL_OFF. `device` None means the current CUDA device (False without one)."""
     if os.environ.get("DECLAB_PDL") == "0" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    if kernel is not None and kernel.split(".")[1] in pdl_off():
         return False
     if device is None:
         if not torch.cuda.is_available():
@@ -68,6 +76,15 @@ def pdl(device: torch.device | str | int | None = None) -> bool:
             return False
         index = device.index if device.index is not None else torch.cuda.current_device()
     return _capability(index)[0] >= 9
+
+
+def pdl_off() -> tuple[str, ...]:
+    """The kernel folders DECLAB_PDL_OFF names; ValueError for a name that is not in PDL_KERNELS."""
+    names = tuple(x.strip() for x in os.environ.get("DECLAB_PDL_OFF", "").split(",") if x.strip())
+    unknown = [x for x in names if x not in PDL_KERNELS]
+    if unknown:
+        raise ValueError(f"DECLAB_PDL_OFF names {unknown}, not among the PDL kernels {', '.join(PDL_KERNELS)}")
+    return names
 
 
 def check_impl(impl: str) -> None:

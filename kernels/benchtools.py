@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from kernels import pdl
+from kernels import pdl, pdl_off
 
 
 def time_samples_ms(fn, *, warmup: int = 10, iters: int = 50, graph: bool = False) -> list[float]:
@@ -119,6 +119,7 @@ def environment(device) -> dict:
         "triton": triton_version,
         "python": sys.version.split()[0],
         "pdl": pdl(device),
+        **({"pdl_off": list(pdl_off())} if pdl_off() else {}),
         "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
     }
 

@@ -540,7 +540,7 @@ def gemv_triton(x, weight, bias=None, *, out=None, config=None, norm=None, rms_n
             M, N, K, G,
             stride_xg, x.stride(-2), gs(weight), weight.stride(-2), gs(bias) if has_bias else 0, gs(out), out.stride(-2),
             *norm_args, residual if residual is not None else x, residual.stride(0) if residual is not None else 0, sel)
-    use_pdl = pdl(x.device)
+    use_pdl = pdl(x.device, __name__)
     consts = dict(M_POW2=_m_pow2(M), HAS_BIAS=has_bias, DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
                   PDL=use_pdl, PDL_TILES=early_tiles, NORM=1 if norm is not None else 2 if rms_norm is not None else 0,
                   ACT=ACTS.get(act, 0), SWIGLU=swiglu, RESIDUAL=residual is not None, SELECT=align)

@@ -62,7 +62,7 @@ def _add_rmsnorm(x, tokens, residual, weight, eps):
     r = torch.empty(Bsz, D, device=x.device, dtype=torch.float32)
     res = residual if residual is not None else r
     block = triton.next_power_of_2(D)
-    use_pdl = pdl(x.device)
+    use_pdl = pdl(x.device, __name__)
     _add_rmsnorm_kernel[(Bsz,)](
         x, tokens if tokens is not None else r, res, weight, out, r,
         *x.stride(), *res.stride(), *out.stride(), *r.stride(),
@@ -118,7 +118,7 @@ def gated_rmsnorm(y, z, weight, group_size, eps):
                          f"group_size {group_size}")
     out = torch.empty(Bsz, D, device=y.device, dtype=torch.promote_types(weight.dtype, y.dtype))
     block = triton.next_power_of_2(group_size)
-    use_pdl = pdl(y.device)
+    use_pdl = pdl(y.device, __name__)
     _gated_rmsnorm_kernel[(Bsz, D // group_size)](
         y, z, weight, out, *y.stride(), *z.stride(), *out.stride(), group_size, eps,
         BLOCK=block, PDL=use_pdl, num_warps=_num_warps(block), launch_pdl=use_pdl,

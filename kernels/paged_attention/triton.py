@@ -204,7 +204,7 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping):
         raise ValueError("write_kv: k and v need a contiguous last dimension")
     if n == 0:
         return
-    use_pdl = pdl(k.device)
+    use_pdl = pdl(k.device, __name__)
     _write_kv_kernel[(n,)](
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),

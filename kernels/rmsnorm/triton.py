@@ -61,7 +61,7 @@ def add_rms_norm_triton(x, residual, weight, eps, *, out=None):
     # About 8 elements a thread: 8 warps for a 2048-wide row.
     warps = min(16, max(1, block // 256))
     has_res = residual is not None
-    use_pdl = pdl(x.device)
+    use_pdl = pdl(x.device, __name__)
     _add_rms_norm_kernel[(N,)](
         x, residual if has_res else x, weight, out, new_res,
         d, eps,

@@ -86,7 +86,7 @@ def _launch(q, k, q_out, k_out, positions, cos, sin, v=None, k_cache=None, v_cac
     write = k_cache is not None
     # Without the cache write its pointers and strides are unused: q stands in for them.
     v, k_cache, v_cache, slot_mapping = (v, k_cache, v_cache, slot_mapping) if write else (q, q.unsqueeze(0), q.unsqueeze(0), positions)
-    use_pdl = pdl(q.device)
+    use_pdl = pdl(q.device, __name__)
     _rotary_kernel[(N,)](
         q, k, q_out, k_out, positions, cos, sin,
         v, k_cache, v_cache, slot_mapping,

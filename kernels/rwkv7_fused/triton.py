@@ -109,7 +109,7 @@ def add_norm_shift_triton(x, delta, weight, bias, prev=None, mixes=None, *, eps,
     elif out.shape != shape or not out.is_contiguous():
         raise ValueError(f"rwkv7_fused: out must be contiguous {list(shape)}, got {tuple(out.shape)}")
     BC = triton.next_power_of_2(C)
-    use_pdl = pdl(x.device)
+    use_pdl = pdl(x.device, __name__)
     _add_norm_shift_kernel[(B,)](
         x, x if delta is None else delta, weight, weight if bias is None else bias,
         x if prev is None else prev, weight if mixes is None else mixes, out,
@@ -184,7 +184,7 @@ def lora_hidden_triton(blocks, acts, *, out=None):
     p = list(blocks) + [blocks[0]] * (4 - NB)
     codes = [ACTS.index(a) for a in acts] + [0] * (4 - NB)
     o3 = offs[3] if NB == 4 else D
-    use_pdl = pdl(out.device)
+    use_pdl = pdl(out.device, __name__)
     _lora_hidden_kernel[(B,)](
         *p, out, *(t.stride(0) for t in p), B, offs[1], offs[2], o3, D,
         NB=NB, A0=codes[0], A1=codes[1], A2=codes[2], A3=codes[3], BD=triton.next_power_of_2(D), PDL=use_pdl,
@@ -260,7 +260,7 @@ def time_mix_inputs_triton(r, k, v, u, bias_w, bias_a, bias_v, k_k, k_a, v_first
     # u's row blocks: (v, w, a, g), or (w, a, g) without a value LoRA
     jw = 1 if v_first is not None else 0
     u_v, u_w, u_a = u[:B], u[jw * B : (jw + 1) * B], u[(jw + 1) * B : (jw + 2) * B]
-    use_pdl = pdl(r.device)
+    use_pdl = pdl(r.device, __name__)
     _time_mix_inputs_kernel[(H, B)](
         r, k, v, u_v, u_w, u_a, bias_w, bias_a, bias_w if bias_v is None else bias_v, k_k, k_a,
         r if v_first is None else v_first, x, w,
@@ -320,7 +320,7 @@ def gate_output_triton(o, r, k, v, g, r_k, norm_weight, norm_bias, *, eps, out=N
     elif out.shape != (B, C) or not out.is_contiguous():
         raise ValueError(f"rwkv7_fused: out must be contiguous [{B}, {C}], got {tuple(out.shape)}")
     BD = triton.next_power_of_2(D)
-    use_pdl = pdl(o.device)
+    use_pdl = pdl(o.device, __name__)
     _gate_output_kernel[(H, B)](
         o, r, k, v, g, r_k, norm_weight, norm_bias, out,
         o.stride(0), r.stride(0), g.stride(0), C, D, eps,
@@ -345,7 +345,7 @@ def sqrelu_triton(x):
     if not x.is_contiguous():
         raise ValueError("rwkv7_fused: sqrelu needs a contiguous tensor")
     BLOCK = 1024
-    use_pdl = pdl(x.device)
+    use_pdl = pdl(x.device, __name__)
     _sqrelu_kernel[(triton.cdiv(x.numel(), BLOCK),)](x, x.numel(), BLOCK=BLOCK, PDL=use_pdl, num_warps=4,
                                                      launch_pdl=use_pdl)
     return x

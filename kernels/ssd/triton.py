@@ -537,7 +537,7 @@ def mamba2_decode_step(xBC, dt, conv_state, conv_weight, conv_bias, ssm_state, A
     has_limit = tuple(dt_limit) != DEFAULT_DT_LIMIT
     block_p = block_p or decode_block_p(P)
     block_n = triton.next_power_of_2(N)
-    use_pdl = pdl(xBC.device)
+    use_pdl = pdl(xBC.device, __name__)
     _decode_step_kernel[(Bsz, H, triton.cdiv(P, block_p))](
         xBC, dt, conv_state, conv_weight, conv_bias if conv_bias is not None else conv_weight, ssm_state,
         A, D, dt_bias, zz, out, _semaphore(xBC.device, Bsz * G),

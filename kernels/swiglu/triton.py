@@ -37,7 +37,7 @@ def silu_mul_triton(gate_up, *, out=None):
     if out.shape != (N, I) or out.stride(-1) != 1:
         raise ValueError("silu_mul: out must be [N, I] with a contiguous last dimension")
     if N:
-        use_pdl = pdl(gate_up.device)
+        use_pdl = pdl(gate_up.device, __name__)
         _silu_mul_kernel[(N, triton.cdiv(I, BLOCK))](gate_up, out, I, gate_up.stride(0), out.stride(0), BLOCK=BLOCK,
                                                      PDL=use_pdl, num_warps=4, launch_pdl=use_pdl)
     return out

@@ -124,7 +124,7 @@ def wkv7_step_triton(r, w, k, v, a, b, state, *, scale=1.0, out=None, block_v=No
     BK = triton.next_power_of_2(K)
     BV = block_v or _step_block_v(V)
     grid = (triton.cdiv(V, BV), H, B)
-    use_pdl = pdl(r.device)
+    use_pdl = pdl(r.device, __name__)
     _step_kernel[grid](
         r, w, k, v, a, b, state, out,
         r.stride(0), r.stride(1), v.stride(0), v.stride(1),

@@ -12,6 +12,8 @@ PDL-off launch bit for bit.
 
 import importlib
 import os
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,7 +24,7 @@ import kernels
 GPU = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if GPU else "cpu"
-MODULES = ("gemv", "rmsnorm", "rotary", "swiglu", "mamba2_norm", "rwkv7_fused", "paged_attention", "ssd", "wkv7")
+MODULES = kernels.PDL_KERNELS
 
 interpreter_only = pytest.mark.skipif(not INTERPRET, reason="stubs griddepcontrol, which only the interpreter allows")
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
@@ -72,6 +74,24 @@ def test_pdl_needs_hopper_no_interpreter_and_no_opt_out(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert not kernels.pdl("cuda")
     assert not kernels.pdl("cpu")
+    monkeypatch.delenv("TRITON_INTERPRET")
+    # DECLAB_PDL_OFF: off for the named kernel folders only
+    monkeypatch.setenv("DECLAB_PDL_OFF", "ssd, mamba2_norm")
+    assert not kernels.pdl("cuda", "kernels.ssd.triton")
+    assert not kernels.pdl("cuda", "kernels.mamba2_norm.triton")
+    assert kernels.pdl("cuda", "kernels.gemv.triton") and kernels.pdl("cuda")
+    monkeypatch.setenv("DECLAB_PDL_OFF", "ssd,gemm")
+    with pytest.raises(ValueError, match="gemm"):
+        kernels.pdl("cuda", "kernels.gemv.triton")
+
+
+def test_every_pdl_launch_site_names_its_kernel():
+    # A launch site that passed no name would ignore DECLAB_PDL_OFF without a word.
+    for name in MODULES:
+        src = Path(kernels.__file__).parent.joinpath(name, "triton.py").read_text()
+        calls = re.findall(r"\bpdl\(([^)]*)\)", src)
+        assert calls, name
+        assert all(c.endswith("__name__") for c in calls), (name, calls)
 
 
 # ---------------------------------------------------------------------------------------------
