@@ -111,6 +111,7 @@ def environment(device) -> dict:
     except ImportError:
         triton_version = None
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    off = pdl_off()
     return {
         "git_sha": sha,
         "git_dirty": dirty,
@@ -119,7 +120,7 @@ def environment(device) -> dict:
         "triton": triton_version,
         "python": sys.version.split()[0],
         "pdl": pdl(device),
-        **({"pdl_off": list(pdl_off())} if pdl_off() else {}),
+        **({"pdl_off": list(off)} if off else {}),
         "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
     }
 

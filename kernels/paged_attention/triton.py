@@ -12,7 +12,7 @@ count fixed in a `DecodeWorkspace`), the per-sequence split length is computed o
 PDL (`kernels.pdl`): the KV write takes a `PDL` constexpr and is launched with launch_pdl; every
 program calls gdc_launch_dependents() and gdc_wait() before its first load. The decode kernel is
 launched without PDL: with it, a graphed llama-1b step was 4% slower at 128k (README.md, performance
-log #15). Prefill is launched as before.
+log #16). Prefill is launched as before.
 
 Decode with ROPE (constexpr; `paged_decode_attention(..., rope=(k, v, cos, sin))`) also rotates q
 and the step's k at position seq_len - 1 and writes the rotated k and v into the cache: the split

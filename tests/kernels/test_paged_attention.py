@@ -36,8 +36,8 @@ def make_cache(seq_lens, page, num_kv_heads, head_dim, *, shuffle=True, dtype=DT
 
     Pages are handed out in a random order when `shuffle`; unused block-table entries point at
     random pages (whose unused rows are NaN), as a real allocator may leave them. `head_major`: the
-    same values stored `[num_blocks, Hkv, page, D]` and seen through the kernels' layout, as
-    `decoders.kv_cache.PagedKVCache` stores them.
+    same values stored `[num_blocks, Hkv, page, D]` and seen through the kernels' layout (a
+    transposed view, which every kernel takes through its strides).
     """
     gen = torch.Generator().manual_seed(seed)
     pages_per_seq = [-(-n // page) for n in seq_lens]
@@ -225,7 +225,7 @@ def test_decode_rope_bad_shapes_are_an_error():
 
 @pytest.mark.parametrize("variant", ["split", "long", "onetile"])
 def test_head_major_caches_match_ref(variant):
-    # The decoders' storage order: every kernel reads the caches through their strides.
+    # Head-major storage seen as a transposed view: every kernel reads the caches through their strides.
     run_decode([300, 1, 17], 16, 4, 2, 64, num_splits=7, variant=variant, head_major=True)
     run_decode_rope([17, 300], 16, 2, 2, 80, num_splits=3, variant=variant, head_major=True)
     run_prefill([17, 1, 100], [17, 40, 300], 16, 4, 2, 64, causal=True, head_major=True)
