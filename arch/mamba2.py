@@ -283,9 +283,9 @@ class Mamba2LM(nn.Module):
         next block's pre-norm, or norm_f): r = embed(tokens); h = norm_0(r); then per layer
         r = r + mixer(h), h = norm_{i+1}(r).
 
-        `state_ready=True` promises that `ssm` was last written before a kernel launched without PDL
-        (such as the sampling kernels that end a decoder's step), so each layer's step
-        kernel may load its state before waiting on the in-projection (`ssd.mamba2_decode_step`).
+        `state_ready=True` promises that `conv` and `ssm` were last written before a kernel launched
+        without PDL (such as the sampling kernels that end a decoder's step), so each layer's step
+        kernel may load its states before waiting on the in-projection (`ssd.mamba2_decode_step`).
         Calling `step` back to back with only PDL-launched kernels in between breaks that promise.
         """
         layers = self.backbone.layers

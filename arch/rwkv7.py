@@ -415,8 +415,9 @@ class RWKV7(nn.Module):
         it and the token shift after it; the residual x `[B, C]` is updated in place.
 
         The embedding lookup comes first and is a PyTorch kernel (launched without PDL): every write
-        to `wkv` before this call has finished when it starts, which lets each layer's WKV step
-        load its state before waiting on the kernels before it (`wkv7_step(state_ready=True)`)."""
+        to `wkv` and `shift` before this call has finished when it starts, which lets each layer's WKV
+        step and token-shift norms load their state before waiting on the kernels before them
+        (`wkv7_step(state_ready=True)`, `add_norm_shift(state_ready=True)`)."""
         x = self.model.embeddings(tokens)
         layers = self.model.layers
         if hasattr(layers[0], "pre_norm"):
@@ -426,11 +427,13 @@ class RWKV7(nn.Module):
         for i, block in enumerate(layers):
             n = block.attn_norm
             # [6, B, C]
-            xs = add_norm_shift(x, delta, n.weight, n.bias, shift[i, 0], block.attn.packed().mix, eps=n.eps, impl="triton")
+            xs = add_norm_shift(x, delta, n.weight, n.bias, shift[i, 0], block.attn.packed().mix, eps=n.eps, impl="triton",
+                                state_ready=True)
             out, v_first = block.attn.fused_step(xs, v_first, wkv[i])
             n, ffn = block.ffn_norm, block.ffn
             # [1, B, C]
-            xk = add_norm_shift(x, out, n.weight, n.bias, shift[i, 1], ffn.x_k.view(1, -1), eps=n.eps, impl="triton")
+            xk = add_norm_shift(x, out, n.weight, n.bias, shift[i, 1], ffn.x_k.view(1, -1), eps=n.eps, impl="triton",
+                                state_ready=True)
             delta = gemv.act_linear(gemv.linear(xk[0], ffn.key.weight, impl="triton"), "sqrelu", ffn.value.weight,
                                     impl="triton", x_is_scratch=True)
         n = self.model.norm

@@ -286,12 +286,11 @@ class AutoregressiveDecoder(Decoder):
     def forward_and_sample(self, state: ARState) -> torch.Tensor:
         """One decode forward and on-device sampling, updating the state's buffers: what a graph captures."""
         logits = self.decode_forward(state.cache, state.next_tokens, state.positions)
-        # Sampling (its argmax included, see kernels/argmax) and the position update are launched
-        # without PDL: the next step's kernels start only after they (and everything before them)
-        # have finished, which the Mamba-2 decoder relies on to load each layer's state before its
-        # PDL wait (`state_ready`).
-        state.next_tokens.copy_(sample(logits, state.sampling, state.generator, impl=self.impl))
-        state.positions.add_(1)
+        # Sampling (its argmax included, see kernels/argmax) is launched without PDL and ends with the
+        # kernel that writes the next tokens and advances the positions: the next step's kernels start
+        # only after it (and everything before it) has finished, which the recurrent decoders rely on to
+        # load each layer's state before its PDL wait (`state_ready`).
+        sample(logits, state.sampling, state.generator, impl=self.impl, out=state.next_tokens, advance=state.positions)
         return logits
 
     @torch.inference_mode()

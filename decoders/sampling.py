@@ -52,11 +52,12 @@ def filtered_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None = None, *,
-           impl: str) -> torch.Tensor:
-    """Next tokens [B] (int64) from logits [B, V]. The final argmax runs on `kernels.argmax` (impl
-    "triton": two kernels, launched without PDL) or as `argmax(-1)` (impl "ref")."""
-    if sampling.greedy:
-        return argmax(logits, impl=impl)
-    probs = filtered_probs(logits, sampling)
-    race = torch.empty_like(probs).exponential_(generator=generator)
-    return argmax(probs / race, impl=impl)
+           impl: str, out: torch.Tensor | None = None, advance: torch.Tensor | None = None) -> torch.Tensor:
+    """Next tokens [B] (int64) from logits [B, V], written into `out` when given; `advance` (int64 [B],
+    a decoder's positions) gets 1 added in the same launch. The final argmax runs on `kernels.argmax`
+    (impl "triton": two kernels, launched without PDL) or as `argmax(-1)` (impl "ref")."""
+    if not sampling.greedy:
+        probs = filtered_probs(logits, sampling)
+        race = torch.empty_like(probs).exponential_(generator=generator)
+        logits = probs / race
+    return argmax(logits, impl=impl, out=out, advance=advance)

@@ -140,7 +140,8 @@ class TransformerDecoder(AutoregressiveDecoder):
             k_cache=cache.kv.k,
             v_cache=cache.kv.v,
             block_tables=cache.block_tables,
-            seq_lens=(positions + 1).to(torch.int32),
+            # One kernel (the add writes int32) where `(positions + 1).to(torch.int32)` launched two.
+            seq_lens=torch.add(positions, 1, out=torch.empty_like(positions, dtype=torch.int32)),
             slot_mapping=slots,
             decode=True,
             impl=self.impl,

@@ -3,7 +3,8 @@
 - `_block_max_kernel`, grid (G, B), G = cdiv(V, BLOCK): each program reduces one BLOCK-wide slice
   of a row to its largest key and the first column reaching it, into partials `[B, G]`.
 - `_row_argmax_kernel`, grid (B,): the largest key among a row's G partials and the smallest column
-  among the partials holding it, stored as int64.
+  among the partials holding it, stored as int64; with `advance=` (constexpr ADVANCE) the program also
+  adds 1 to its row of that int64 counter (a decoder's positions), which saves a launch per step.
 
 Values are compared as int32 keys that order like the floats (`_key`), so that every NaN gets the
 largest key (above +inf's) and -0.0 equals +0.0: the result is torch's `argmax` for any input, NaN included.
@@ -57,7 +58,7 @@ def _block_max_kernel(x_ptr, key_ptr, idx_ptr, s_x, V, G, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _row_argmax_kernel(key_ptr, idx_ptr, out_ptr, G, GP: tl.constexpr):
+def _row_argmax_kernel(key_ptr, idx_ptr, out_ptr, adv_ptr, G, GP: tl.constexpr, ADVANCE: tl.constexpr):
     i_b = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, GP)
     m = g < G
@@ -67,11 +68,13 @@ def _row_argmax_kernel(key_ptr, idx_ptr, out_ptr, G, GP: tl.constexpr):
     # several blocks may reach the maximum: the smallest of their first columns is the row's first
     first = tl.min(tl.where(keys == best, cols, _NO_COL), axis=0)
     tl.store(out_ptr + i_b, first.to(tl.int64))
+    if ADVANCE:
+        tl.store(adv_ptr + i_b, tl.load(adv_ptr + i_b) + 1)
 
 
-def argmax_triton(x, *, out=None):
+def argmax_triton(x, *, out=None, advance=None):
     """See `argmax_ref`: x `[B, V]` with unit last stride (any row stride), B <= 65535. Returns int64
-    `[B]` (written into `out` when given)."""
+    `[B]` (written into `out` when given); `advance`, a contiguous int64 `[B]`, gets 1 added to each row."""
     if x.dim() != 2 or x.stride(1) != 1 or x.shape[1] == 0:
         raise ValueError(f"argmax: x must be [B, V] with V > 0 and unit last stride, got {tuple(x.shape)} {x.stride()}")
     B, V = x.shape
@@ -79,10 +82,13 @@ def argmax_triton(x, *, out=None):
         out = torch.empty(B, dtype=torch.int64, device=x.device)
     elif out.shape != (B,) or out.dtype != torch.int64 or not out.is_contiguous():
         raise ValueError(f"argmax: out must be contiguous int64 [{B}], got {out.dtype} {tuple(out.shape)}")
+    if advance is not None and (advance.shape != (B,) or advance.dtype != torch.int64 or not advance.is_contiguous()):
+        raise ValueError(f"argmax: advance must be contiguous int64 [{B}], got {advance.dtype} {tuple(advance.shape)}")
     G = triton.cdiv(V, BLOCK)
     keys = torch.empty(B, G, dtype=torch.int32, device=x.device)
     cols = torch.empty(B, G, dtype=torch.int32, device=x.device)
     # Launched without launch_pdl on purpose: see the module docstring.
     _block_max_kernel[(G, B)](x, keys, cols, x.stride(0), V, G, BLOCK=BLOCK, num_warps=4)
-    _row_argmax_kernel[(B,)](keys, cols, out, G, GP=triton.next_power_of_2(G), num_warps=1)
+    _row_argmax_kernel[(B,)](keys, cols, out, advance if advance is not None else out, G, GP=triton.next_power_of_2(G),
+                             ADVANCE=advance is not None, num_warps=1)
     return out

@@ -25,11 +25,15 @@ def _pick(impl, ref, name):
     return getattr(tri, name)
 
 
-def add_norm_shift(x, delta, weight, bias, prev=None, mixes=None, *, eps, impl):
+def add_norm_shift(x, delta, weight, bias, prev=None, mixes=None, *, eps, impl, state_ready=False):
     """x `[B, C]` <- x + delta (when given); h = LayerNorm(x). With prev `[B, C]` and mixes `[M, C]`:
-    returns the mixed inputs `[M, B, C]` (h + (prev - h) * mix_m) and sets prev <- h; else returns h."""
+    returns the mixed inputs `[M, B, C]` (h + (prev - h) * mix_m) and sets prev <- h; else returns h.
+    `state_ready` (Triton, see triton.add_norm_shift_triton): prev was last written before a kernel
+    launched without PDL."""
+    if impl == "ref":
+        return add_norm_shift_ref(x, delta, weight, bias, prev, mixes, eps=eps)
     fn = _pick(impl, add_norm_shift_ref, "add_norm_shift_triton")
-    return fn(x, delta, weight, bias, prev, mixes, eps=eps)
+    return fn(x, delta, weight, bias, prev, mixes, eps=eps, state_ready=state_ready)
 
 
 def lora_hidden(blocks, acts, *, impl):

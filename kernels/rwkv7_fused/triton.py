@@ -13,7 +13,8 @@ a decode step built from them can be captured in a CUDA graph.
 
 PDL (constexpr of every kernel, see `kernels.pdl`): gdc_launch_dependents() and gdc_wait() before
 the first load of an activation; weights (norm weights and biases, mixes, k_k, k_a, r_k) are loaded
-before the wait. Every kernel issues all its activation loads before its first store or reduction,
+before the wait, and so is the token-shift row of `add_norm_shift` when its caller promises
+`state_ready` (constexpr STATE_READY). Every kernel issues all its activation loads before its first store or reduction,
 so the loads share one memory round trip (README.md, performance log).
 """
 
@@ -43,7 +44,7 @@ def _add_norm_shift_kernel(
     x, delta, weight, bias, prev, mix, out,
     s_x, s_d, s_p, B, C, eps,
     M: tl.constexpr, M_PAD: tl.constexpr, BC: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HAS_SHIFT: tl.constexpr, PDL: tl.constexpr = False,
+    HAS_SHIFT: tl.constexpr, PDL: tl.constexpr = False, STATE_READY: tl.constexpr = False,
 ):
     i_b = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BC)
@@ -60,6 +61,9 @@ def _add_norm_shift_kernel(
         jm = (j < M) & m[None, :]
         # [M_PAD, BC]
         mx = tl.load(mix + j * C + c[None, :], mask=jm, other=0.0)
+        if STATE_READY:
+            # The previous token's row, written by this kernel a step earlier (see add_norm_shift_triton).
+            p = tl.load(prev + i_b * s_p + c, mask=m, other=0.0).to(tl.float32)
     if PDL:
         tl.extra.cuda.gdc_wait()
     # why: every activation is loaded before the first store; a load after a store to another
@@ -68,7 +72,7 @@ def _add_norm_shift_kernel(
     xv = tl.load(x + i_b * s_x + c, mask=m, other=0.0)
     if HAS_DELTA:
         dv = tl.load(delta + i_b * s_d + c, mask=m, other=0.0).to(tl.float32)
-    if HAS_SHIFT:
+    if HAS_SHIFT and not STATE_READY:
         p = tl.load(prev + i_b * s_p + c, mask=m, other=0.0).to(tl.float32)
     if HAS_DELTA:
         # why: rounded to the residual's dtype before the norm, as the unfused x = x + out is
@@ -92,9 +96,14 @@ def _add_norm_shift_kernel(
         tl.store(out + i_b * C + c, hq, mask=m)
 
 
-def add_norm_shift_triton(x, delta, weight, bias, prev=None, mixes=None, *, eps, out=None):
+def add_norm_shift_triton(x, delta, weight, bias, prev=None, mixes=None, *, eps, out=None, state_ready=False):
     """See `add_norm_shift_ref`. Returns `[M, B, C]` (with prev) or h `[B, C]`, contiguous (written
-    into `out` when given)."""
+    into `out` when given).
+
+    `state_ready=True` promises that prev was last written before a kernel launched without PDL (in a
+    decode step: by this call a step earlier, the step ending with sampling kernels launched without
+    PDL), so under PDL the row is loaded before gdc_wait(), overlapping the kernel before, as the
+    recurrent steps load their state (`kernels.pdl`)."""
     B, C = x.shape
     _check_rows("x", x, C)
     if delta is not None:
@@ -116,6 +125,7 @@ def add_norm_shift_triton(x, delta, weight, bias, prev=None, mixes=None, *, eps,
         x.stride(0), 0 if delta is None else delta.stride(0), 0 if prev is None else prev.stride(0), B, C, eps,
         M=1 if mixes is None else mixes.shape[0], M_PAD=1 if mixes is None else triton.next_power_of_2(mixes.shape[0]), BC=BC,
         HAS_DELTA=delta is not None, HAS_BIAS=bias is not None, HAS_SHIFT=prev is not None, PDL=use_pdl,
+        STATE_READY=bool(state_ready),
         num_warps=_row_warps(C), launch_pdl=use_pdl,
     )
     return out

@@ -37,7 +37,8 @@ def mamba2_decode_step(xBC, dt, conv_state, conv_weight, conv_bias, ssm_state, A
                        dt_limit=DEFAULT_DT_LIMIT, z=None, impl, out=None, state_ready=False):
     """One token: xBC `[B, C]`, dt `[B, H]`; conv_state `[B, C, W-1]` and ssm_state `[B, H, P, N]` updated in
     place; returns y `[B, H, P]` (written into `out` when given). `state_ready` (Triton, see
-    triton.mamba2_decode_step): ssm_state was last written before a kernel launched without PDL."""
+    triton.mamba2_decode_step): ssm_state and conv_state were last written before a kernel launched
+    without PDL."""
     extra = {"state_ready": state_ready} if impl == "triton" else {}
     return _module(impl).mamba2_decode_step(xBC, dt, conv_state, conv_weight, conv_bias, ssm_state, A, D, dt_bias,
                                             ngroups=ngroups, headdim=headdim, dt_limit=dt_limit, z=z, out=out, **extra)

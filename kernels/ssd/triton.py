@@ -9,10 +9,11 @@ stored, so there is no `[B, nc, G, L, L]` buffer):
 
 `_causal_conv1d_kernel`: depthwise causal conv over `[B, T, C]` with a carried window.
 `_decode_step_kernel`: one fused token step (conv window shift + conv + SiLU + SSM update + output).
-It alone takes a `PDL` constexpr (`kernels.pdl`, launched with launch_pdl): gdc_launch_dependents()
-and gdc_wait() before its first load, so the states, windows and semaphore are touched only after
-the previous kernel has finished; with `state_ready=True` (constexpr STATE_READY) the SSM state tile
-is loaded before the wait (see `mamba2_decode_step`).
+It alone takes a `PDL` constexpr (`kernels.pdl`, launched with launch_pdl, up to `PDL_MAX_BATCH`
+sequences): gdc_launch_dependents() and gdc_wait() before its first load, so the states, windows and
+semaphore are touched only after the previous kernel has finished; with `state_ready=True`
+(constexpr STATE_READY) the SSM state tile, the conv windows, the conv weights and the per-head
+constants are loaded before the wait (see `mamba2_decode_step`).
 
 Base offsets are int64 (a 512k-token prompt times H*P overflows int32); in-tile offsets stay int32.
 """
@@ -382,22 +383,33 @@ def causal_conv1d(x, weight, bias=None, *, initial_state=None, activation="silu"
 
 
 @triton.jit
-def _conv_token(xbc_row, cst_row, w_ptr, cb_ptr, ch, ch_mask, s_xc, s_cc, s_ck, s_wc, s_wk,
-                W: tl.constexpr, BLOCK_W: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """Loads for one token's conv of channels `ch`: returns the conv + SiLU `[BLOCK_CH]` and the shifted
-    window `[BLOCK_CH, BLOCK_W]` to store (columns 0..W-2), both computed only from loads."""
+def _conv_window(cst_row, w_ptr, cb_ptr, ch, ch_mask, s_cc, s_ck, s_wc, s_wk,
+                 W: tl.constexpr, BLOCK_W: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Loads of channels `ch` that do not depend on this token: the carried window `[BLOCK_CH, BLOCK_W]`
+    (columns 0..W-2), the same shifted one column left (what is stored back, with the token at W-2),
+    the conv weights and the bias."""
     offs_w = tl.arange(0, BLOCK_W)[None, :]
     win_ptr = cst_row + ch[:, None] * s_cc
     old = tl.load(win_ptr + offs_w * s_ck, mask=ch_mask[:, None] & (offs_w < W - 1), other=0.0)
     # The shifted window is loaded one column over rather than moved across lanes.
     nxt = tl.load(win_ptr + (offs_w + 1) * s_ck, mask=ch_mask[:, None] & (offs_w < W - 2), other=0.0)
-    new = tl.load(xbc_row + ch * s_xc, mask=ch_mask, other=0.0)[:, None]
     w = tl.load(w_ptr + ch[:, None] * s_wc + offs_w * s_wk, mask=ch_mask[:, None] & (offs_w < W), other=0.0)
+    if HAS_BIAS:
+        cb = tl.load(cb_ptr + ch, mask=ch_mask, other=0.0)
+    else:
+        cb = tl.zeros_like(ch).to(w.dtype)
+    return old, nxt, w, cb
+
+
+@triton.jit
+def _conv_token(xbc_row, ch, ch_mask, s_xc, old, nxt, w, cb, W: tl.constexpr, BLOCK_W: tl.constexpr):
+    """One token's conv + SiLU of channels `ch` `[BLOCK_CH]` from `_conv_window`'s loads and the token's
+    inputs, and the shifted window to store."""
+    offs_w = tl.arange(0, BLOCK_W)[None, :]
+    new = tl.load(xbc_row + ch * s_xc, mask=ch_mask, other=0.0)[:, None]
     # [BLOCK_CH, BLOCK_W]: the W-1 carried inputs, then this token.
     win = tl.where(offs_w == W - 1, new, old).to(tl.float32)
-    acc = tl.sum(win * w.to(tl.float32), axis=1)
-    if HAS_BIAS:
-        acc += tl.load(cb_ptr + ch, mask=ch_mask, other=0.0).to(tl.float32)
+    acc = tl.sum(win * w.to(tl.float32), axis=1) + cb.to(tl.float32)
     return acc * tl.sigmoid(acc), tl.where(offs_w == W - 2, new, nxt)
 
 
@@ -429,30 +441,33 @@ def _decode_step_kernel(
     w_mask = offs_w[None, :] < W - 1
 
     # 1. Every load first, the state tile [BLOCK_P, BLOCK_N] (most of the bytes) leading, so one memory
-    #    round trip covers all of them. With STATE_READY the state tile (read from L2) is loaded
-    #    before the wait, overlapping the kernel before; everything else after it.
+    #    round trip covers all of them. With STATE_READY the state tile and the conv windows (both last
+    #    written by this kernel a step earlier), the conv weights and the per-head constants are loaded
+    #    before the wait, overlapping the kernel before; after it only the in-projection's outputs
+    #    (this token's x/B/C inputs, dt, z), which it has just written to L2.
     st = st_ptr + b64 * s_sb + h * s_sh + offs_p[:, None] * s_sp + offs_n[None, :] * s_sn
     pn_mask = p_mask[:, None] & n_mask[None, :]
     if PDL and not STATE_READY:
         tl.extra.cuda.gdc_wait()
     s = tl.load(st, mask=pn_mask, other=0.0, cache_modifier=".cg")
-    if PDL and STATE_READY:
-        tl.extra.cuda.gdc_wait()
-    dt = tl.load(dt_ptr + b64 * s_db + h * s_dh).to(tl.float32) + tl.load(dtb_ptr + h).to(tl.float32)
-    A = tl.load(A_ptr + h).to(tl.float32)
-    Dh = tl.load(D_ptr + h).to(tl.float32)
-    if HAS_Z:
-        zv = tl.load(z_ptr + b64 * s_zb + h * s_zh + offs_p * s_zp, mask=p_mask, other=0.0).to(tl.float32)
     # Conv + SiLU of this program's x channels and of its group's B and C channels.
     ch_x = h * P + offs_p
     ch_B = H * P + g * N + offs_n
     ch_C = H * P + G * N + g * N + offs_n
-    x, x_win = _conv_token(xbc_row, cst_row, w_ptr, cb_ptr, ch_x, p_mask,
-                           s_xc, s_cc, s_ck, s_wc, s_wk, W, BLOCK_W, HAS_BIAS)
-    Bv, B_win = _conv_token(xbc_row, cst_row, w_ptr, cb_ptr, ch_B, n_mask,
-                            s_xc, s_cc, s_ck, s_wc, s_wk, W, BLOCK_W, HAS_BIAS)
-    Cv, C_win = _conv_token(xbc_row, cst_row, w_ptr, cb_ptr, ch_C, n_mask,
-                            s_xc, s_cc, s_ck, s_wc, s_wk, W, BLOCK_W, HAS_BIAS)
+    x_old, x_nxt, x_w, x_cb = _conv_window(cst_row, w_ptr, cb_ptr, ch_x, p_mask, s_cc, s_ck, s_wc, s_wk, W, BLOCK_W, HAS_BIAS)
+    B_old, B_nxt, B_w, B_cb = _conv_window(cst_row, w_ptr, cb_ptr, ch_B, n_mask, s_cc, s_ck, s_wc, s_wk, W, BLOCK_W, HAS_BIAS)
+    C_old, C_nxt, C_w, C_cb = _conv_window(cst_row, w_ptr, cb_ptr, ch_C, n_mask, s_cc, s_ck, s_wc, s_wk, W, BLOCK_W, HAS_BIAS)
+    A = tl.load(A_ptr + h).to(tl.float32)
+    Dh = tl.load(D_ptr + h).to(tl.float32)
+    dt_bias = tl.load(dtb_ptr + h).to(tl.float32)
+    if PDL and STATE_READY:
+        tl.extra.cuda.gdc_wait()
+    dt = tl.load(dt_ptr + b64 * s_db + h * s_dh).to(tl.float32) + dt_bias
+    if HAS_Z:
+        zv = tl.load(z_ptr + b64 * s_zb + h * s_zh + offs_p * s_zp, mask=p_mask, other=0.0).to(tl.float32)
+    x, x_win = _conv_token(xbc_row, ch_x, p_mask, s_xc, x_old, x_nxt, x_w, x_cb, W, BLOCK_W)
+    Bv, B_win = _conv_token(xbc_row, ch_B, n_mask, s_xc, B_old, B_nxt, B_w, B_cb, W, BLOCK_W)
+    Cv, C_win = _conv_token(xbc_row, ch_C, n_mask, s_xc, C_old, C_nxt, C_w, C_cb, W, BLOCK_W)
 
     # 2. All threads of the program have their window values; from here on windows may be written.
     #    The group's B/C window is read by every program of (b, g): the last of them to arrive on the
@@ -499,6 +514,19 @@ def _semaphore(device, n):
     return _SEMAPHORES[key]
 
 
+# Larger batches launch the decode step without PDL. Graphed mamba2-1.3b steps on the H200
+# (results/step_ab.jsonl, experiments `glue_conv_pdl` and `ssd_pdl_batch`): PDL saved ~150 / 70 us a
+# step at batch 1 / 2, and cost 12 / 88 / 87 / 383 us at batch 4 / 8 / 32 / 64 (it saved 40 at 16).
+# Likely cause (not measured apart): the programs placed early wait at gdc_wait holding their
+# registers (the state tile) while the in-projection GEMV before them still needs the SMs.
+PDL_MAX_BATCH = 2
+
+
+def step_pdl(device, batch):
+    """Whether a decode step of `batch` sequences launches with PDL (`kernels.pdl` and PDL_MAX_BATCH)."""
+    return pdl(device, __name__) and batch <= PDL_MAX_BATCH
+
+
 def decode_block_p(headdim):
     """Rows of P per program: the whole head, up to 64 rows. Measured on the H200 at the 1.3b shape
     (results/ssd.jsonl), 64 rows with 8 warps beat 8, 16 and 32 rows at every batch from 1 to 128
@@ -510,10 +538,10 @@ def mamba2_decode_step(xBC, dt, conv_state, conv_weight, conv_bias, ssm_state, A
                        dt_limit=DEFAULT_DT_LIMIT, z=None, out=None, block_p=None, state_ready=False):
     """One fused token step (see ref.mamba2_decode_step); conv_state and ssm_state are updated in place.
 
-    `state_ready=True` promises that ssm_state was last written before a kernel launched without PDL
-    (in a decode step: by this layer's step in the previous step, which ended with sampling kernels
-    launched without PDL), so under PDL the state tile is loaded before gdc_wait(), overlapping the
-    in-projection GEMV before it. Without that promise (the default) a state written by the kernel just before
+    `state_ready=True` promises that ssm_state and conv_state were last written before a kernel
+    launched without PDL (in a decode step: by this layer's step in the previous step, which ended
+    with sampling kernels launched without PDL), so under PDL the state tile and the conv windows are
+    loaded before gdc_wait(), overlapping the in-projection GEMV before it. Without that promise (the default) a state written by the kernel just before
     would be read stale.
 
     Launches one kernel and allocates nothing when `out` is given (after the first call for a given
@@ -537,7 +565,7 @@ def mamba2_decode_step(xBC, dt, conv_state, conv_weight, conv_bias, ssm_state, A
     has_limit = tuple(dt_limit) != DEFAULT_DT_LIMIT
     block_p = block_p or decode_block_p(P)
     block_n = triton.next_power_of_2(N)
-    use_pdl = pdl(xBC.device, __name__)
+    use_pdl = step_pdl(xBC.device, Bsz)
     _decode_step_kernel[(Bsz, H, triton.cdiv(P, block_p))](
         xBC, dt, conv_state, conv_weight, conv_bias if conv_bias is not None else conv_weight, ssm_state,
         A, D, dt_bias, zz, out, _semaphore(xBC.device, Bsz * G),

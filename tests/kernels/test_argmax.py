@@ -94,6 +94,20 @@ def test_rejects_bad_layouts():
         argmax_triton(randn(2, 5), out=torch.empty(2, dtype=torch.int32, device=DEVICE))
 
 
+@pytest.mark.parametrize("impl", ["triton", "ref"])
+def test_out_and_advance(impl):
+    # A decoder's step: the tokens land in its buffer and its positions move on by one, in the same call.
+    x = randn(3, 5003, seed=4)
+    out = torch.full((3,), -1, dtype=torch.int64, device=DEVICE)
+    positions = torch.tensor([7, 0, 4095], dtype=torch.int64, device=DEVICE)
+    got = argmax(x, impl=impl, out=out, advance=positions)
+    assert got is out
+    assert torch.equal(out, x.argmax(dim=-1))
+    assert positions.tolist() == [8, 1, 4096]
+    with pytest.raises(ValueError):
+        argmax_triton(x, advance=positions.to(torch.int32))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a GPU")
 @pytest.mark.parametrize("V", [50288, 65536, 128256])

@@ -406,12 +406,12 @@ def test_write_kv_pdl_path(monkeypatch):
     run_pdl(monkeypatch, "paged_attention", make)
 
 
-def _ssd_step(G, state_ready, watch_state=None):
-    """make() for one Mamba-2 decode step. The SSM state is watched unless state_ready (the promise:
-    no kernel just before wrote it); `watch_state` overrides that."""
+def _ssd_step(G, state_ready, watch_state=None, batch=2):
+    """make() for one Mamba-2 decode step. The SSM state and the conv window are watched unless
+    state_ready (the promise: no kernel just before wrote them); `watch_state` overrides that."""
     watch_state = not state_ready if watch_state is None else watch_state
     st = kmod("ssd")
-    Bsz, H, P, N, W = 2, 4, 16, 16, 4
+    Bsz, H, P, N, W = batch, 4, 16, 16, 4
     Cdim = H * P + 2 * G * N
 
     def make():
@@ -428,7 +428,22 @@ def _ssd_step(G, state_ready, watch_state=None):
                                       headdim=P, z=z, state_ready=state_ready)
             return [y, conv_state, ssm_state, sem]
 
-        return run, (xBC, dt, conv_state, ssm_state if watch_state else None, z, sem)
+        return run, (xBC, dt, *((conv_state, ssm_state) if watch_state else ()), z, sem)
+
+    return make
+
+
+def _shift_norm(state_ready, watch_state=None):
+    """make() for one RWKV-7 add + LayerNorm + token shift; the shift row watched as in `_ssd_step`."""
+    m = kmod("rwkv7_fused")
+    watch_state = not state_ready if watch_state is None else watch_state
+
+    def make():
+        B, C = 2, 48
+        x, delta, prev = randn(B, C, seed=1), randn(B, C, seed=2), randn(B, C, seed=3)
+        w, b, mixes = 1 + randn(C, seed=4, scale=0.1), randn(C, seed=5, scale=0.1), torch.rand(6, C, generator=gen(6))
+        run = lambda: [m.add_norm_shift_triton(x, delta, w, b, prev, mixes, eps=1e-5, state_ready=state_ready), x, prev]  # noqa: E731
+        return run, (x, delta, prev if watch_state else None)
 
     return make
 
@@ -458,22 +473,44 @@ def test_ssd_decode_step_pdl_path(monkeypatch, G, state_ready):
 
 
 @interpreter_only
+def test_ssd_decode_step_without_pdl_above_its_batch_limit(monkeypatch):
+    """Above `PDL_MAX_BATCH` sequences the step launches without PDL (no gdc calls), same results."""
+    limit = kmod("ssd").PDL_MAX_BATCH
+    for batch, launched in ((limit, True), (limit + 1, False)):
+        make = _ssd_step(1, True, batch=batch)
+        run, _ = make()
+        want = [t.clone() for t in run()]
+        guard, got = run_guarded(monkeypatch, "ssd", *make())
+        assert (guard.launches > 0) == launched and guard.waits == guard.launches and not guard.errors
+        assert all(same(g, w) for g, w in zip(got, want))
+
+
+@interpreter_only
 @pytest.mark.parametrize("state_ready", [False, True])
 def test_wkv7_step_pdl_path(monkeypatch, state_ready):
     run_pdl(monkeypatch, "wkv7", _wkv7_step(state_ready))
 
 
 @interpreter_only
-@pytest.mark.parametrize("module", ["ssd", "wkv7"])
+@pytest.mark.parametrize("state_ready", [False, True])
+def test_shift_norm_pdl_path(monkeypatch, state_ready):
+    run_pdl(monkeypatch, "rwkv7_fused", _shift_norm(state_ready))
+
+
+@interpreter_only
+@pytest.mark.parametrize("module", ["ssd", "wkv7", "rwkv7_fused"])
 def test_state_ready_loads_the_state_before_the_wait(monkeypatch, module):
     """state_ready=True with the state poisoned at gdc_launch_dependents (as if the kernel just before
     were still writing it): the step computes with the poison, so the promise is what makes it
     correct; without state_ready the same watch gives the exact result."""
-    make = (lambda **k: _ssd_step(1, **k)) if module == "ssd" else _wkv7_step
+    make = {"ssd": lambda **k: _ssd_step(1, **k), "wkv7": _wkv7_step, "rwkv7_fused": _shift_norm}[module]
     for state_ready in (False, True):
         guard, got = run_guarded(monkeypatch, module, *make(state_ready=state_ready, watch_state=True)())
         assert not guard.errors and guard.launches == guard.waits > 0
         assert bool(got[0].isnan().any()) == state_ready
+        if module == "ssd":
+            # the conv window too: its stored shift comes from the window loaded before the wait
+            assert bool(got[1].isnan().any()) == state_ready
 
 
 # ---------------------------------------------------------------------------------------------

@@ -28,7 +28,8 @@ def randn(*shape, seed=0, scale=1.0):
 
 @pytest.mark.parametrize("B,C", [(1, 40), (3, 100)])
 @pytest.mark.parametrize("mode", ["shift6", "shift1", "plain", "no_delta_no_bias"])
-def test_add_norm_shift_triton_matches_ref(B, C, mode):
+@pytest.mark.parametrize("state_ready", [False, True])
+def test_add_norm_shift_triton_matches_ref(B, C, mode, state_ready):
     x0, delta = randn(B, C, seed=1), randn(B, C, seed=2)
     weight, bias = 1 + randn(C, seed=3, scale=0.1), randn(C, seed=4, scale=0.1)
     prev0, mixes = randn(B, C, seed=5), torch.rand(6 if mode == "shift6" else 1, C, device=DEVICE)
@@ -44,7 +45,8 @@ def test_add_norm_shift_triton_matches_ref(B, C, mode):
         if impl == "ref":
             out = add_norm_shift(*args, eps=1e-5, impl="ref")
         else:
-            out = add_norm_shift_triton(*args, eps=1e-5, out=nan(*((mixes.shape[0], B, C) if shift else (B, C))))
+            out = add_norm_shift_triton(*args, eps=1e-5, out=nan(*((mixes.shape[0], B, C) if shift else (B, C))),
+                                        state_ready=state_ready)
         outs[impl] = (out, x, prev)
     for got, want in zip(outs["triton"], outs["ref"]):
         assert not got.isnan().any()

@@ -176,11 +176,14 @@ def decode_inputs(Bsz, H, P, G, N, W, *, dtype=torch.float32, seed=0, device=DEV
 
 @pytest.mark.parametrize("Bsz,H,P,G,N", [(1, 4, 16, 1, 16), (3, 4, 16, 2, 16), (2, 6, 24, 3, 20)])
 @pytest.mark.parametrize("gate,dt_limit", [(False, (0.0, float("inf"))), (True, (0.02, 0.2))])
-def test_triton_decode_step_matches_ref(Bsz, H, P, G, N, gate, dt_limit):
+@pytest.mark.parametrize("bias", [True, False])
+def test_triton_decode_step_matches_ref(Bsz, H, P, G, N, gate, dt_limit, bias):
     args, z = decode_inputs(Bsz, H, P, G, N, 4, seed=Bsz + G)
+    if not bias:
+        args["conv_bias"] = None
     results = {}
     for impl in ("triton", "ref"):
-        a = {k: v.clone() for k, v in args.items()}
+        a = {k: v.clone() if v is not None else None for k, v in args.items()}
         out = torch.full((Bsz, H, P), float("nan"), device=DEV)
         y = ssd.mamba2_decode_step(**a, ngroups=G, headdim=P, dt_limit=dt_limit, z=z if gate else None, impl=impl,
                                    out=out)
