@@ -162,8 +162,12 @@ def compile_one(fn, ptrs, floats, consts, options, unaligned=()):
     with tempfile.TemporaryDirectory() as d:
         p = Path(d) / "k.ptx"
         p.write_text(ptx)
-        log = subprocess.run([knobs.nvidia.ptxas.path, "-arch=sm_90a", "-v", str(p), "-o", str(Path(d) / "k.o")],
-                             capture_output=True, text=True).stderr
+        res = subprocess.run([knobs.nvidia.ptxas.path, "-arch=sm_90a", "-v", str(p), "-o", str(Path(d) / "k.o")],
+                             capture_output=True, text=True)
+        if res.returncode:
+            # e.g. a Triton whose PTX is newer than the ptxas it ships (seen with Triton 3.9's CPU wheel)
+            raise RuntimeError(f"ptxas {knobs.nvidia.ptxas.path}: {(res.stderr.strip().splitlines() or ['exit ' + str(res.returncode)])[0]}")
+        log = res.stderr
         cuobjdump = Path(knobs.nvidia.ptxas.path).with_name("cuobjdump")
         sass = subprocess.run([str(cuobjdump), "-sass", str(Path(d) / "k.o")], capture_output=True, text=True).stdout
     regs = re.search(r"Used (\d+) registers", log)
@@ -247,4 +251,7 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except RuntimeError as e:
+        sys.exit(f"error: {e}")
