@@ -68,9 +68,9 @@ def main(argv=None) -> int:
     p.add_argument("--experiment", default="step_ab")
     a = p.parse_args(argv)
     variants = [parse_variant(v) for v in a.variant]
-    decoder = decoders.load(a.model, impl="triton")
-    if decoder.device.type != "cuda":
+    if not torch.cuda.is_available():
         raise SystemExit("step_ab times CUDA graphs: it needs a GPU")
+    decoder = decoders.load(a.model, device="cuda", impl="triton")
     new_tokens = a.rounds * a.steps + 2
     for ctx in parse_ctx(a.ctx):
         for batch in parse_ints(a.batch, "--batch"):
