@@ -20,10 +20,10 @@ weight must not be written by the kernel launched right before the one reading i
 in between (weights loaded at model load, many launches and a sync earlier, are fine). The one
 exception is opt-in: the recurrent decode steps (`ssd.mamba2_decode_step`, `wkv7.wkv7_step`) and
 RWKV-7's token-shift norm (`rwkv7_fused.add_norm_shift`) take `state_ready=True` from a caller that
-promises the state (SSM state and conv window, WKV state, shift row) was last written before a kernel launched
-without PDL (such a kernel starts only after everything before it has finished; a decoder's step
-ends with sampling kernels launched without PDL, `kernels.argmax` included), and then load the state
-before the wait. The flag is read at every launch; a CUDA graph keeps what it was when captured.
+promises the state (SSM state and conv window, WKV state, shift row) was last written before a
+kernel launched without PDL (such a kernel starts only after everything before it has finished; a
+decoder's step ends with sampling kernels launched without PDL, `kernels.argmax` included), and
+then load the state before the wait. The flag is read at every launch; a CUDA graph keeps what it was when captured.
 """
 
 import functools

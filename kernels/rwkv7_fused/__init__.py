@@ -30,10 +30,9 @@ def add_norm_shift(x, delta, weight, bias, prev=None, mixes=None, *, eps, impl, 
     returns the mixed inputs `[M, B, C]` (h + (prev - h) * mix_m) and sets prev <- h; else returns h.
     `state_ready` (Triton, see triton.add_norm_shift_triton): prev was last written before a kernel
     launched without PDL."""
-    if impl == "ref":
-        return add_norm_shift_ref(x, delta, weight, bias, prev, mixes, eps=eps)
     fn = _pick(impl, add_norm_shift_ref, "add_norm_shift_triton")
-    return fn(x, delta, weight, bias, prev, mixes, eps=eps, state_ready=state_ready)
+    extra = {"state_ready": state_ready} if impl == "triton" else {}
+    return fn(x, delta, weight, bias, prev, mixes, eps=eps, **extra)
 
 
 def lora_hidden(blocks, acts, *, impl):

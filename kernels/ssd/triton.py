@@ -541,8 +541,8 @@ def mamba2_decode_step(xBC, dt, conv_state, conv_weight, conv_bias, ssm_state, A
     `state_ready=True` promises that ssm_state and conv_state were last written before a kernel
     launched without PDL (in a decode step: by this layer's step in the previous step, which ended
     with sampling kernels launched without PDL), so under PDL the state tile and the conv windows are
-    loaded before gdc_wait(), overlapping the in-projection GEMV before it. Without that promise (the default) a state written by the kernel just before
-    would be read stale.
+    loaded before gdc_wait(), overlapping the in-projection GEMV before it. Without that promise (the
+    default) a state written by the kernel just before would be read stale.
 
     Launches one kernel and allocates nothing when `out` is given (after the first call for a given
     batch size and device, which creates the small semaphore reused from then on). `block_p` overrides
