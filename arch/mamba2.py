@@ -24,9 +24,10 @@ The model runs three ways, all through `kernels.ssd`:
 - `step(tokens [B], conv, ssm)`: one token per sequence, both states updated in place; its norms go
   through `kernels.mamba2_norm` (one launch each on the Triton path: embedding + pre-norm, residual add +
   pre-norm). On the Triton path with one norm group and one sequence (`GATE_IN_STEP_ROWS`) the decode
-  step also applies the gate, and the RMSNorm of the gated output goes with out_proj through
-  `kernels.gemv.rms_norm_linear` (inside its GEMV where that measures faster than the norm kernel +
-  GEMV pair); otherwise the gated norm goes with out_proj through `kernels.gemv.gated_norm_linear`.
+  step also applies the gate and gathers the gated norm's statistics (each head's sum of squares; it
+  returns the gated output times the norm weight), and out_proj applies the row's 1 / rms to its
+  products (`kernels.gemv.rms_scaled_linear`); otherwise the gated norm goes with out_proj through
+  `kernels.gemv.gated_norm_linear`.
   The projections and the head go through `kernels.gemv.linear` (the Triton GEMV where it measured
   faster than cuBLAS for that shape).
 """
@@ -45,8 +46,9 @@ from arch.llama import RMSNorm
 from kernels import gemv, mamba2_norm, ssd
 
 # Sequences up to which the Triton decode step applies the gate in the SSM step and runs the RMSNorm of
-# the gated output with out_proj (`Mixer.step`): faster at one (mamba2-1.3b step at 4k 1091 -> 1051 us),
-# slower at four and sixteen (1617 -> 1675 us, 2685 -> 3070 us; results/step_ab.jsonl).
+# the gated output with out_proj (`Mixer.step`): faster at one (mamba2-1.3b step at 4k 1091 -> 1051 us,
+# then with the statistics from the SSM step 1022-1028 -> 992-995 us), slower at four and sixteen
+# (1617 -> 1675 us, 2685 -> 3070 us; results/step_ab.jsonl).
 GATE_IN_STEP_ROWS = 1
 
 # Largest chunk of the reference SSD scan (impl="ref", the training path; the Triton path uses the config's
@@ -184,11 +186,12 @@ class Mixer(nn.Module):
         z, xBC, dt = self.split(gemv.linear(h, self.in_proj.weight, self.in_proj.bias, impl=impl))
         # Triton path, one norm group, up to GATE_IN_STEP_ROWS sequences: the decode step applies the
         # gate, g = y * silu(z) (rounded to the model dtype, the one rounding the module does not do),
-        # and the RMSNorm of g goes with out_proj (`gemv.rms_norm_linear`: inside its GEMV where that
-        # measures faster than the norm kernel + GEMV pair). Otherwise the gate goes inside the gated
-        # norm, rmsnorm(y * silu(z)), with out_proj (`gemv.gated_norm_linear`: the pair on the
-        # reference path).
+        # writes each head's sum of g^2 and returns g * norm_weight; out_proj scales its products by
+        # the row's 1 / rms (`gemv.rms_scaled_linear`), so the norm launches no kernel of its own.
+        # Otherwise the gate goes inside the gated norm, rmsnorm(y * silu(z)), with out_proj
+        # (`gemv.gated_norm_linear`: the pair on the reference path).
         gate_in_step = impl == "triton" and self.norm.group_size == c.d_inner and h.shape[0] <= GATE_IN_STEP_ROWS
+        sumsq = torch.empty(h.shape[0], c.nheads, device=h.device, dtype=torch.float32) if gate_in_step else None
         y = ssd.mamba2_decode_step(
             xBC,
             dt,
@@ -205,10 +208,10 @@ class Mixer(nn.Module):
             z=z.unflatten(-1, (c.nheads, c.headdim)) if gate_in_step else None,
             impl=impl,
             state_ready=state_ready,
+            norm=(self.norm.weight, sumsq) if gate_in_step else None,
         ).reshape(h.shape[0], c.d_inner)
         if gate_in_step:
-            return gemv.rms_norm_linear(y, self.norm.weight, self.norm.eps, self.out_proj.weight, self.out_proj.bias,
-                                        impl=impl)
+            return gemv.rms_scaled_linear(y, sumsq, self.norm.eps, self.out_proj.weight, self.out_proj.bias, impl=impl)
         return gemv.gated_norm_linear(
             y, z, self.norm.weight, self.norm.eps, self.out_proj.weight,
             self.out_proj.bias, group_size=self.norm.group_size, impl=impl,

@@ -115,6 +115,7 @@ def profile_step(decoder, *, ctx: int, batch: int, steps: int, seed: int = 0) ->
              for op, extra, table in (("linear", None, gemv.choices()), ("gated_norm_linear", None, gemv.norm_choices()),
                                       ("act_linear", "act", gemv.act_choices()), ("swiglu_linear", None, gemv.swiglu_choices()),
                                       ("rms_norm_linear", "swiglu", gemv.rms_choices()),
+                                      ("rms_scaled_linear", None, gemv.scaled_choices()),
                                       ("linear_residual", "residual_dtype", gemv.residual_choices()),
                                       ("select_linear", "row_splits", gemv.select_choices()))
              for key, rec in table.items()]

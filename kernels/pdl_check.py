@@ -62,6 +62,10 @@ SPECS = [
     _spec("gemv fma n4 k1024 s1 p3 rms + swiglu (M=1)", "gemv", "_gemv_kernel",
           dict(_GEMV_1, DOT=False, BLOCK_N=4, BLOCK_K=1024, SPLIT_K=1, LOOP_STAGES=3, NORM=2, SWIGLU=True),
           dict(num_warps=4, num_stages=3), _GEMV_PTRS, floats=("eps",)),
+    _spec("gemv fma n4 k2048 s1 w8 rms scale (M=1)", "gemv", "_gemv_kernel",
+          dict(_GEMV_1, DOT=False, BLOCK_N=4, BLOCK_K=2048, SPLIT_K=1, LOOP_STAGES=None, NORM=3, PARTS=64,
+               PARTS_POW2=64),
+          dict(num_warps=8, num_stages=3), dict(_GEMV_PTRS, z_ptr="*fp32"), floats=("eps",)),
     _spec("gemv fma n4 k2048 s1 w8 residual (M=1)", "gemv", "_gemv_kernel",
           dict(_GEMV_1, DOT=False, BLOCK_N=4, BLOCK_K=2048, SPLIT_K=1, LOOP_STAGES=None, RESIDUAL=True),
           dict(num_warps=8, num_stages=3), _GEMV_PTRS),
@@ -107,6 +111,12 @@ SPECS = [
             dict(num_warps=8), {"st_ptr": "*fp32", "A_ptr": "*fp32", "D_ptr": "*fp32", "dtb_ptr": "*fp32",
                                 "sem_ptr": "*i32"}, floats=("lim_lo", "lim_hi"), unaligned=("s_cc", "s_wc"))
       for ready, label in ((False, " (1.3b)"), (True, " (state ready)"))),
+    _spec("ssd decode step (state ready, gate + norm statistics)", "ssd", "_decode_step_kernel",
+          dict(H=64, P=64, G=1, N=128, W=4, BLOCK_P=64, BLOCK_N=128, BLOCK_W=4, HAS_BIAS=True, HAS_Z=True,
+               HAS_LIMIT=False, s_xc=1, s_dh=1, s_ck=1, s_wk=1, s_zp=1, s_yp=1, s_sn=1, STATE_READY=True, HAS_NORM=True,
+               s_qh=1),
+          dict(num_warps=8), {"st_ptr": "*fp32", "A_ptr": "*fp32", "D_ptr": "*fp32", "dtb_ptr": "*fp32",
+                              "sem_ptr": "*i32", "ss_ptr": "*fp32"}, floats=("lim_lo", "lim_hi"), unaligned=("s_cc", "s_wc")),
     *(_spec(f"wkv7 step (BV 32{label})", "wkv7", "_step_kernel", dict(BK=64, BV=32, STATE_READY=ready),
             dict(num_warps=4), dict(dict.fromkeys(("r", "w", "k", "v", "a", "b", "out"), "*bf16"), state="*fp32"),
             floats=("scale",))

@@ -39,6 +39,12 @@ accumulation. The grouped form runs G independent products in one launch: x `[G,
   and the projection after it. As `gated_norm_linear`: per shape the fastest of that pair and the GEMV
   with the norm in the same pass as the product (the statistics gathered as the x tiles load, 1 / rms
   applied to the sums: kernels/gemv/README.md); elsewhere the pair. `rms_choices()` is its `choices()`.
+- `rms_scaled_linear(x, sumsq, eps, weight, bias=None, *, impl) -> [M, N]`: the second half of an RMSNorm
+  whose statistics the kernel before gathered: x `[M, K]` is already g * norm_weight and sumsq `[M, S]`
+  (float32) holds partial sums of g^2 (Mamba-2's decode step writes one a head), so the result is
+  rsqrt(sumsq.sum(-1) / K + eps) * (x @ weight^T) + bias = linear(rmsnorm(g) * norm_weight). As
+  `gated_norm_linear`: per shape the fastest of the pair (`linear` then the scale) and the GEMV that
+  scales its products in the epilogue; elsewhere the pair. `scaled_choices()` is its `choices()`.
 - `linear_residual(x, weight, residual, bias=None, *, impl, early_tiles=1) -> [M, N]`: `residual +
   linear(x, weight, bias)` in the residual's dtype (a decoder layer's residual add). Per shape the
   fastest of that pair and the GEMV that adds the residual in its epilogue; elsewhere the pair.
@@ -64,7 +70,8 @@ from kernels import check_impl
 from kernels.gemv.ref import gemv_ref
 
 __all__ = ["gemv", "linear", "choices", "gated_norm_linear", "norm_choices", "act_linear", "act_choices",
-           "swiglu_linear", "swiglu_choices", "rms_norm_linear", "rms_choices", "linear_residual",
+           "swiglu_linear", "swiglu_choices", "rms_norm_linear", "rms_choices", "rms_scaled_linear",
+           "scaled_choices", "linear_residual",
            "residual_choices", "select_linear", "select_choices", "gemv_ref", "MAX_ROWS"]
 
 MAX_ROWS = 8
@@ -78,6 +85,8 @@ _ACT_CHOICES: dict = {}
 _SWIGLU_CHOICES: dict = {}
 # The same for `rms_norm_linear` (key + swiglu), "torch" standing for the norm kernel + linear.
 _RMS_CHOICES: dict = {}
+# The same for `rms_scaled_linear`, "torch" standing for linear + the scale.
+_SCALED_CHOICES: dict = {}
 # The same for `linear_residual` (key + the residual's dtype), "torch" standing for linear + the add.
 _RESIDUAL_CHOICES: dict = {}
 # The same for `select_linear` (key + the row splits), "torch" standing for F.linear + the gather.
@@ -132,6 +141,11 @@ def rms_choices() -> dict:
     return _records(_RMS_CHOICES)
 
 
+def scaled_choices() -> dict:
+    """`rms_scaled_linear`'s choice per shape so far, as `choices()` ("torch": `linear` + the scale)."""
+    return _records(_SCALED_CHOICES)
+
+
 def residual_choices() -> dict:
     """`linear_residual`'s choice per (M, N, K, dtype, has_bias, residual dtype) so far, as `choices()`
     ("torch": `linear` + the add)."""
@@ -155,7 +169,7 @@ def _graph_us(call, weights) -> float:
 def _choose(x2, weight, bias, key, baseline=None, table=_CHOICES, **fused):
     """Time every Triton configuration that fits this shape and F.linear (or `baseline(w)`) the same
     way; keep the fastest. The Triton candidates run with `fused` (`gemv_triton`'s norm= / rms_norm= /
-    act= / swiglu= / residual= / select=)."""
+    rms_scale= / act= / swiglu= / residual= / select=)."""
     from kernels.gemv.triton import CONFIGS, config_fits, config_name, gemv_triton, select_align
 
     M, N, K = key[:3]
@@ -250,6 +264,25 @@ def rms_norm_linear(x, norm_weight, eps, weight, bias=None, *, impl, swiglu=Fals
         return pair(weight)
     return _fused_or_pair(x, weight, bias, (*_key(x, weight, bias), swiglu), _RMS_CHOICES, pair,
                           early_tiles=early_tiles, rms_norm=(norm_weight, eps), swiglu=swiglu)
+
+
+def rms_scaled_linear(x, sumsq, eps, weight, bias=None, *, impl):
+    """rsqrt(sumsq.sum(-1) / K + eps) * (x @ weight^T) + bias: x `[M, K]` (g * norm_weight), sumsq `[M, S]`
+    float32 (partial sums of g^2), weight `[N, K]` -> `[M, N]` in x's dtype. See the module docstring."""
+    check_impl(impl)
+    if (x.dim() != 2 or weight.dim() != 2 or x.shape[-1] != weight.shape[-1] or sumsq.dim() != 2
+            or sumsq.shape[0] != x.shape[0] or sumsq.shape[1] == 0 or sumsq.dtype != torch.float32):
+        raise ValueError(f"rms_scaled_linear: needs x [M, K], float32 sumsq [M, S] and weight [N, K], got "
+                         f"{tuple(x.shape)}, {tuple(sumsq.shape)} {sumsq.dtype} and {tuple(weight.shape)}")
+
+    def pair(w):
+        prod = F.linear(x, w) if impl == "ref" else linear(x, w, impl=impl)
+        out = prod.float() * torch.rsqrt(sumsq.sum(-1, keepdim=True) / x.shape[-1] + eps)
+        return (out if bias is None else out + bias.float()).to(x.dtype)
+
+    if not _fusable(x, weight, bias, impl):
+        return pair(weight)
+    return _fused_or_pair(x, weight, bias, _key(x, weight, bias), _SCALED_CHOICES, pair, rms_scale=(sumsq, eps))
 
 
 def linear_residual(x, weight, residual, bias=None, *, impl, early_tiles=1):
@@ -360,7 +393,7 @@ def _key(x, weight, bias):
 
 
 def _fused_or_pair(x, weight, bias, key, table, pair, *, timed_pair=None, early_tiles=1, **fused):
-    """The GEMV with `fused` (`gemv_triton`'s norm= / rms_norm= / act= / swiglu= / residual= /
+    """The GEMV with `fused` (`gemv_triton`'s norm= / rms_norm= / rms_scale= / act= / swiglu= / residual= /
     select=) or `pair(weight)`, whichever `table` records as faster for `key`. The first call of a key
     outside capture measures both: the pair as `timed_pair()` (default: `pair`) per weight copy, after
     one call of it that lets `linear` measure its own shape outside any graph. During capture an

@@ -30,6 +30,11 @@ The normalised row is not rounded to the model dtype before the weight (the unfu
 so the result differs from the unfused pair by that rounding (bf16: ~0.3% of an element); DOT rounds
 g * norm_weight to W's dtype for the tensor cores.
 
+NORM 3 (`gemv_triton(..., rms_scale=(sumsq, eps))`): the statistics come with x. x is already g *
+norm_weight and sumsq [M, S] holds partial sums of g^2 written by the kernel before (Mamba-2's decode
+step: one a head); every program loads the row's S partials with its first x tile and scales its
+products by rsqrt(sum / K + eps) before the bias (split-K: before storing its partial).
+
 RESIDUAL (constexpr; `gemv_triton(..., residual=r)`, G == 1): the output is r + x @ W^T in r's dtype,
 the product (+ bias) rounded to W's dtype first, then added in float32, as `r + F.linear(x, W, b)`
 rounds it (the decoder layer's residual add, in the epilogue). `out` may be r itself.
@@ -139,7 +144,7 @@ def _gemv_tile(acc, ss, w, x_rows, k, k_hi, m_mask, DOT: tl.constexpr, BLOCK_M: 
     if ACT == 1:
         relu = tl.maximum(xt.to(tl.float32), 0.0)
         xt = (relu * relu).to(xt.dtype)
-    if NORM != 0:
+    if NORM == 1 or NORM == 2:
         g = xt.to(tl.float32)
         if NORM == 1:
             zt = tl.load(z_rows + k[None, :], mask=m_mask[:, None] & (k < k_hi)[None, :], other=0.0,
@@ -159,6 +164,28 @@ def _gemv_tile(acc, ss, w, x_rows, k, k_hi, m_mask, DOT: tl.constexpr, BLOCK_M: 
     else:
         acc += w.to(tl.float32)[None, :, :] * xt.to(tl.float32)[:, None, :]
     return acc, ss
+
+
+@triton.jit
+def _row_parts(ss_ptr, stride_sm, M, BLOCK_M: tl.constexpr, PARTS: tl.constexpr, PARTS_POW2: tl.constexpr):
+    """NORM 3: the rows' PARTS partial sums of squares, flat [BLOCK_M * PARTS_POW2] (zero-padded), float32.
+    Loaded with x and reduced in the epilogue (`_row_rstd`): a reduction's barrier here would hold back
+    the x load. Flat, so that the load keeps its own layout: as a [BLOCK_M, PARTS_POW2] tile it took the
+    output's, 16 scalar loads and registers a thread at BLOCK_N = 4."""
+    i = tl.arange(0, BLOCK_M * PARTS_POW2)
+    m = i // PARTS_POW2
+    p = i % PARTS_POW2
+    return tl.load(ss_ptr + m * stride_sm + p, mask=(m < M) & (p < PARTS), other=0.0)
+
+
+@triton.jit
+def _row_rstd(parts, offs_m, K, eps, BLOCK_M: tl.constexpr, PARTS_POW2: tl.constexpr):
+    """rsqrt(mean square + eps) [BLOCK_M] of `_row_parts`' sums, one scalar reduction a row."""
+    row = tl.arange(0, BLOCK_M * PARTS_POW2) // PARTS_POW2
+    rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for m in tl.static_range(BLOCK_M):
+        rstd = tl.where(offs_m == m, tl.rsqrt(tl.sum(tl.where(row == m, parts, 0.0), axis=0) / K + eps), rstd)
+    return rstd
 
 
 @triton.jit
@@ -193,7 +220,7 @@ def _gemv_kernel(
     DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     LOOP_STAGES: tl.constexpr = None, PDL: tl.constexpr = False, PDL_TILES: tl.constexpr = 1,
     NORM: tl.constexpr = 0, ACT: tl.constexpr = 0, SWIGLU: tl.constexpr = False, RESIDUAL: tl.constexpr = False,
-    SELECT: tl.constexpr = 0,
+    SELECT: tl.constexpr = 0, PARTS: tl.constexpr = 1, PARTS_POW2: tl.constexpr = 1,
 ):
     # tl.dot needs at least 16 rows: x is padded with masked (zero) rows.
     BLOCK_M: tl.constexpr = 16 if DOT and M_POW2 < 16 else M_POW2
@@ -260,11 +287,15 @@ def _gemv_kernel(
             w_b = tl.load(w_rows + k_b[None, :], mask=n_mask[:, None] & (k_b < k_hi)[None, :], other=0.0,
                           eviction_policy="evict_first")
         tl.extra.cuda.gdc_wait()
+        if NORM == 3:
+            parts = _row_parts(z_ptr, stride_zm, M, BLOCK_M, PARTS, PARTS_POW2)
         acc, ss = _gemv_tile(acc, ss, w_a, x_rows, k_a, k_hi, m_mask, DOT, BLOCK_M, DOT_PREC, NORM, z_rows, nw_ptr, ACT)
         if PEEL > 1:
             acc, ss = _gemv_tile(acc, ss, w_b, x_rows, k_b, k_hi, m_mask, DOT, BLOCK_M, DOT_PREC, NORM, z_rows, nw_ptr,
                                  ACT)
         k_start = k_lo + PEEL * BLOCK_K
+    elif NORM == 3:
+        parts = _row_parts(z_ptr, stride_zm, M, BLOCK_M, PARTS, PARTS_POW2)
     o_mask = m_mask[:, None] & n_mask[None, :]
     r_rows = r_ptr + offs_m[:, None] * stride_rm
     r = 0.0
@@ -285,12 +316,15 @@ def _gemv_kernel(
         res = tl.sum(acc, axis=1)[None, :]
     else:
         res = tl.sum(acc, axis=2)
-    if NORM != 0 and not DOT:
+    if (NORM == 1 or NORM == 2) and not DOT:
         ss = tl.sum(ss, axis=1)
+    if NORM == 3:
+        # Linear in the products, so split-K partials are scaled before they are stored.
+        res *= _row_rstd(parts, offs_m, K, eps, BLOCK_M, PARTS_POW2)[:, None]
     out_rows = out_ptr + g * stride_og + offs_m[:, None] * stride_om
     prod_dt: tl.constexpr = w_ptr.dtype.element_ty
     if SPLIT_K == 1:
-        if NORM != 0:
+        if NORM == 1 or NORM == 2:
             res *= tl.rsqrt(ss / K + eps)[:, None]
         if HAS_BIAS:
             res += tl.load(b_ptr + g * stride_bg + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -300,7 +334,7 @@ def _gemv_kernel(
         mn = offs_m[:, None] * N + offs_n[None, :]
         tl.store(part_ptr + (pid_k * G + g) * M * N + mn, res, mask=o_mask)
         ss_part = part_ptr + SPLIT_K * G * M * N + pid_n * M + offs_m
-        if NORM != 0:
+        if NORM == 1 or NORM == 2:
             tl.store(ss_part + pid_k * tl.num_programs(0) * M, ss, mask=m_mask)
         # Every thread's partial stores are issued before one thread takes a ticket; acq_rel
         # publishes them to, and acquires the others' for, the program that takes the last one.
@@ -315,10 +349,10 @@ def _gemv_kernel(
             for s in tl.static_range(SPLIT_K):
                 # .cg reads from L2, where the other programs' stores landed.
                 total += tl.load(part_ptr + (s * G + g) * M * N + mn, mask=o_mask, other=0.0, cache_modifier=".cg")
-                if NORM != 0:
+                if NORM == 1 or NORM == 2:
                     ss_total += tl.load(ss_part + s * tl.num_programs(0) * M, mask=m_mask, other=0.0,
                                         cache_modifier=".cg")
-            if NORM != 0:
+            if NORM == 1 or NORM == 2:
                 total *= tl.rsqrt(ss_total / K + eps)[:, None]
             if HAS_BIAS:
                 total += tl.load(b_ptr + g * stride_bg + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -394,6 +428,17 @@ def _check_norm(x, norm):
     return z, nw, float(eps)
 
 
+def _check_rms_scale(x, rms_scale):
+    """(sumsq, eps) for an RMS-scale launch, checked: x [M, K], sumsq [M, S] float32, contiguous rows."""
+    if len(rms_scale) != 2:
+        raise ValueError("gemv: rms_scale must be (sumsq, eps)")
+    sumsq, eps = rms_scale
+    if x.dim() != 2 or sumsq.dim() != 2 or sumsq.shape[0] != x.shape[0] or sumsq.shape[1] == 0 or sumsq.dtype != torch.float32:
+        raise ValueError(f"gemv: rms_scale takes x [M, K] and float32 sumsq [M, S], got {tuple(x.shape)} and "
+                         f"{tuple(sumsq.shape)} {sumsq.dtype}")
+    return sumsq.contiguous(), float(eps)
+
+
 def _check_rms_norm(x, rms_norm):
     """(norm weight, eps) for an RMS NORM launch, checked: x [M, K], weight [K] in x's dtype."""
     if len(rms_norm) != 2:
@@ -430,8 +475,8 @@ def _check_select(x, weight, row_splits):
     return _select_tables[key], select_align(splits)
 
 
-def gemv_triton(x, weight, bias=None, *, out=None, config=None, norm=None, rms_norm=None, act=None, swiglu=False,
-                residual=None, early_tiles=1, select=None):
+def gemv_triton(x, weight, bias=None, *, out=None, config=None, norm=None, rms_norm=None, rms_scale=None, act=None,
+                swiglu=False, residual=None, early_tiles=1, select=None):
     """See `kernels.gemv.gemv`. `config` (a `triton.Config` of CONFIGS or a dict with META keys and
     optional num_warps / num_stages) launches that configuration instead of the autotuned one.
 
@@ -440,7 +485,9 @@ def gemv_triton(x, weight, bias=None, *, out=None, config=None, norm=None, rms_n
     in the same pass as the product: x [M, K] only, z [M, K] and norm_weight [K] in x's dtype.
     `rms_norm=(norm_weight, eps)`: the product is rmsnorm(x) * norm_weight @ W^T, likewise; x [M, K],
     norm_weight [K] in x's dtype. Both leave out the unfused norm's rounding of the normalised row (module
-    docstring).
+    docstring). `rms_scale=(sumsq, eps)`: the norm's statistics come with x instead (x already times
+    the norm weight, sumsq `[M, S]` float32 partial sums of squares of the unweighted row): the product
+    is rsqrt(sumsq.sum(-1) / K + eps) * (x @ W^T), scaled before the bias; x [M, K] only.
 
     `act="sqrelu"`: the product is relu(x)^2 @ W^T, computed as the x tiles are loaded; x [M, K] only,
     not with a norm. `swiglu=True`: W is [gate; up] [2I, K] and the result is
@@ -460,22 +507,25 @@ def gemv_triton(x, weight, bias=None, *, out=None, config=None, norm=None, rms_n
     batch-1 decode attention, q/k/v and o (kernels/gemv/README.md, performance log)."""
     if early_tiles not in (1, 2):
         raise ValueError(f"gemv: early_tiles must be 1 or 2, got {early_tiles}")
-    if norm is not None and rms_norm is not None:
-        raise ValueError("gemv: norm and rms_norm are two different prologues; pass one")
+    if sum(v is not None for v in (norm, rms_norm, rms_scale)) > 1:
+        raise ValueError("gemv: norm, rms_norm and rms_scale are different ways to normalise x; pass one")
     if norm is not None:
         norm = _check_norm(x, norm)
     if rms_norm is not None:
         rms_norm = _check_rms_norm(x, rms_norm)
+    if rms_scale is not None:
+        rms_scale = _check_rms_scale(x, rms_scale)
+    normalised = norm is not None or rms_norm is not None or rms_scale is not None
     if act is not None:
         if act not in ACTS:
             raise ValueError(f"gemv: act must be one of {sorted(ACTS)}, got {act!r}")
-        if norm is not None or rms_norm is not None or x.dim() != 2:
+        if normalised or x.dim() != 2:
             raise ValueError("gemv: an activation prologue takes x [M, K] and no norm")
     if swiglu and (x.dim() != 2 or weight.dim() != 2 or weight.shape[0] % 2):
         raise ValueError(f"gemv: swiglu takes x [M, K] and weight [2I, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
     sel, align = x, 0
     if select is not None:
-        if norm is not None or rms_norm is not None or act is not None or swiglu or residual is not None:
+        if normalised or act is not None or swiglu or residual is not None:
             raise ValueError("gemv: select takes no norm, act, swiglu or residual")
         sel, align = _check_select(x, weight, select)
         if config is not None and align % _as_config(config).kwargs["BLOCK_N"]:
@@ -534,6 +584,8 @@ def gemv_triton(x, weight, bias=None, *, out=None, config=None, norm=None, rms_n
         norm_args = (norm[0], norm[1], norm[0].stride(0), norm[2])
     elif rms_norm is not None:
         norm_args = (x, rms_norm[0], 0, rms_norm[1])
+    elif rms_scale is not None:
+        norm_args = (rms_scale[0], x, rms_scale[0].stride(0), rms_scale[1])
     else:
         norm_args = (x, x, 0, 0.0)
     args = (x, weight, bias if has_bias else x, out, part, cnt,
@@ -542,8 +594,12 @@ def gemv_triton(x, weight, bias=None, *, out=None, config=None, norm=None, rms_n
             *norm_args, residual if residual is not None else x, residual.stride(0) if residual is not None else 0, sel)
     use_pdl = pdl(x.device, __name__)
     consts = dict(M_POW2=_m_pow2(M), HAS_BIAS=has_bias, DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
-                  PDL=use_pdl, PDL_TILES=early_tiles, NORM=1 if norm is not None else 2 if rms_norm is not None else 0,
+                  PDL=use_pdl, PDL_TILES=early_tiles,
+                  NORM=1 if norm is not None else 2 if rms_norm is not None else 3 if rms_scale is not None else 0,
                   ACT=ACTS.get(act, 0), SWIGLU=swiglu, RESIDUAL=residual is not None, SELECT=align)
+    if rms_scale is not None:
+        parts = rms_scale[0].shape[1]
+        consts.update(PARTS=parts, PARTS_POW2=triton.next_power_of_2(parts))
     if config is None:
         def grid(meta):
             return triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"], G
@@ -562,7 +618,7 @@ def gemv_triton(x, weight, bias=None, *, out=None, config=None, norm=None, rms_n
 def tuned_config(M, N, K, G=1, has_bias=False, dtype=torch.bfloat16, norm=0, act=None, swiglu=False, residual=False,
                  select=0):
     """The configuration autotuning chose for this shape (None before the first call); `norm` is the
-    NORM constexpr (0 none, 1 gated, 2 RMS), `select` the SELECT one."""
+    NORM constexpr (0 none, 1 gated, 2 RMS, 3 RMS scale), `select` the SELECT one."""
     for key, cfg in _gemv_tuned.cache.items():
         if key[:10] == (M, N, K, G, has_bias, norm, ACTS.get(act, 0), swiglu, residual, select) and str(dtype) in key[10:]:
             return cfg

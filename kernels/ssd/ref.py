@@ -146,12 +146,28 @@ def causal_conv1d(x, weight, bias=None, *, initial_state=None, activation="silu"
     return y.transpose(1, 2).to(x.dtype), window[..., window.shape[-1] - (W - 1):].to(x.dtype)
 
 
+def check_decode_norm(norm, z, batch, H, P):
+    """(norm_weight, sumsq) of a decode step's `norm=`, checked: z given, weight [H*P], sumsq [B, H] float32."""
+    if z is None or len(norm) != 2:
+        raise ValueError("mamba2_decode_step: norm=(norm_weight, sumsq) needs z (it normalises the gated output)")
+    norm_weight, sumsq = norm
+    if tuple(norm_weight.shape) != (H * P,) or tuple(sumsq.shape) != (batch, H) or sumsq.dtype != torch.float32:
+        raise ValueError(f"mamba2_decode_step: norm needs a weight [{H * P}] and a float32 sumsq [{batch}, {H}], "
+                         f"got {tuple(norm_weight.shape)} and {tuple(sumsq.shape)} {sumsq.dtype}")
+    return norm_weight, sumsq
+
+
 def mamba2_decode_step(xBC, dt, conv_state, conv_weight, conv_bias, ssm_state, A, D, dt_bias, *, ngroups, headdim,
-                       dt_limit=DEFAULT_DT_LIMIT, z=None, out=None):
+                       dt_limit=DEFAULT_DT_LIMIT, z=None, out=None, norm=None):
     """One token: conv window shift + conv + SiLU, split into x/B/C, SSM update; both states in place.
 
     xBC `[B, C]` with C = H*P + 2*G*N ordered [x, B, C]; conv_state `[B, C, W-1]`; ssm_state `[B, H, P, N]`
     fp32; dt `[B, H]` raw (softplus(dt + dt_bias), clamped). Returns y `[B, H, P]` in xBC's dtype.
+
+    `norm=(norm_weight [H*P], sumsq [B, H] float32)`, with z: the first half of the gated RMSNorm that
+    follows (one group of all H*P channels). g = y * silu(z) is rounded to xBC's dtype; sumsq receives
+    each head's sum of g^2 (float32) and the result is g * norm_weight, so that rmsnorm(g) * norm_weight
+    = result * rsqrt(sumsq.sum(-1) / (H*P) + eps) (`kernels.gemv.rms_scaled_linear` applies the scale).
     """
     Bsz, Cdim = xBC.shape
     H, P, G = dt.shape[1], headdim, ngroups
@@ -173,6 +189,11 @@ def mamba2_decode_step(xBC, dt, conv_state, conv_weight, conv_bias, ssm_state, A
     y = torch.einsum("bhpn,bhn->bhp", state, Cm) + D.float()[:, None] * x
     if z is not None:
         y = y * F.silu(z.float())
+    if norm is not None:
+        norm_weight, sumsq = check_decode_norm(norm, z, Bsz, H, P)
+        g = y.to(xBC.dtype).float()
+        sumsq.copy_(g.square().sum(-1))
+        y = g * norm_weight.float().reshape(H, P)
     if out is None:
         return y.to(xBC.dtype)
     return out.copy_(y)

@@ -13,7 +13,9 @@ It alone takes a `PDL` constexpr (`kernels.pdl`, launched with launch_pdl, up to
 sequences): gdc_launch_dependents() and gdc_wait() before its first load, so the states, windows and
 semaphore are touched only after the previous kernel has finished; with `state_ready=True`
 (constexpr STATE_READY) the SSM state tile, the conv windows, the conv weights and the per-head
-constants are loaded before the wait (see `mamba2_decode_step`).
+constants are loaded before the wait (see `mamba2_decode_step`). With `norm=` (constexpr HAS_NORM) it
+also writes each head's sum of squares of the gated output and multiplies that output by the norm
+weight, so the RMSNorm after it needs no kernel of its own (`kernels.gemv.rms_scaled_linear`).
 
 Base offsets are int64 (a 512k-token prompt times H*P overflows int32); in-tile offsets stay int32.
 """
@@ -25,7 +27,7 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
-from kernels.ssd.ref import DEFAULT_DT_LIMIT
+from kernels.ssd.ref import DEFAULT_DT_LIMIT, check_decode_norm
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -423,6 +425,7 @@ def _decode_step_kernel(
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_Z: tl.constexpr, HAS_LIMIT: tl.constexpr, PDL: tl.constexpr = False,
     STATE_READY: tl.constexpr = False,
+    nw_ptr=None, ss_ptr=None, s_qb=0, s_qh=0, HAS_NORM: tl.constexpr = False,
 ):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -460,6 +463,9 @@ def _decode_step_kernel(
     A = tl.load(A_ptr + h).to(tl.float32)
     Dh = tl.load(D_ptr + h).to(tl.float32)
     dt_bias = tl.load(dtb_ptr + h).to(tl.float32)
+    if HAS_NORM:
+        # A weight: no kernel of the step writes it, so it is loaded with the state.
+        nw = tl.load(nw_ptr + ch_x, mask=p_mask, other=0.0).to(tl.float32)
     if PDL and STATE_READY:
         tl.extra.cuda.gdc_wait()
     dt = tl.load(dt_ptr + b64 * s_db + h * s_dh).to(tl.float32) + dt_bias
@@ -491,6 +497,12 @@ def _decode_step_kernel(
     y = tl.sum(s * Cv[None, :], axis=1) + Dh * x
     if HAS_Z:
         y = y * zv * tl.sigmoid(zv)
+    if HAS_NORM:
+        # The gated norm's statistics: this head's sum of g^2, g rounded as the unfused norm reads it,
+        # and g * norm_weight; the 1 / rms of the whole row is applied by the GEMV after (ref.py).
+        g = y.to(y_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(ss_ptr + b64 * s_qb + h * s_qh, tl.sum(tl.where(p_mask, g * g, 0.0), axis=0))
+        y = g * nw
     tl.store(y_ptr + b64 * s_yb + h * s_yh + offs_p * s_yp, y.to(y_ptr.dtype.element_ty), mask=p_mask)
 
     if arrived == (H // G) * tl.cdiv(P, BLOCK_P) - 1:
@@ -535,7 +547,7 @@ def decode_block_p(headdim):
 
 
 def mamba2_decode_step(xBC, dt, conv_state, conv_weight, conv_bias, ssm_state, A, D, dt_bias, *, ngroups, headdim,
-                       dt_limit=DEFAULT_DT_LIMIT, z=None, out=None, block_p=None, state_ready=False):
+                       dt_limit=DEFAULT_DT_LIMIT, z=None, out=None, block_p=None, state_ready=False, norm=None):
     """One fused token step (see ref.mamba2_decode_step); conv_state and ssm_state are updated in place.
 
     `state_ready=True` promises that ssm_state and conv_state were last written before a kernel
@@ -543,6 +555,9 @@ def mamba2_decode_step(xBC, dt, conv_state, conv_weight, conv_bias, ssm_state, A
     with sampling kernels launched without PDL), so under PDL the state tile and the conv windows are
     loaded before gdc_wait(), overlapping the in-projection GEMV before it. Without that promise (the
     default) a state written by the kernel just before would be read stale.
+
+    `norm=(norm_weight, sumsq)` (with z): as ref.mamba2_decode_step, one program a head (a `block_p`
+    below the head's P is refused).
 
     Launches one kernel and allocates nothing when `out` is given (after the first call for a given
     batch size and device, which creates the small semaphore reused from then on). `block_p` overrides
@@ -563,6 +578,13 @@ def mamba2_decode_step(xBC, dt, conv_state, conv_weight, conv_bias, ssm_state, A
         out = torch.empty(Bsz, H, P, device=xBC.device, dtype=xBC.dtype)
     zz = z if z is not None else out
     has_limit = tuple(dt_limit) != DEFAULT_DT_LIMIT
+    norm_args = {}
+    if norm is not None:
+        norm_weight, sumsq = check_decode_norm(norm, z, Bsz, H, P)
+        if block_p is not None and block_p < P:
+            raise ValueError(f"mamba2_decode_step: norm takes one program a head, block_p {block_p} < P {P}")
+        block_p = triton.next_power_of_2(P)
+        norm_args = dict(nw_ptr=norm_weight, ss_ptr=sumsq, s_qb=sumsq.stride(0), s_qh=sumsq.stride(1), HAS_NORM=True)
     block_p = block_p or decode_block_p(P)
     block_n = triton.next_power_of_2(N)
     use_pdl = step_pdl(xBC.device, Bsz)
@@ -575,5 +597,6 @@ def mamba2_decode_step(xBC, dt, conv_state, conv_weight, conv_bias, ssm_state, A
         H=H, P=P, G=G, N=N, W=W, BLOCK_P=block_p, BLOCK_N=block_n, BLOCK_W=triton.next_power_of_2(W),
         HAS_BIAS=conv_bias is not None, HAS_Z=z is not None, HAS_LIMIT=has_limit, PDL=use_pdl,
         STATE_READY=bool(state_ready), num_warps=4 if block_p * block_n <= 4096 else 8, launch_pdl=use_pdl,
+        **norm_args,
     )
     return out

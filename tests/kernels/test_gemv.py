@@ -356,6 +356,62 @@ def test_gemv_rms_norm_prologue_matches_the_pair(kind, M, N, K, nan_empty):
     assert rel(gemv_triton(x, w, b, config=NORM_KINDS.get(kind), rms_norm=(nw, 1e-5)), b.expand(M, N)) < 1e-6
 
 
+def scale_inputs(x, nw, parts):
+    """What a kernel before hands `rms_scale`: x * norm_weight rounded to x's dtype, and the row's sums
+    of x^2 in `parts` uneven pieces (float32)."""
+    cuts = torch.linspace(0, x.shape[1], parts + 1).long().tolist()
+    sumsq = torch.stack([x[:, a:b].float().square().sum(-1) for a, b in zip(cuts, cuts[1:])], -1)
+    return (x.float() * nw.float()).to(x.dtype), sumsq
+
+
+@pytest.mark.parametrize("kind", [None, *NORM_KINDS])
+@pytest.mark.parametrize("M,N,K,parts", [(1, 17, 150, 1), (3, 33, 201, 5), (2, 9, 64, 64)])
+def test_gemv_rms_scale_epilogue_matches_the_pair(kind, M, N, K, parts, nan_empty):
+    from kernels.gemv.triton import gemv_triton
+
+    torch.manual_seed(M + parts)
+    x, nw, w, b = rms_inputs(M, N, K)
+    xw, sumsq = scale_inputs(x, nw, parts)
+    got = gemv_triton(xw, w, b, config=NORM_KINDS.get(kind), rms_scale=(sumsq, 1e-5))
+    assert got.shape == (M, N) and got.dtype == w.dtype and not got.isnan().any()
+    assert rel(got, rms_pair(x, nw, w, b)) < 1e-5
+    # Every part counts (the last one given as much again as all of them), eps is used, and the bias
+    # is added after the scale.
+    sumsq[:, -1] += sumsq.sum(-1)
+    assert rel(gemv_triton(xw, w, b, config=NORM_KINDS.get(kind), rms_scale=(sumsq, 1e-5)), got) > 0.05
+    sumsq[:] = 0.0
+    want = gemv_ref(xw, w).float() * 1e-5 ** -0.5 + b
+    assert rel(gemv_triton(xw, w, b, config=NORM_KINDS.get(kind), rms_scale=(sumsq, 1e-5)), want) < 1e-5
+
+
+@pytest.mark.parametrize("impl", ["ref", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_scaled_linear_matches_the_norm_and_projection(impl, dtype):
+    torch.manual_seed(1)
+    x, nw, w, b = rms_inputs(2, 24, 96, dtype=dtype)
+    xw, sumsq = scale_inputs(x, nw, 4)
+    got = G_.rms_scaled_linear(xw, sumsq, 1e-5, w, b, impl=impl)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert got.dtype == dtype and rel(got, rms_pair(x.float(), nw.float(), w.float(), b.float())) < tol
+    with pytest.raises(ValueError, match="float32 sumsq"):
+        G_.rms_scaled_linear(xw, sumsq.double(), 1e-5, w, b, impl=impl)
+    with pytest.raises(ValueError, match="float32 sumsq"):
+        G_.rms_scaled_linear(xw, sumsq[:1], 1e-5, w, b, impl=impl)
+
+
+def test_gemv_rms_scale_refuses_bad_input():
+    from kernels.gemv.triton import gemv_triton
+
+    x, nw, w, b = rms_inputs(2, 8, 64)
+    _, sumsq = scale_inputs(x, nw, 2)
+    with pytest.raises(ValueError, match="float32 sumsq"):
+        gemv_triton(x, w, rms_scale=(sumsq[:1], 1e-5))
+    with pytest.raises(ValueError, match="pass one"):
+        gemv_triton(x, w, rms_scale=(sumsq, 1e-5), rms_norm=(nw, 1e-5))
+    with pytest.raises(ValueError, match="takes x \\[M, K\\]"):
+        gemv_triton(x[None], w, rms_scale=(sumsq, 1e-5), select=(0, 8))
+
+
 @pytest.mark.parametrize("kind", [None, *NORM_KINDS])
 @pytest.mark.parametrize("r_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("M,N,K", [(1, 17, 150), (3, 33, 201)])
@@ -470,6 +526,11 @@ def test_gpu_gemv_rms_norm_and_residual_bf16(M):
         rec = G_.residual_choices()[(M, N, K, "bfloat16", False, str(r_dtype).removeprefix("torch."))]
         assert rec["impl"] in ("triton", "torch") and rec["triton_us"] > 0 and rec["torch_us"] > 0
     assert rel(G_.rms_norm_linear(x, nw, 1e-5, w, impl="triton"), want) < 1e-2
+    xw, sumsq = scale_inputs(x, nw, 64)
+    for cfg in [c for c in CONFIGS if config_fits(c, M, K)]:
+        assert rel(gemv_triton(xw, w, config=cfg, rms_scale=(sumsq, 1e-5)), want) < 1e-2
+    assert rel(G_.rms_scaled_linear(xw, sumsq, 1e-5, w, impl="triton"), want) < 1e-2
+    assert G_.scaled_choices()[(M, N, K, "bfloat16", False)]["triton_us"] > 0
     rec = G_.rms_choices()[(M, N, K, "bfloat16", False, False)]
     assert rec["impl"] in ("triton", "torch") and rec["triton_us"] > 0 and rec["torch_us"] > 0
     wg = (torch.randn(2 * 4096, K, device=DEVICE) * K ** -0.5).to(torch.bfloat16)

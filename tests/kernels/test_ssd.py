@@ -197,6 +197,46 @@ def test_triton_decode_step_matches_ref(Bsz, H, P, G, N, gate, dt_limit, bias):
     assert torch.equal(results["triton"][1][..., :-1], args["conv_state"][..., 1:])
 
 
+@pytest.mark.parametrize("Bsz,H,P,G,N", [(1, 4, 16, 1, 16), (2, 6, 24, 3, 20)])
+@pytest.mark.parametrize("impl", ["ref", "triton"])
+def test_decode_step_norm_is_the_gated_rmsnorm(Bsz, H, P, G, N, impl):
+    """With norm=(weight, sumsq): the result times rsqrt(mean of the row's g^2 + eps) is the gated RMSNorm
+    of the plain step's output (one group), and sumsq holds each head's sum of the rounded g^2."""
+    from kernels import mamba2_norm
+
+    args, z = decode_inputs(Bsz, H, P, G, N, 4, seed=3)
+    nw = torch.randn(H * P, generator=torch.Generator().manual_seed(5)).to(DEV)
+    plain = {k: v.clone() for k, v in args.items()}
+    y = ssd.mamba2_decode_step(**plain, ngroups=G, headdim=P, impl="ref").reshape(Bsz, H * P)
+    want = mamba2_norm.gated_rmsnorm(y, z.reshape(Bsz, H * P), nw, H * P, 1e-5, impl="ref")
+    g_want = (y.float() * torch.nn.functional.silu(z.reshape(Bsz, H * P).float())).reshape(Bsz, H, P)
+
+    normed = {k: v.clone() for k, v in args.items()}
+    sumsq = torch.full((Bsz, H), float("nan"), device=DEV)
+    out = ssd.mamba2_decode_step(**normed, ngroups=G, headdim=P, z=z, impl=impl, norm=(nw, sumsq)).reshape(Bsz, H * P)
+    assert rel(sumsq, g_want.square().sum(-1)) < 1e-5
+    got = out.float() * torch.rsqrt(sumsq.sum(-1, keepdim=True) / (H * P) + 1e-5)
+    assert rel(got, want) < 1e-5
+    # The states move exactly as without the norm.
+    assert rel(normed["ssm_state"], plain["ssm_state"]) < 1e-6
+    assert torch.equal(normed["conv_state"], plain["conv_state"])
+
+
+def test_decode_step_norm_is_checked():
+    args, z = decode_inputs(1, 4, 16, 1, 16, 4)
+    nw = torch.ones(64, device=DEV)
+    for impl in ("ref", "triton"):
+        with pytest.raises(ValueError, match="needs z"):
+            ssd.mamba2_decode_step(**args, ngroups=1, headdim=16, impl=impl, norm=(nw, torch.zeros(1, 4, device=DEV)))
+        with pytest.raises(ValueError, match="float32 sumsq"):
+            ssd.mamba2_decode_step(**args, ngroups=1, headdim=16, z=z, impl=impl,
+                                   norm=(nw, torch.zeros(1, 8, device=DEV)))
+    from kernels.ssd import triton as tri
+
+    with pytest.raises(ValueError, match="one program a head"):
+        tri.mamba2_decode_step(**args, ngroups=1, headdim=16, z=z, block_p=8, norm=(nw, torch.zeros(1, 4, device=DEV)))
+
+
 @pytest.mark.parametrize("impl", ["ref", "triton"])
 @pytest.mark.parametrize("G", [1, 2])
 def test_decode_steps_match_conv_and_scan(impl, G):
