@@ -27,7 +27,9 @@ The model runs three ways, all through `kernels.ssd`:
   step also applies the gate and gathers the gated norm's statistics (each head's sum of squares; it
   returns the gated output times the norm weight), and out_proj applies the row's 1 / rms to its
   products (`kernels.gemv.rms_scaled_linear`); otherwise the gated norm goes with out_proj through
-  `kernels.gemv.gated_norm_linear`.
+  `kernels.gemv.gated_norm_linear`. With one sequence the residual add and pre-norm after each block
+  go the same way: out_proj's epilogue adds the residual and writes the next norm's statistics, and the next
+  in-projection (or the head) applies 1 / rms (`kernels.gemv.linear_residual_norm`).
   The projections and the head go through `kernels.gemv.linear` (the Triton GEMV where it measured
   faster than cuBLAS for that shape).
 """
@@ -176,21 +178,35 @@ class Mixer(nn.Module):
             self._decay_key = key
         return self._decay
 
-    def step(self, h, conv_state, ssm_state, impl: str, *, state_ready: bool = False):
-        """One token h [B, d]; conv_state [B, conv_dim, W-1] and ssm_state [B, H, P, N] updated in place.
+    def gate_in_step(self, rows: int, impl: str) -> bool:
+        """Whether a decode step of `rows` sequences applies the gate in the SSM step (see `step`)."""
+        return impl == "triton" and self.norm.group_size == self.config.d_inner and rows <= GATE_IN_STEP_ROWS
+
+    def step(self, h, conv_state, ssm_state, impl: str, *, state_ready: bool = False, h_scale=None, residual=None,
+             next_norm=None):
+        """One token h [B, d] -> out_proj's output [B, d]; conv_state [B, conv_dim, W-1] and ssm_state
+        [B, H, P, N] updated in place.
 
         z, xBC and dt stay strided views of the in-projection, read in place by the kernels.
-        `state_ready`: see `Mamba2LM.step`.
+        `state_ready`: see `Mamba2LM.step`. Where `gate_in_step`, the norms around the block may come
+        with the projections (`Mamba2LM.step`): `h_scale=(sumsq, eps)`: h is the residual times the
+        pre-norm's weight, sumsq the residual's partial sums of squares (the in-projection applies
+        1 / rms); `residual` and `next_norm`: the result is (residual + out, h, sumsq) for the next
+        norm, from out_proj's epilogue (`gemv.linear_residual_norm`).
         """
         c = self.config
-        z, xBC, dt = self.split(gemv.linear(h, self.in_proj.weight, self.in_proj.bias, impl=impl))
+        if h_scale is None:
+            zxbcdt = gemv.linear(h, self.in_proj.weight, self.in_proj.bias, impl=impl)
+        else:
+            zxbcdt = gemv.rms_scaled_linear(h, *h_scale, self.in_proj.weight, self.in_proj.bias, impl=impl)
+        z, xBC, dt = self.split(zxbcdt)
         # Triton path, one norm group, up to GATE_IN_STEP_ROWS sequences: the decode step applies the
         # gate, g = y * silu(z) (rounded to the model dtype, the one rounding the module does not do),
         # writes each head's sum of g^2 and returns g * norm_weight; out_proj scales its products by
         # the row's 1 / rms (`gemv.rms_scaled_linear`), so the norm launches no kernel of its own.
         # Otherwise the gate goes inside the gated norm, rmsnorm(y * silu(z)), with out_proj
         # (`gemv.gated_norm_linear`: the pair on the reference path).
-        gate_in_step = impl == "triton" and self.norm.group_size == c.d_inner and h.shape[0] <= GATE_IN_STEP_ROWS
+        gate_in_step = self.gate_in_step(h.shape[0], impl)
         sumsq = torch.empty(h.shape[0], c.nheads, device=h.device, dtype=torch.float32) if gate_in_step else None
         y = ssd.mamba2_decode_step(
             xBC,
@@ -210,8 +226,13 @@ class Mixer(nn.Module):
             state_ready=state_ready,
             norm=(self.norm.weight, sumsq) if gate_in_step else None,
         ).reshape(h.shape[0], c.d_inner)
+        if gate_in_step and residual is not None:
+            return gemv.linear_residual_norm(y, self.out_proj.weight, residual, next_norm.weight, self.out_proj.bias,
+                                             impl=impl, rms_scale=(sumsq, self.norm.eps))
         if gate_in_step:
             return gemv.rms_scaled_linear(y, sumsq, self.norm.eps, self.out_proj.weight, self.out_proj.bias, impl=impl)
+        if residual is not None or h_scale is not None:
+            raise ValueError("Mixer.step: h_scale / residual need the gate in the step (gate_in_step)")
         return gemv.gated_norm_linear(
             y, z, self.norm.weight, self.norm.eps, self.out_proj.weight,
             self.out_proj.bias, group_size=self.norm.group_size, impl=impl,
@@ -284,7 +305,10 @@ class Mamba2LM(nn.Module):
 
         The same blocks as `forward`, with each residual add fused into the norm that follows it (the
         next block's pre-norm, or norm_f): r = embed(tokens); h = norm_0(r); then per layer
-        r = r + mixer(h), h = norm_{i+1}(r).
+        r = r + mixer(h), h = norm_{i+1}(r). Where the mixer gates in its SSM step (one sequence on the
+        Triton path) the norms after the first launch nothing of their own: out_proj's epilogue writes
+        r, r * weight and r's partial sums of squares, and the next in-projection (or the head) applies
+        1 / rms (`gemv.linear_residual_norm`, `gemv.rms_scaled_linear`): 3 launches a layer.
 
         `state_ready=True` promises that `conv` and `ssm` were last written before a kernel launched
         without PDL (such as the sampling kernels that end a decoder's step), so each layer's step
@@ -295,6 +319,16 @@ class Mamba2LM(nn.Module):
         norms = [block.norm for block in layers] + [self.backbone.norm_f]
         table = self.backbone.embeddings.weight
         h, r = mamba2_norm.embed_rmsnorm(tokens, table, norms[0].weight, norms[0].eps, impl=impl)
+        if layers[0].mixer.gate_in_step(tokens.shape[0], impl):
+            # Every norm after the first comes with the projections around it: out_proj writes the
+            # residual, h = residual * weight and its partial sums of squares; the in-projection
+            # (or the head) applies 1 / rms (`Mixer.step`).
+            h_scale = None
+            for i, block in enumerate(layers):
+                r, h, sumsq = block.mixer.step(h, conv[i], ssm[i], impl, state_ready=state_ready, h_scale=h_scale,
+                                               residual=r, next_norm=norms[i + 1])
+                h_scale = (sumsq, norms[i + 1].eps)
+            return gemv.rms_scaled_linear(h, *h_scale, self.head_weight(), impl=impl)
         for i, block in enumerate(layers):
             out = block.mixer.step(h, conv[i], ssm[i], impl, state_ready=state_ready)
             h, r = mamba2_norm.add_rmsnorm(out, r, norms[i + 1].weight, norms[i + 1].eps, impl=impl)

@@ -110,14 +110,15 @@ def profile_step(decoder, *, ctx: int, batch: int, steps: int, seed: int = 0) ->
     path = critical_path(kernel_spans(prof), steps) if on_gpu else None
     rows = [{"name": name, "calls_per_step": calls / steps, "us_per_step": total / steps} for name, calls, total in kernel_times(prof, on_gpu)]
     # What `gemv.linear` and the fused GEMV ops picked per shape ("torch": cuBLAS, or the unfused pair), with
-    # every candidate's time: a step's GEMV kernels read with their choice. `extra` names a key's sixth field.
-    picks = [{"op": op, "M": key[0], "N": key[1], "K": key[2], "dtype": key[3], "bias": key[4], **dict(zip([extra], key[5:])), **rec}
-             for op, extra, table in (("linear", None, gemv.choices()), ("gated_norm_linear", None, gemv.norm_choices()),
-                                      ("act_linear", "act", gemv.act_choices()), ("swiglu_linear", None, gemv.swiglu_choices()),
-                                      ("rms_norm_linear", "swiglu", gemv.rms_choices()),
-                                      ("rms_scaled_linear", None, gemv.scaled_choices()),
-                                      ("linear_residual", "residual_dtype", gemv.residual_choices()),
-                                      ("select_linear", "row_splits", gemv.select_choices()))
+    # every candidate's time: a step's GEMV kernels read with their choice. `extra` names a key's fields after the fifth.
+    picks = [{"op": op, "M": key[0], "N": key[1], "K": key[2], "dtype": key[3], "bias": key[4], **dict(zip(extra, key[5:])), **rec}
+             for op, extra, table in (("linear", (), gemv.choices()), ("gated_norm_linear", (), gemv.norm_choices()),
+                                      ("act_linear", ("act",), gemv.act_choices()), ("swiglu_linear", (), gemv.swiglu_choices()),
+                                      ("rms_norm_linear", ("swiglu",), gemv.rms_choices()),
+                                      ("rms_scaled_linear", (), gemv.scaled_choices()),
+                                      ("linear_residual", ("residual_dtype",), gemv.residual_choices()),
+                                      ("linear_residual_norm", ("residual_dtype", "rms_scale"), gemv.residual_norm_choices()),
+                                      ("select_linear", ("row_splits",), gemv.select_choices()))
              for key, rec in table.items()]
     kernel_ms = sum(r["us_per_step"] for r in rows) / 1e3
     mem = decoder.memory(batch, ctx)

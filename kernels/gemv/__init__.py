@@ -39,12 +39,23 @@ accumulation. The grouped form runs G independent products in one launch: x `[G,
   and the projection after it. As `gated_norm_linear`: per shape the fastest of that pair and the GEMV
   with the norm in the same pass as the product (the statistics gathered as the x tiles load, 1 / rms
   applied to the sums: kernels/gemv/README.md); elsewhere the pair. `rms_choices()` is its `choices()`.
-- `rms_scaled_linear(x, sumsq, eps, weight, bias=None, *, impl) -> [M, N]`: the second half of an RMSNorm
-  whose statistics the kernel before gathered: x `[M, K]` is already g * norm_weight and sumsq `[M, S]`
-  (float32) holds partial sums of g^2 (Mamba-2's decode step writes one a head), so the result is
-  rsqrt(sumsq.sum(-1) / K + eps) * (x @ weight^T) + bias = linear(rmsnorm(g) * norm_weight). As
+- `rms_scaled_linear(x, sumsq, eps, weight, bias=None, *, impl) -> [M, N]`: the second half of an
+  RMSNorm whose statistics the kernel before gathered: x `[M, K]` is already g * norm_weight and
+  sumsq `[M, S]` (float32) holds partial sums of g^2 (Mamba-2's decode step writes one a head,
+  `linear_residual_norm` one per program), so the result is rsqrt(sumsq.sum(-1) / K + eps) * (x @
+  weight^T) + bias = linear(rmsnorm(g) * norm_weight). As
   `gated_norm_linear`: per shape the fastest of the pair (`linear` then the scale) and the GEMV that
   scales its products in the epilogue; elsewhere the pair. `scaled_choices()` is its `choices()`.
+- `linear_residual_norm(x, weight, residual, norm_weight, bias=None, *, impl, rms_scale=None) -> (r, h,
+  sumsq)`: r = `linear_residual(x, weight, residual, bias)`, and the first half
+  of the RMSNorm that reads r next: h = r * norm_weight in x's dtype, sumsq `[M, S]` float32 partial
+  sums of r^2, so that `rms_scaled_linear(h, sumsq, eps, W)` is `linear(rmsnorm(r), W)` with no norm
+  kernel between. `rms_scale=(sumsq, eps)`: x itself comes with its statistics (as
+  `rms_scaled_linear`'s). Per shape the fastest of the pair (the PyTorch ops, S = 1) and the GEMV that
+  writes r, h and its columns' sum of squares in its epilogue; elsewhere the pair.
+  `residual_norm_choices()` is its `choices()`. Mamba-2's batch-1 step runs its norms this way; llama's
+  keeps its norms inside the GEMV after them (`rms_norm_linear`), which measured faster there
+  (kernels/gemv/README.md).
 - `linear_residual(x, weight, residual, bias=None, *, impl, early_tiles=1) -> [M, N]`: `residual +
   linear(x, weight, bias)` in the residual's dtype (a decoder layer's residual add). Per shape the
   fastest of that pair and the GEMV that adds the residual in its epilogue; elsewhere the pair.
@@ -71,7 +82,7 @@ from kernels.gemv.ref import gemv_ref
 
 __all__ = ["gemv", "linear", "choices", "gated_norm_linear", "norm_choices", "act_linear", "act_choices",
            "swiglu_linear", "swiglu_choices", "rms_norm_linear", "rms_choices", "rms_scaled_linear",
-           "scaled_choices", "linear_residual",
+           "scaled_choices", "linear_residual_norm", "residual_norm_choices", "linear_residual",
            "residual_choices", "select_linear", "select_choices", "gemv_ref", "MAX_ROWS"]
 
 MAX_ROWS = 8
@@ -87,6 +98,8 @@ _SWIGLU_CHOICES: dict = {}
 _RMS_CHOICES: dict = {}
 # The same for `rms_scaled_linear`, "torch" standing for linear + the scale.
 _SCALED_CHOICES: dict = {}
+# The same for `linear_residual_norm` (key + the residual's dtype + rms_scale), "torch" the PyTorch ops.
+_RESIDUAL_NORM_CHOICES: dict = {}
 # The same for `linear_residual` (key + the residual's dtype), "torch" standing for linear + the add.
 _RESIDUAL_CHOICES: dict = {}
 # The same for `select_linear` (key + the row splits), "torch" standing for F.linear + the gather.
@@ -146,6 +159,12 @@ def scaled_choices() -> dict:
     return _records(_SCALED_CHOICES)
 
 
+def residual_norm_choices() -> dict:
+    """`linear_residual_norm`'s choice per (M, N, K, dtype, has_bias, residual dtype, rms_scale) so far,
+    as `choices()` ("torch": the PyTorch ops)."""
+    return _records(_RESIDUAL_NORM_CHOICES)
+
+
 def residual_choices() -> dict:
     """`linear_residual`'s choice per (M, N, K, dtype, has_bias, residual dtype) so far, as `choices()`
     ("torch": `linear` + the add)."""
@@ -169,7 +188,7 @@ def _graph_us(call, weights) -> float:
 def _choose(x2, weight, bias, key, baseline=None, table=_CHOICES, **fused):
     """Time every Triton configuration that fits this shape and F.linear (or `baseline(w)`) the same
     way; keep the fastest. The Triton candidates run with `fused` (`gemv_triton`'s norm= / rms_norm= /
-    rms_scale= / act= / swiglu= / residual= / select=)."""
+    rms_scale= / act= / swiglu= / residual= / norm_out= / select=)."""
     from kernels.gemv.triton import CONFIGS, config_fits, config_name, gemv_triton, select_align
 
     M, N, K = key[:3]
@@ -266,23 +285,64 @@ def rms_norm_linear(x, norm_weight, eps, weight, bias=None, *, impl, swiglu=Fals
                           early_tiles=early_tiles, rms_norm=(norm_weight, eps), swiglu=swiglu)
 
 
+def _check_sumsq(x, sumsq, caller):
+    if sumsq.dim() != 2 or sumsq.shape[0] != x.shape[0] or sumsq.shape[1] == 0 or sumsq.dtype != torch.float32:
+        raise ValueError(f"{caller}: needs a float32 sumsq [M, S] for x {tuple(x.shape)}, got {tuple(sumsq.shape)} "
+                         f"{sumsq.dtype}")
+
+
+def _rms_scale(prod, sumsq, eps, K):
+    """The pair's scale: prod [M, N] (any dtype) times rsqrt(sumsq.sum(-1) / K + eps), float32."""
+    return prod.float() * torch.rsqrt(sumsq.sum(-1, keepdim=True) / K + eps)
+
+
 def rms_scaled_linear(x, sumsq, eps, weight, bias=None, *, impl):
     """rsqrt(sumsq.sum(-1) / K + eps) * (x @ weight^T) + bias: x `[M, K]` (g * norm_weight), sumsq `[M, S]`
     float32 (partial sums of g^2), weight `[N, K]` -> `[M, N]` in x's dtype. See the module docstring."""
     check_impl(impl)
-    if (x.dim() != 2 or weight.dim() != 2 or x.shape[-1] != weight.shape[-1] or sumsq.dim() != 2
-            or sumsq.shape[0] != x.shape[0] or sumsq.shape[1] == 0 or sumsq.dtype != torch.float32):
-        raise ValueError(f"rms_scaled_linear: needs x [M, K], float32 sumsq [M, S] and weight [N, K], got "
-                         f"{tuple(x.shape)}, {tuple(sumsq.shape)} {sumsq.dtype} and {tuple(weight.shape)}")
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[-1] != weight.shape[-1]:
+        raise ValueError(f"rms_scaled_linear: needs x [M, K] and weight [N, K], got {tuple(x.shape)} and "
+                         f"{tuple(weight.shape)}")
+    _check_sumsq(x, sumsq, "rms_scaled_linear")
 
     def pair(w):
-        prod = F.linear(x, w) if impl == "ref" else linear(x, w, impl=impl)
-        out = prod.float() * torch.rsqrt(sumsq.sum(-1, keepdim=True) / x.shape[-1] + eps)
+        out = _rms_scale(F.linear(x, w) if impl == "ref" else linear(x, w, impl=impl), sumsq, eps, x.shape[-1])
         return (out if bias is None else out + bias.float()).to(x.dtype)
 
     if not _fusable(x, weight, bias, impl):
         return pair(weight)
     return _fused_or_pair(x, weight, bias, _key(x, weight, bias), _SCALED_CHOICES, pair, rms_scale=(sumsq, eps))
+
+
+def linear_residual_norm(x, weight, residual, norm_weight, bias=None, *, impl, rms_scale=None):
+    """(r, h, sumsq): r = residual + linear(x, weight, bias) `[M, N]` in the residual's dtype (the product
+    rounded to x's dtype first, with `rms_scale=(sumsq_x, eps)` scaled as `rms_scaled_linear`'s), h = r *
+    norm_weight `[M, N]` in x's dtype and sumsq `[M, S]` float32 partial sums of r^2. See the module
+    docstring."""
+    check_impl(impl)
+    if (x.dim() != 2 or weight.dim() != 2 or x.shape[-1] != weight.shape[-1]
+            or tuple(residual.shape) != (x.shape[0], weight.shape[0]) or tuple(norm_weight.shape) != (weight.shape[0],)):
+        raise ValueError(f"linear_residual_norm: needs x [M, K], weight [N, K], residual [M, N] and norm_weight [N], "
+                         f"got {tuple(x.shape)}, {tuple(weight.shape)}, {tuple(residual.shape)} and "
+                         f"{tuple(norm_weight.shape)}")
+    if rms_scale is not None:
+        _check_sumsq(x, rms_scale[0], "linear_residual_norm")
+
+    def pair(w):
+        if rms_scale is None:
+            prod = F.linear(x, w, bias) if impl == "ref" else linear(x, w, bias, impl=impl)
+        else:
+            prod = rms_scaled_linear(x, *rms_scale, w, bias, impl=impl)
+        r = (residual.float() + prod.float()).to(residual.dtype)
+        h = (r.float() * norm_weight.float()).to(x.dtype)
+        return r, h, r.float().square().sum(-1, keepdim=True)
+
+    if not (_fusable(x, weight, bias, impl) and residual.stride(-1) == 1 and residual.is_floating_point()
+            and not (torch.is_grad_enabled() and (residual.requires_grad or norm_weight.requires_grad))):
+        return pair(weight)
+    key = (*_key(x, weight, bias), str(residual.dtype).removeprefix("torch."), rms_scale is not None)
+    return _fused_or_pair(x, weight, bias, key, _RESIDUAL_NORM_CHOICES, pair, residual=residual,
+                          norm_out=norm_weight, rms_scale=rms_scale)
 
 
 def linear_residual(x, weight, residual, bias=None, *, impl, early_tiles=1):
@@ -394,7 +454,7 @@ def _key(x, weight, bias):
 
 def _fused_or_pair(x, weight, bias, key, table, pair, *, timed_pair=None, early_tiles=1, **fused):
     """The GEMV with `fused` (`gemv_triton`'s norm= / rms_norm= / rms_scale= / act= / swiglu= / residual= /
-    select=) or `pair(weight)`, whichever `table` records as faster for `key`. The first call of a key
+    norm_out= / select=) or `pair(weight)`, whichever `table` records as faster for `key`. The first call of a key
     outside capture measures both: the pair as `timed_pair()` (default: `pair`) per weight copy, after
     one call of it that lets `linear` measure its own shape outside any graph. During capture an
     unmeasured key runs the pair."""

@@ -38,6 +38,10 @@ products by rsqrt(sum / K + eps) before the bias (split-K: before storing its pa
 RESIDUAL (constexpr; `gemv_triton(..., residual=r)`, G == 1): the output is r + x @ W^T in r's dtype,
 the product (+ bias) rounded to W's dtype first, then added in float32, as `r + F.linear(x, W, b)`
 rounds it (the decoder layer's residual add, in the epilogue). `out` may be r itself.
+NORM_OUT (with RESIDUAL; `gemv_triton(..., residual=r, norm_out=(norm_weight, h, sumsq))`): the
+epilogue also writes the next RMSNorm's first half for the new residual: h = new * norm_weight (h's
+dtype) and each program's sum of new^2 over its columns into sumsq[:, pid_n], which the GEMV that
+reads h takes as `rms_scale` (NORM 3), so no norm kernel runs between the two.
 
 ACT (constexpr; `gemv_triton(..., act="sqrelu")`, G == 1): x is relu(input)^2, computed as each x
 tile is loaded (no statistics, so no extra pass).
@@ -195,8 +199,9 @@ def _store_out(res, out_rows, offs_n, pid_n, o_mask, m_mask, N, BLOCK_M: tl.cons
     rows are gate and up pairs) write silu(gate) * up [BLOCK_M, BLOCK_N / 2] instead, rounded as the
     unfused pair rounds it: both products to the output dtype, silu(gate) to it, the product to it.
     With RESIDUAL write r + res (r: the residual's tile, loaded, float32), res rounded to `prod_dt`
-    (W's dtype) first, the sum to the output dtype."""
+    (W's dtype) first, the sum to the output dtype, and return the sum as stored (float32, for NORM_OUT)."""
     dt = out_rows.dtype.element_ty
+    stored = res
     if SWIGLU:
         gate, up = tl.split(tl.reshape(res, (BLOCK_M, BLOCK_N // 2, 2)))
         gate = gate.to(dt).to(tl.float32)
@@ -205,9 +210,21 @@ def _store_out(res, out_rows, offs_n, pid_n, o_mask, m_mask, N, BLOCK_M: tl.cons
         oj = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         tl.store(out_rows + oj[None, :], y, mask=m_mask[:, None] & (oj < N // 2)[None, :])
     elif RESIDUAL:
-        tl.store(out_rows + offs_n[None, :], (r + res.to(prod_dt).to(tl.float32)).to(dt), mask=o_mask)
+        new = (r + res.to(prod_dt).to(tl.float32)).to(dt)
+        tl.store(out_rows + offs_n[None, :], new, mask=o_mask)
+        stored = new.to(tl.float32)
     else:
         tl.store(out_rows + offs_n[None, :], res.to(dt), mask=o_mask)
+    return stored
+
+
+@triton.jit
+def _store_norm_out(new, nwo, h_rows, so_rows, offs_n, pid_n, o_mask, m_mask):
+    """NORM_OUT: the next RMSNorm's first half for the columns offs_n of the new residual `new`
+    [BLOCK_M, BLOCK_N] (float32, as stored): h = new * norm_weight in h's dtype, and the columns' sum of
+    new^2 into the rows' partial sums at index pid_n (`rms_scale` of the GEMV that reads h)."""
+    tl.store(h_rows + offs_n[None, :], (new * nwo[None, :]).to(h_rows.dtype.element_ty), mask=o_mask)
+    tl.store(so_rows + pid_n, tl.sum(tl.where(o_mask, new * new, 0.0), axis=1), mask=m_mask)
 
 
 @triton.jit
@@ -221,6 +238,7 @@ def _gemv_kernel(
     LOOP_STAGES: tl.constexpr = None, PDL: tl.constexpr = False, PDL_TILES: tl.constexpr = 1,
     NORM: tl.constexpr = 0, ACT: tl.constexpr = 0, SWIGLU: tl.constexpr = False, RESIDUAL: tl.constexpr = False,
     SELECT: tl.constexpr = 0, PARTS: tl.constexpr = 1, PARTS_POW2: tl.constexpr = 1,
+    h_ptr=None, nwo_ptr=None, so_ptr=None, stride_hm=0, stride_som=0, NORM_OUT: tl.constexpr = False,
 ):
     # tl.dot needs at least 16 rows: x is padded with masked (zero) rows.
     BLOCK_M: tl.constexpr = 16 if DOT and M_POW2 < 16 else M_POW2
@@ -299,10 +317,16 @@ def _gemv_kernel(
     o_mask = m_mask[:, None] & n_mask[None, :]
     r_rows = r_ptr + offs_m[:, None] * stride_rm
     r = 0.0
+    nwo = 0.0
+    if NORM_OUT:
+        h_rows = h_ptr + offs_m[:, None] * stride_hm
+        so_rows = so_ptr + offs_m * stride_som
     if RESIDUAL and SPLIT_K == 1:
         # why: loaded here, not in the epilogue, so the load overlaps the K loop instead of adding a
         # memory round trip after it
         r = tl.load(r_rows + offs_n[None, :], mask=o_mask, other=0.0).to(tl.float32)
+        if NORM_OUT:
+            nwo = tl.load(nwo_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     for k0 in tl.range(k_start, k_hi, BLOCK_K, num_stages=LOOP_STAGES):
         k = k0 + offs_k
         k_mask = k < k_hi
@@ -328,7 +352,9 @@ def _gemv_kernel(
             res *= tl.rsqrt(ss / K + eps)[:, None]
         if HAS_BIAS:
             res += tl.load(b_ptr + g * stride_bg + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        _store_out(res, out_rows, offs_n, pid_n, o_mask, m_mask, N, BLOCK_M, BLOCK_N, SWIGLU, RESIDUAL, r, prod_dt)
+        new = _store_out(res, out_rows, offs_n, pid_n, o_mask, m_mask, N, BLOCK_M, BLOCK_N, SWIGLU, RESIDUAL, r, prod_dt)
+        if NORM_OUT:
+            _store_norm_out(new, nwo, h_rows, so_rows, offs_n, pid_n, o_mask, m_mask)
     else:
         # Partials [SPLIT_K, G, M, N], float32; with NORM then the sums of squares [SPLIT_K, n blocks, M].
         mn = offs_m[:, None] * N + offs_n[None, :]
@@ -357,10 +383,15 @@ def _gemv_kernel(
             if HAS_BIAS:
                 total += tl.load(b_ptr + g * stride_bg + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
             r_last = r
+            nwo_last = nwo
             if RESIDUAL:
                 r_last = tl.load(r_rows + offs_n[None, :], mask=o_mask, other=0.0).to(tl.float32)
-            _store_out(total, out_rows, offs_n, pid_n, o_mask, m_mask, N, BLOCK_M, BLOCK_N, SWIGLU, RESIDUAL, r_last,
-                       prod_dt)
+                if NORM_OUT:
+                    nwo_last = tl.load(nwo_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            new = _store_out(total, out_rows, offs_n, pid_n, o_mask, m_mask, N, BLOCK_M, BLOCK_N, SWIGLU, RESIDUAL,
+                             r_last, prod_dt)
+            if NORM_OUT:
+                _store_norm_out(new, nwo_last, h_rows, so_rows, offs_n, pid_n, o_mask, m_mask)
 
 
 def _autotune_bench(fn, quantiles):
@@ -476,7 +507,7 @@ def _check_select(x, weight, row_splits):
 
 
 def gemv_triton(x, weight, bias=None, *, out=None, config=None, norm=None, rms_norm=None, rms_scale=None, act=None,
-                swiglu=False, residual=None, early_tiles=1, select=None):
+                swiglu=False, residual=None, norm_out=None, early_tiles=1, select=None):
     """See `kernels.gemv.gemv`. `config` (a `triton.Config` of CONFIGS or a dict with META keys and
     optional num_warps / num_stages) launches that configuration instead of the autotuned one.
 
@@ -494,7 +525,10 @@ def gemv_triton(x, weight, bias=None, *, out=None, config=None, norm=None, rms_n
     `kernels.swiglu.silu_mul` of the product, [M, I], computed in the epilogue; x [M, K] only.
     `residual=r` ([M, N], any float dtype, not with swiglu): the result is r + the product in r's
     dtype (module docstring); `out` may be r itself when `config` is given (autotuning would run
-    the launch more than once).
+    the launch more than once). `norm_out=norm_weight` ([N], with residual and a `config`): the result is
+    (out, h, sumsq), h `[M, N]` in x's dtype the new residual times norm_weight and sumsq `[M, S]` float32
+    the partial sums of its squares, one per program's columns (S = cdiv(N, BLOCK_N)): what
+    `rms_scale` of the next GEMV takes.
 
     `select=row_splits` (S + 1 host ints rising from 0 to N): x is [S, M, K] and the output [M, N]
     takes columns row_splits[i]:row_splits[i + 1] from input i and those weight rows (module
@@ -553,6 +587,14 @@ def gemv_triton(x, weight, bias=None, *, out=None, config=None, norm=None, rms_n
                              f"without swiglu; got {tuple(residual.shape)}")
         if out is not None and out.data_ptr() == residual.data_ptr() and config is None:
             raise ValueError("gemv: writing the residual in place needs a config (autotuning reruns the launch)")
+    if norm_out is not None:
+        if residual is None or config is None:
+            raise ValueError("gemv: norm_out needs a residual and a config (its partial sums follow BLOCK_N)")
+        if tuple(norm_out.shape) != (N,) or not norm_out.is_floating_point():
+            raise ValueError(f"gemv: norm_out must be a norm weight [{N}], got {tuple(norm_out.shape)} {norm_out.dtype}")
+        n_parts = triton.cdiv(N, _as_config(config).kwargs["BLOCK_N"])
+        h_out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+        sumsq_out = torch.empty(M, n_parts, dtype=torch.float32, device=x.device)
     if out is None:
         out = torch.empty(out_shape, dtype=x.dtype if residual is None else residual.dtype, device=x.device)
     if tuple(out.shape) != out_shape or out.stride(-1) != 1:
@@ -562,6 +604,9 @@ def gemv_triton(x, weight, bias=None, *, out=None, config=None, norm=None, rms_n
         raise ValueError(f"gemv: bias must be {[G, N] if grouped else [N]}, got {tuple(bias.shape)}")
     if has_bias and bias.stride(-1) != 1:
         bias = bias.contiguous()
+    if M == 0 or N == 0 or G == 0 or K == 0:
+        if norm_out is not None:
+            raise ValueError("gemv: norm_out needs M, N and K > 0")
     if M == 0 or N == 0 or G == 0:
         return out
     if K == 0:
@@ -600,6 +645,9 @@ def gemv_triton(x, weight, bias=None, *, out=None, config=None, norm=None, rms_n
     if rms_scale is not None:
         parts = rms_scale[0].shape[1]
         consts.update(PARTS=parts, PARTS_POW2=triton.next_power_of_2(parts))
+    if norm_out is not None:
+        consts.update(h_ptr=h_out, nwo_ptr=norm_out.contiguous(), so_ptr=sumsq_out, stride_hm=h_out.stride(0),
+                      stride_som=sumsq_out.stride(0), NORM_OUT=True)
     if config is None:
         def grid(meta):
             return triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"], G
@@ -612,6 +660,8 @@ def gemv_triton(x, weight, bias=None, *, out=None, config=None, norm=None, rms_n
         grid = (triton.cdiv(N, kw["BLOCK_N"]), kw["SPLIT_K"], G)
         _gemv_kernel[grid](*args, **consts, **kw, num_warps=config.num_warps, num_stages=config.num_stages,
                            launch_pdl=use_pdl)
+    if norm_out is not None:
+        return out, h_out, sumsq_out
     return out
 
 

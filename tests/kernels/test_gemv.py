@@ -399,6 +399,68 @@ def test_rms_scaled_linear_matches_the_norm_and_projection(impl, dtype):
         G_.rms_scaled_linear(xw, sumsq[:1], 1e-5, w, b, impl=impl)
 
 
+@pytest.mark.parametrize("kind", [None, *NORM_KINDS])
+@pytest.mark.parametrize("r_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M,N,K", [(1, 17, 150), (3, 33, 201)])
+def test_gemv_norm_out_epilogue_feeds_rms_scale(kind, r_dtype, M, N, K, nan_empty):
+    """residual + norm_out writes r, h = r * w and per-program sums of r^2 that `rms_scale` turns into
+    rmsnorm(r) * w for the GEMV after; with rms_scale on its own x as well (Mamba-2's out_proj)."""
+    from kernels.gemv.triton import CONFIGS, _as_config, gemv_triton
+
+    torch.manual_seed(M + N)
+    cfg = NORM_KINDS.get(kind, CONFIGS[0])
+    x, nw, w, b = rms_inputs(M, N, K)
+    r = torch.randn(M, N, device=DEVICE).to(r_dtype)
+    nw_next = torch.rand(N, device=DEVICE) + 0.5
+    w_next = torch.randn(7, N, device=DEVICE) * N ** -0.5
+    for scale in (False, True):
+        xw, sumsq = scale_inputs(x, nw, 3)
+        fused = dict(rms_scale=(sumsq, 1e-5)) if scale else {}
+        prod = rms_pair(x, nw, w, b) if scale else gemv_ref(x, w, b)
+        want_r = (r.float() + prod.float()).to(r_dtype)
+        new, h, ss = gemv_triton(xw if scale else x, w, b, config=cfg, residual=r, norm_out=nw_next, **fused)
+        assert ss.shape == (M, -(-N // _as_config(cfg).kwargs["BLOCK_N"])) and ss.dtype == torch.float32
+        assert new.dtype == r_dtype and rel(new, want_r) < (1e-5 if r_dtype == torch.float32 else 1e-2)
+        assert rel(ss.sum(-1), new.float().square().sum(-1)) < 1e-6
+        assert h.dtype == x.dtype and rel(h, new.float() * nw_next) < 1e-6
+        got = gemv_triton(h, w_next, config=cfg, rms_scale=(ss, 1e-5))
+        assert rel(got, rms_pair(new.float(), nw_next, w_next, None)) < 1e-5
+
+
+def test_gemv_norm_out_refuses_bad_input():
+    from kernels.gemv.triton import CONFIGS, gemv_triton
+
+    x, nw, w, b = rms_inputs(2, 8, 64)
+    r = torch.zeros(2, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="needs a residual and a config"):
+        gemv_triton(x, w, residual=r, norm_out=nw[:8])
+    with pytest.raises(ValueError, match="needs a residual and a config"):
+        gemv_triton(x, w, config=CONFIGS[0], norm_out=nw[:8])
+    with pytest.raises(ValueError, match="norm weight \\[8\\]"):
+        gemv_triton(x, w, config=CONFIGS[0], residual=r, norm_out=nw)
+
+
+@pytest.mark.parametrize("impl", ["ref", "triton"])
+@pytest.mark.parametrize("r_dtype", [torch.float32, torch.bfloat16])
+def test_linear_residual_norm_then_rms_scaled_linear_is_the_sublayer(impl, r_dtype):
+    """Two ops for r += W x; rmsnorm(r) @ W2; on the CPU the pairs."""
+    torch.manual_seed(2)
+    x, nw, w, b = rms_inputs(2, 24, 96)
+    r = torch.randn(2, 24, device=DEVICE).to(r_dtype)
+    nw_next = torch.rand(24, device=DEVICE) + 0.5
+    w_next = torch.randn(10, 24, device=DEVICE) * 24 ** -0.5
+    new, h, ss = G_.linear_residual_norm(x, w, r, nw_next, b, impl=impl)
+    want_r = (r.float() + gemv_ref(x, w, b).float()).to(r_dtype)
+    assert rel(new, want_r) < (1e-5 if r_dtype == torch.float32 else 1e-2)
+    got = G_.rms_scaled_linear(h, ss, 1e-5, w_next, impl=impl)
+    assert rel(got, rms_pair(new.float(), nw_next, w_next, None)) < 1e-5
+    xw, sumsq = scale_inputs(x, nw, 4)
+    new2, _, _ = G_.linear_residual_norm(xw, w, r, nw_next, b, impl=impl, rms_scale=(sumsq, 1e-5))
+    assert rel(new2, (r.float() + rms_pair(x, nw, w, b).float()).to(r_dtype)) < (1e-5 if r_dtype == torch.float32 else 1e-2)
+    with pytest.raises(ValueError, match="norm_weight \\[N\\]"):
+        G_.linear_residual_norm(x, w, r, nw, impl=impl)
+
+
 def test_gemv_rms_scale_refuses_bad_input():
     from kernels.gemv.triton import gemv_triton
 
@@ -531,6 +593,22 @@ def test_gpu_gemv_rms_norm_and_residual_bf16(M):
         assert rel(gemv_triton(xw, w, config=cfg, rms_scale=(sumsq, 1e-5)), want) < 1e-2
     assert rel(G_.rms_scaled_linear(xw, sumsq, 1e-5, w, impl="triton"), want) < 1e-2
     assert G_.scaled_choices()[(M, N, K, "bfloat16", False)]["triton_us"] > 0
+    # The residual's norm from the epilogue (bf16 and float32 residuals), for every configuration, into the
+    # next GEMV.
+    nw_next = (torch.rand(N, device=DEVICE) + 0.5).to(torch.bfloat16)
+    w2 = (torch.randn(1024, N, device=DEVICE) * N ** -0.5).to(torch.bfloat16)
+    for r_dtype in (torch.bfloat16, torch.float32):
+        r = torch.randn(M, N, device=DEVICE, dtype=r_dtype)
+        want_r = (r.float() + gemv_ref(x, w).float()).to(r_dtype)
+        want_n = rms_pair(want_r.float(), nw_next.float(), w2.float(), None)
+        for cfg in [c for c in CONFIGS if config_fits(c, M, K)]:
+            new, h, ss = gemv_triton(x, w, config=cfg, residual=r, norm_out=nw_next)
+            assert new.dtype == r_dtype and rel(new, want_r) < 1e-2
+            assert rel(gemv_triton(h, w2, config=cfg, rms_scale=(ss, 1e-5)), want_n) < 1e-2
+        new, h, ss = G_.linear_residual_norm(x, w, r, nw_next, impl="triton")
+        assert rel(new, want_r) < 1e-2
+        assert rel(G_.rms_scaled_linear(h, ss, 1e-5, w2, impl="triton"), want_n) < 1e-2
+    assert G_.residual_norm_choices()[(M, N, K, "bfloat16", False, "bfloat16", False)]["triton_us"] > 0
     rec = G_.rms_choices()[(M, N, K, "bfloat16", False, False)]
     assert rec["impl"] in ("triton", "torch") and rec["triton_us"] > 0 and rec["torch_us"] > 0
     wg = (torch.randn(2 * 4096, K, device=DEVICE) * K ** -0.5).to(torch.bfloat16)
