@@ -195,6 +195,9 @@ class Mixer(nn.Module):
         norm, from out_proj's epilogue (`gemv.linear_residual_norm`).
         """
         c = self.config
+        gate_in_step = self.gate_in_step(h.shape[0], impl)
+        if (residual is not None or h_scale is not None) and not gate_in_step:
+            raise ValueError("Mixer.step: h_scale / residual need the gate in the step (gate_in_step)")
         if h_scale is None:
             zxbcdt = gemv.linear(h, self.in_proj.weight, self.in_proj.bias, impl=impl)
         else:
@@ -206,7 +209,6 @@ class Mixer(nn.Module):
         # the row's 1 / rms (`gemv.rms_scaled_linear`), so the norm launches no kernel of its own.
         # Otherwise the gate goes inside the gated norm, rmsnorm(y * silu(z)), with out_proj
         # (`gemv.gated_norm_linear`: the pair on the reference path).
-        gate_in_step = self.gate_in_step(h.shape[0], impl)
         sumsq = torch.empty(h.shape[0], c.nheads, device=h.device, dtype=torch.float32) if gate_in_step else None
         y = ssd.mamba2_decode_step(
             xBC,
@@ -231,8 +233,6 @@ class Mixer(nn.Module):
                                              impl=impl, rms_scale=(sumsq, self.norm.eps))
         if gate_in_step:
             return gemv.rms_scaled_linear(y, sumsq, self.norm.eps, self.out_proj.weight, self.out_proj.bias, impl=impl)
-        if residual is not None or h_scale is not None:
-            raise ValueError("Mixer.step: h_scale / residual need the gate in the step (gate_in_step)")
         return gemv.gated_norm_linear(
             y, z, self.norm.weight, self.norm.eps, self.out_proj.weight,
             self.out_proj.bias, group_size=self.norm.group_size, impl=impl,

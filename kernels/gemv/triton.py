@@ -38,10 +38,10 @@ products by rsqrt(sum / K + eps) before the bias (split-K: before storing its pa
 RESIDUAL (constexpr; `gemv_triton(..., residual=r)`, G == 1): the output is r + x @ W^T in r's dtype,
 the product (+ bias) rounded to W's dtype first, then added in float32, as `r + F.linear(x, W, b)`
 rounds it (the decoder layer's residual add, in the epilogue). `out` may be r itself.
-NORM_OUT (with RESIDUAL; `gemv_triton(..., residual=r, norm_out=(norm_weight, h, sumsq))`): the
-epilogue also writes the next RMSNorm's first half for the new residual: h = new * norm_weight (h's
-dtype) and each program's sum of new^2 over its columns into sumsq[:, pid_n], which the GEMV that
-reads h takes as `rms_scale` (NORM 3), so no norm kernel runs between the two.
+NORM_OUT (with RESIDUAL; `gemv_triton(..., residual=r, norm_out=norm_weight)`, which then returns
+(out, h, sumsq)): the epilogue also writes the next RMSNorm's first half for the new residual: h =
+new * norm_weight (x's dtype) and each program's sum of new^2 over its columns into sumsq[:, pid_n],
+which the GEMV that reads h takes as `rms_scale` (NORM 3), so no norm kernel runs between the two.
 
 ACT (constexpr; `gemv_triton(..., act="sqrelu")`, G == 1): x is relu(input)^2, computed as each x
 tile is loaded (no statistics, so no extra pass).

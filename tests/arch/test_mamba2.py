@@ -189,6 +189,29 @@ def test_step_equals_unfused_blocks_ref():
     assert torch.equal(conv, conv2) and torch.equal(ssm, ssm2)
 
 
+@torch.inference_mode()
+def test_step_triton_one_sequence_equals_the_blocks():
+    """One sequence on the Triton path (the interpreter on the CPU): the norms' statistics come from
+    the SSM step and out_proj's epilogue, 1 / rms is applied by the GEMV after; the logits and states
+    equal the reference blocks'. Passing those statistics where the gate is not in the step is refused
+    before any state moves."""
+    dec = decoders.load("mamba2-tiny", device="cpu", dtype="float32", impl="ref", seed=3)
+    model, c = dec.model, dec.config
+    tokens = torch.tensor([77])
+    conv = torch.randn(c.n_layer, 1, c.conv_dim, c.d_conv - 1)
+    ssm = torch.randn(c.n_layer, 1, c.nheads, c.headdim, c.d_state)
+    conv2, ssm2 = conv.clone(), ssm.clone()
+    logits = model.step(tokens, conv, ssm, "triton")
+    want = model.step(tokens, conv2, ssm2, "ref")
+    for got, ref in ((logits, want), (conv, conv2), (ssm, ssm2)):
+        assert ((got - ref).norm() / ref.norm()).item() < 1e-4
+    mixer = model.backbone.layers[0].mixer
+    before = ssm2[0].clone()
+    with pytest.raises(ValueError, match="gate in the step"):
+        mixer.step(torch.zeros(1, c.d_model), conv2[0], ssm2[0], "ref", residual=torch.zeros(1, c.d_model))
+    assert torch.equal(ssm2[0], before)
+
+
 def test_ref_training_forward_equals_the_config_chunk_and_unfused_norm(monkeypatch):
     """The reference path trains with chunks of at most REF_CHUNK and a fused rms_norm in the gated norm:
     logits and every parameter's gradient equal those of the config's chunk (256 here) and the explicit
