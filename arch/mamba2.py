@@ -23,11 +23,11 @@ The model runs three ways, all through `kernels.ssd`:
   the rows `rows` of the batched state buffers; returns the last position's hidden state;
 - `step(tokens [B], conv, ssm)`: one token per sequence, both states updated in place; its norms go
   through `kernels.mamba2_norm` (one launch each on the Triton path: embedding + pre-norm, residual add +
-  pre-norm). On the Triton path with one norm group and one sequence (`GATE_IN_STEP_ROWS`) the decode
-  step also applies the gate and gathers the gated norm's statistics (each head's sum of squares; it
+  pre-norm). On the Triton path with one norm group and up to two sequences (`GATE_IN_STEP_ROWS`) the
+  decode step also applies the gate and gathers the gated norm's statistics (each head's sum of squares; it
   returns the gated output times the norm weight), and out_proj applies the row's 1 / rms to its
   products (`kernels.gemv.rms_scaled_linear`); otherwise the gated norm goes with out_proj through
-  `kernels.gemv.gated_norm_linear`. With one sequence the residual add and pre-norm after each block
+  `kernels.gemv.gated_norm_linear`. There the residual add and pre-norm after each block
   go the same way: out_proj's epilogue adds the residual and writes the next norm's statistics, and the next
   in-projection (or the head) applies 1 / rms (`kernels.gemv.linear_residual_norm`).
   The projections and the head go through `kernels.gemv.linear` (the Triton GEMV where it measured
@@ -47,11 +47,13 @@ from arch.checkpoint import CheckpointError, assign_weights, config_from_dict, l
 from arch.llama import RMSNorm
 from kernels import gemv, mamba2_norm, ssd
 
-# Sequences up to which the Triton decode step applies the gate in the SSM step and runs the RMSNorm of
-# the gated output with out_proj (`Mixer.step`): faster at one (mamba2-1.3b step at 4k 1091 -> 1051 us,
-# then with the statistics from the SSM step 1022-1028 -> 992-995 us), slower at four and sixteen
-# (1617 -> 1675 us, 2685 -> 3070 us; results/step_ab.jsonl).
-GATE_IN_STEP_ROWS = 1
+# Sequences up to which the Triton decode step applies the gate in the SSM step and the norms' statistics
+# come with the projections (`Mixer.step`, `Mamba2LM.step`). Graphed mamba2-1.3b steps at 4k
+# (results/step_ab.jsonl): with the plain RMSNorm kernel before out_proj, faster at one (1091 -> 1051 us),
+# slower at four and sixteen (1617 -> 1675, 2685 -> 3070); with the statistics from the SSM step and
+# out_proj's epilogue (`gate_rows`, e4d4587): 1394-1397 -> 1338 us at two, 1575 -> 1735-1737 at four,
+# 1930-1933 -> 2135 at eight.
+GATE_IN_STEP_ROWS = 2
 
 # Largest chunk of the reference SSD scan (impl="ref", the training path; the Triton path uses the config's
 # chunk_size). Its intermediates cost about H (L + P N / L) floats per token, the [L, L] decays against the
@@ -305,10 +307,11 @@ class Mamba2LM(nn.Module):
 
         The same blocks as `forward`, with each residual add fused into the norm that follows it (the
         next block's pre-norm, or norm_f): r = embed(tokens); h = norm_0(r); then per layer
-        r = r + mixer(h), h = norm_{i+1}(r). Where the mixer gates in its SSM step (one sequence on the
-        Triton path) the norms after the first launch nothing of their own: out_proj's epilogue writes
-        r, r * weight and r's partial sums of squares, and the next in-projection (or the head) applies
-        1 / rms (`gemv.linear_residual_norm`, `gemv.rms_scaled_linear`): 3 launches a layer.
+        r = r + mixer(h), h = norm_{i+1}(r). Where the mixer gates in its SSM step (up to
+        `GATE_IN_STEP_ROWS` sequences on the Triton path) the norms after the first launch nothing of
+        their own: out_proj's epilogue writes r, r * weight and r's partial sums of squares, and the next
+        in-projection (or the head) applies 1 / rms (`gemv.linear_residual_norm`,
+        `gemv.rms_scaled_linear`): 3 launches a layer.
 
         `state_ready=True` promises that `conv` and `ssm` were last written before a kernel launched
         without PDL (such as the sampling kernels that end a decoder's step), so each layer's step

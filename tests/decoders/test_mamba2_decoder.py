@@ -151,12 +151,13 @@ def test_memory_model_is_exact_and_context_free():
 
 
 @pytest.mark.skipif(not TRITON_SSD.exists(), reason="kernels/ssd/triton.py is not written yet")
-@pytest.mark.parametrize("lens", [[37, 20], [37]])
+@pytest.mark.parametrize("lens", [[37, 20, 5], [37, 20], [37]])
 def test_triton_equals_ref_whole_model(lens):
-    """Two sequences, and one: then the Triton step gates in the SSM step (`arch.mamba2.GATE_IN_STEP_ROWS`)."""
-    assert mamba2.GATE_IN_STEP_ROWS == 1
+    """Three sequences, two and one: up to two the Triton step gates in the SSM step and the norms'
+    statistics come with the projections (`arch.mamba2.GATE_IN_STEP_ROWS`)."""
+    assert mamba2.GATE_IN_STEP_ROWS == 2
     ref, tri = tiny("ref"), tiny("triton")
-    tokens = random_tokens((2, 70), seed=9)
+    tokens = random_tokens((3, 70), seed=9)
     assert rel(tri.logits(tokens), ref.logits(tokens)) < 1e-4
     prompts = [tokens[i, :n].tolist() for i, n in enumerate(lens)]
     a, b = tri.generate(prompts, max_new_tokens=4), ref.generate(prompts, max_new_tokens=4)
@@ -200,12 +201,13 @@ class LaunchCount(TorchDispatchMode):
 
 @torch.inference_mode()
 def test_triton_step_launches_five_kernels_per_layer(monkeypatch):
-    """Embedding + norm, then per layer in_proj, decode step, gated norm, out_proj, add + norm; the head."""
+    """Above `GATE_IN_STEP_ROWS` sequences: embedding + norm, then per layer in_proj, decode step, gated
+    norm, out_proj, add + norm; the head."""
     from kernels.mamba2_norm import triton as norm_tri
 
     dec = tiny("triton", dtype="bfloat16")
-    cache = dec.new_cache([3, 3], 8)
-    tokens = torch.tensor([5, 9])
+    cache = dec.new_cache([3, 3, 3], 8)
+    tokens = torch.tensor([5, 9, 2])
     dec.decode_forward(cache, tokens, None)
     with LaunchCount(monkeypatch, type(norm_tri._gated_rmsnorm_kernel)) as count:
         dec.decode_forward(cache, tokens, None)
