@@ -291,11 +291,6 @@ def _check_sumsq(x, sumsq, caller):
                          f"{sumsq.dtype}")
 
 
-def _rms_scale(prod, sumsq, eps, K):
-    """The pair's scale: prod [M, N] (any dtype) times rsqrt(sumsq.sum(-1) / K + eps), float32."""
-    return prod.float() * torch.rsqrt(sumsq.sum(-1, keepdim=True) / K + eps)
-
-
 def rms_scaled_linear(x, sumsq, eps, weight, bias=None, *, impl):
     """rsqrt(sumsq.sum(-1) / K + eps) * (x @ weight^T) + bias: x `[M, K]` (g * norm_weight), sumsq `[M, S]`
     float32 (partial sums of g^2), weight `[N, K]` -> `[M, N]` in x's dtype. See the module docstring."""
@@ -306,7 +301,8 @@ def rms_scaled_linear(x, sumsq, eps, weight, bias=None, *, impl):
     _check_sumsq(x, sumsq, "rms_scaled_linear")
 
     def pair(w):
-        out = _rms_scale(F.linear(x, w) if impl == "ref" else linear(x, w, impl=impl), sumsq, eps, x.shape[-1])
+        prod = F.linear(x, w) if impl == "ref" else linear(x, w, impl=impl)
+        out = prod.float() * torch.rsqrt(sumsq.sum(-1, keepdim=True) / x.shape[-1] + eps)
         return (out if bias is None else out + bias.float()).to(x.dtype)
 
     if not _fusable(x, weight, bias, impl):

@@ -590,6 +590,8 @@ def gemv_triton(x, weight, bias=None, *, out=None, config=None, norm=None, rms_n
     if norm_out is not None:
         if residual is None or config is None:
             raise ValueError("gemv: norm_out needs a residual and a config (its partial sums follow BLOCK_N)")
+        if min(M, N, K) == 0:
+            raise ValueError("gemv: norm_out needs M, N and K > 0")
         if tuple(norm_out.shape) != (N,) or not norm_out.is_floating_point():
             raise ValueError(f"gemv: norm_out must be a norm weight [{N}], got {tuple(norm_out.shape)} {norm_out.dtype}")
         n_parts = triton.cdiv(N, _as_config(config).kwargs["BLOCK_N"])
@@ -604,9 +606,6 @@ def gemv_triton(x, weight, bias=None, *, out=None, config=None, norm=None, rms_n
         raise ValueError(f"gemv: bias must be {[G, N] if grouped else [N]}, got {tuple(bias.shape)}")
     if has_bias and bias.stride(-1) != 1:
         bias = bias.contiguous()
-    if M == 0 or N == 0 or G == 0 or K == 0:
-        if norm_out is not None:
-            raise ValueError("gemv: norm_out needs M, N and K > 0")
     if M == 0 or N == 0 or G == 0:
         return out
     if K == 0:
