@@ -1,7 +1,9 @@
 """Test configuration: Triton kernels run under the interpreter when no GPU is present, tests
-marked `gpu` (bf16 on the real kernels, CUDA graphs, long sequences) are skipped there, and the
-`nan_empty` fixture poisons what kernels allocate."""
+marked `gpu` (bf16 on the real kernels, CUDA graphs, long sequences) are skipped there, tests
+marked `interpreter` (the Triton path on CPU tensors, which only the interpreter can run) are
+skipped where a GPU is present, and the `nan_empty` fixture poisons what kernels allocate."""
 
+import inspect
 import os
 
 import pytest
@@ -13,10 +15,11 @@ if not torch.cuda.is_available():
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+        marker, skip = "interpreter", pytest.mark.skip(reason="Triton on CPU tensors: the interpreter's test (the gpu tests run here)")
+    else:
+        marker, skip = "gpu", pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
-        if "gpu" in item.keywords:
+        if marker in item.keywords:
             item.add_marker(skip)
 
 
@@ -30,3 +33,19 @@ def nan_empty(monkeypatch):
         return t.fill_(float("nan")) if t.is_floating_point() else t
 
     monkeypatch.setattr(torch, "empty", poisoned)
+
+
+@pytest.fixture
+def hf_mamba2_groups():
+    """`check(ngroups)` skips a comparison with transformers' Mamba-2 at more than one group when the
+    installed release normalises the gated output over all of d_inner at once: mamba-ssm, and this
+    lab, normalise each group of d_inner / ngroups (transformers' `MambaRMSNormGated` took a
+    `group_size` later). At one group the two agree."""
+
+    def check(ngroups):
+        from transformers.models.mamba2 import modeling_mamba2
+
+        if ngroups > 1 and "group_size" not in inspect.signature(modeling_mamba2.MambaRMSNormGated).parameters:
+            pytest.skip("this transformers normalises Mamba-2's gated output over all groups at once (mamba-ssm: per group)")
+
+    return check

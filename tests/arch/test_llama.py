@@ -146,6 +146,7 @@ def test_fused_projections_are_the_only_copy_of_the_weights():
     assert own == sum(t.numel() for t in tensors.values())
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("case", ["qwen2-bias", "llama-gqa-untied"])
 def test_triton_path_matches_transformers(tmp_path, case):
     """The fused path (q/k/v bias, untied head) gives HF's logits at prefill and at a decode step."""

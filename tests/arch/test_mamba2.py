@@ -41,7 +41,8 @@ def load_ref(folder):
 
 
 @pytest.mark.parametrize("ngroups,tie", [(1, True), (2, False)])
-def test_hf_checkpoint_logits_match_transformers_ref(tmp_path, ngroups, tie):
+def test_hf_checkpoint_logits_match_transformers_ref(tmp_path, ngroups, tie, hf_mamba2_groups):
+    hf_mamba2_groups(ngroups)
     model = hf_model(ngroups, tie)
     model.save_pretrained(tmp_path)
     dec = load_ref(tmp_path)
@@ -78,7 +79,8 @@ def state_spaces_folder(model, folder, multiple=16):
 
 
 @pytest.mark.parametrize("ngroups", [1, 2])
-def test_state_spaces_layout_matches_transformers_ref(tmp_path, ngroups):
+def test_state_spaces_layout_matches_transformers_ref(tmp_path, ngroups, hf_mamba2_groups):
+    hf_mamba2_groups(ngroups)
     model = hf_model(ngroups, tie=True, seed=2)
     folder = state_spaces_folder(model, tmp_path / "ss")
     dec = load_ref(folder)
@@ -189,6 +191,7 @@ def test_step_equals_unfused_blocks_ref():
     assert torch.equal(conv, conv2) and torch.equal(ssm, ssm2)
 
 
+@pytest.mark.interpreter
 @torch.inference_mode()
 def test_step_triton_one_sequence_equals_the_blocks():
     """One sequence on the Triton path (the interpreter on the CPU): the norms' statistics come from

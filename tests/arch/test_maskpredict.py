@@ -69,7 +69,7 @@ def test_segments_keep_the_prompt_from_seeing_the_continuation():
         torch.testing.assert_close(model.hidden(tokens, segments=torch.zeros_like(tokens)), model.hidden(tokens), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("impl", ["ref", "triton"])
+@pytest.mark.parametrize("impl", ["ref", pytest.param("triton", marks=pytest.mark.interpreter)])
 def test_paged_hidden_ref_and_triton_match_contiguous_forward(impl):
     model = tiny_model()
     lens = [13, 5, 20]

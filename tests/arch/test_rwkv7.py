@@ -92,6 +92,7 @@ def test_ref_training_forward_equals_the_chunk_reference(monkeypatch):
         assert rel(g, want_grads[name]) < 1e-4, name
 
 
+@pytest.mark.interpreter
 @torch.inference_mode()
 def test_triton_matches_ref_in_model():
     ref = decoders.load("rwkv7-tiny", impl="ref", device="cpu", seed=3)
@@ -104,6 +105,7 @@ def test_triton_matches_ref_in_model():
     assert g_tri.tokens == g_ref.tokens
 
 
+@pytest.mark.interpreter
 @torch.inference_mode()
 @pytest.mark.parametrize("select_rows,cross_rows", [(rwkv7.SELECT_ROWS, rwkv7.CROSS_ROWS), (0, rwkv7.CROSS_ROWS), (0, 0)])
 def test_fused_triton_step_matches_ref_step(monkeypatch, select_rows, cross_rows):
@@ -124,6 +126,7 @@ def test_fused_triton_step_matches_ref_step(monkeypatch, select_rows, cross_rows
     assert rel(states[1][0], states[0][0]) < 1e-5 and rel(states[1][1], states[0][1]) < 1e-5
 
 
+@pytest.mark.interpreter
 def test_fused_step_packs_weights_as_views_and_repacks_after_a_move(tmp_path):
     model = tiny_model(seed=10)
     before = {k: v.clone() for k, v in model.state_dict().items()}

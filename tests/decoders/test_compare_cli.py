@@ -64,7 +64,8 @@ def test_a_folder_that_is_not_a_checkpoint(tmp_path):
 
 def test_tiny_sweep_end_to_end(tmp_path):
     plot = tmp_path / "scaling.png"
-    result = run_cli("--models", "llama-tiny", "--ctx", "256..1k", "--new-tokens", "8", "--plot", str(plot), tmp_path=tmp_path)
+    result = run_cli("--models", "llama-tiny", "--ctx", "256..1k", "--new-tokens", "8", "--plot", str(plot), "--device", "cpu",
+                     tmp_path=tmp_path)
     assert result.returncode == 0, result.stderr
     lines = (tmp_path / "out.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines]

@@ -109,7 +109,7 @@ def test_prefill_resumed_from_saved_state_equals_one_pass_ref():
     assert rel(resumed.ssm, whole.ssm) < 1e-5 and rel(resumed.conv, whole.conv) < 1e-5
 
 
-def test_hf_generate_matches_token_for_token_ref(tmp_path):
+def test_hf_generate_matches_token_for_token_ref(tmp_path, hf_mamba2_groups):
     from transformers import Mamba2Config, Mamba2ForCausalLM
 
     torch.manual_seed(4)
@@ -117,6 +117,7 @@ def test_hf_generate_matches_token_for_token_ref(tmp_path):
         vocab_size=100, hidden_size=64, num_hidden_layers=2, state_size=16, head_dim=16, num_heads=8, n_groups=2,
         expand=2, chunk_size=16, tie_word_embeddings=True, bos_token_id=0, eos_token_id=1, pad_token_id=1,
     )
+    hf_mamba2_groups(config.n_groups)
     model = Mamba2ForCausalLM(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -150,6 +151,7 @@ def test_memory_model_is_exact_and_context_free():
     assert untied.memory(3, 100).step_read_bytes == untied_weights - c.vocab_size * c.d_model * 4 + state
 
 
+@pytest.mark.interpreter
 @pytest.mark.skipif(not TRITON_SSD.exists(), reason="kernels/ssd/triton.py is not written yet")
 @pytest.mark.parametrize("lens", [[37, 20, 5], [37, 20], [37]])
 def test_triton_equals_ref_whole_model(lens):
@@ -199,6 +201,7 @@ class LaunchCount(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.mark.interpreter
 @torch.inference_mode()
 def test_triton_step_launches_five_kernels_per_layer(monkeypatch):
     """Above `GATE_IN_STEP_ROWS` sequences: embedding + norm, then per layer in_proj, decode step, gated

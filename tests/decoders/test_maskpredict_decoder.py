@@ -243,7 +243,7 @@ def check_passes_against_forward(dec, prompts, N, tol=1e-4):
     return passes
 
 
-@pytest.mark.parametrize("impl", ["ref", "triton"])
+@pytest.mark.parametrize("impl", ["ref", pytest.param("triton", marks=pytest.mark.interpreter)])
 def test_cached_prefix_equals_recomputing_it(impl):
     dec = decoders.load("maskpredict-tiny", device="cpu", impl=impl, rule="low-confidence", iterations=2, block_length=4)
     # A 20-token prompt spans two pages and shares its last page with the canvas.

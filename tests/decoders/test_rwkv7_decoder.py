@@ -118,6 +118,7 @@ def test_bad_prefill_chunk_is_usage_error():
         load(prefill_chunk=0)
 
 
+@pytest.mark.interpreter
 def test_triton_generates_twice_inside_the_callers_inference_mode():
     """A model built inside inference mode has inference-tensor parameters; packing them for the fused
     step must keep them so (it once turned them into normal tensors, and the next prefill failed)."""

@@ -6,13 +6,14 @@ import torch
 from decoders.sampling import Sampling, filtered_probs, sample
 
 
-@pytest.mark.parametrize("impl", ["ref", "triton"])
+@pytest.mark.parametrize("impl", ["ref", pytest.param("triton", marks=pytest.mark.interpreter)])
 def test_greedy_is_the_first_argmax(impl):
     logits = torch.randint(-3, 3, (4, 5000)).float()  # many ties: the first maximum must win
     logits[1, 4999] = 9
     assert torch.equal(sample(logits, Sampling(), impl=impl), logits.argmax(-1))
 
 
+@pytest.mark.interpreter
 def test_triton_sampling_draws_what_the_reference_draws():
     logits = torch.randn(3, 3000)
     s = Sampling(temperature=0.8, top_k=50, top_p=0.9)

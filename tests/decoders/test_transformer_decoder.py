@@ -85,6 +85,7 @@ def test_memory_counts_weights_and_kv(dec):
     assert mem.step_read_bytes == dec.weight_bytes() + 2 * 100 * kv_token
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("prompts", [[list(range(3, 40)), [7, 8, 9]], [list(range(5, 30))]])
 def test_triton_path_equals_the_reference(prompts):
     """Two sequences: norm kernels fused with the residual adds; one (one row a decode step,

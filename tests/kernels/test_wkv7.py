@@ -15,6 +15,9 @@ from kernels.wkv7.triton import wkv7_chunk_triton, wkv7_step_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.gpu
+# The public `wkv7_chunk` runs its dots in tf32 on the GPU (the interpreter computes in float32): the
+# relative error a float32 comparison through it allows there.
+CHUNK_TOL = 1e-4 if DEVICE == "cpu" else 2e-3
 
 
 def rel(x, y):
@@ -59,7 +62,7 @@ def test_chunk_triton_matches_ref(T, K, V, with_h0):
     B, H = 2, 2
     out = torch.full((B, T, H, V), float("nan"), device=DEVICE)
     state = torch.full((B, H, K, V), float("nan"), device=DEVICE)
-    o, s = wkv7_chunk_triton(*x, scale=0.7, initial_state=h0, out=out, final_state=state)
+    o, s = wkv7_chunk_triton(*x, scale=0.7, initial_state=h0, out=out, final_state=state, precision="ieee")
     o_ref, s_ref = wkv7_recurrent_ref(*x, scale=0.7, initial_state=h0)
     assert not o.isnan().any() and not s.isnan().any()
     assert rel(o, o_ref) < 1e-4
@@ -70,10 +73,10 @@ def test_chunk_triton_matches_ref(T, K, V, with_h0):
 def test_chunk_triton_other_chunks_and_segments(chunk_size):
     x, h0 = make(1, 77, 2, 16, 16, seed=chunk_size)
     o_ref, s_ref = wkv7_recurrent_ref(*x, initial_state=h0)
-    o, s = wkv7_chunk_triton(*x, initial_state=h0, chunk_size=chunk_size)
+    o, s = wkv7_chunk_triton(*x, initial_state=h0, chunk_size=chunk_size, precision="ieee")
     assert rel(o, o_ref) < 1e-4 and rel(s, s_ref) < 1e-4
     # why: a tiny segment budget forces one chunk per segment, exercising the state carried across segments
-    o, s = wkv7_chunk_triton(*x, initial_state=h0, chunk_size=chunk_size, segment_floats=1)
+    o, s = wkv7_chunk_triton(*x, initial_state=h0, chunk_size=chunk_size, segment_floats=1, precision="ieee")
     assert rel(o, o_ref) < 1e-4 and rel(s, s_ref) < 1e-4
 
 
@@ -89,7 +92,7 @@ def test_chunk_triton_variants_match_ref(pass2, solve, T, K, V, C):
         out = torch.full((2, T, 2, V), float("nan"), device=DEVICE)
         state = torch.full((2, 2, K, V), float("nan"), device=DEVICE)
         o, s = wkv7_chunk_triton(*x, scale=0.7, initial_state=h0, chunk_size=C, out=out, final_state=state,
-                                 pass2=pass2, solve=solve, segment_floats=seg)
+                                 pass2=pass2, solve=solve, segment_floats=seg, precision="ieee")
         assert rel(o, o_ref) < 1e-4 and rel(s, s_ref) < 1e-4
 
 
@@ -97,7 +100,7 @@ def test_chunk_triton_variants_match_ref(pass2, solve, T, K, V, C):
 def test_chunk_triton_variants_state_handoff(pass2):
     T, split = 41, 23
     x, h0 = make(1, T, 2, 16, 16, seed=split)
-    kw = dict(pass2=pass2, solve="doubling")
+    kw = dict(pass2=pass2, solve="doubling", precision="ieee")
     o_all, s_all = wkv7_chunk_triton(*x, initial_state=h0, **kw)
     o1, s1 = wkv7_chunk_triton(*(y[:, :split] for y in x), initial_state=h0, **kw)
     o2, s2 = wkv7_chunk_triton(*(y[:, split:] for y in x), initial_state=s1, **kw)
@@ -114,8 +117,9 @@ def test_state_handoff(impl, split):
     o_all, s_all = wkv7_chunk(*x, initial_state=h0, impl=impl)
     o1, s1 = wkv7_chunk(*(y[:, :split] for y in x), initial_state=h0, impl=impl)
     o2, s2 = wkv7_chunk(*(y[:, split:] for y in x), initial_state=s1, impl=impl)
-    assert rel(torch.cat([o1, o2], 1), o_all) < 1e-5
-    assert rel(s2, s_all) < 1e-5
+    tol = 1e-5 if impl == "ref" or DEVICE == "cpu" else CHUNK_TOL
+    assert rel(torch.cat([o1, o2], 1), o_all) < tol
+    assert rel(s2, s_all) < tol
 
 
 @pytest.mark.parametrize("B,H,K,V", [(1, 2, 16, 16), (3, 2, 32, 16), (2, 3, 24, 20)])
@@ -159,8 +163,9 @@ def test_step_token_by_token_equals_chunk(impl):
     o_steps = []
     for t in range(T):
         o_steps.append(wkv7_step(*(y[:, t] for y in x), state, scale=0.5, impl=impl, out=out).clone())
-    assert rel(torch.stack(o_steps, 1), o_chunk) < 1e-4
-    assert rel(state, s_chunk) < 1e-4
+    tol = 1e-4 if impl == "ref" else CHUNK_TOL
+    assert rel(torch.stack(o_steps, 1), o_chunk) < tol
+    assert rel(state, s_chunk) < tol
 
 
 def test_impl_must_be_resolved():
