@@ -25,6 +25,9 @@ def test_record_lists_the_gemv_choices(monkeypatch):
     """The picks of kernels.gemv (made on a GPU; none on the CPU) come out one row per shape."""
     from kernels import gemv
 
+    # empty tables, as in a fresh process (earlier tests on a GPU leave their picks in them)
+    for name in [n for n in vars(gemv) if n.endswith("_CHOICES")]:
+        monkeypatch.setattr(gemv, name, {})
     dec = decoders.load("llama-tiny", impl="ref", device="cpu")
     assert profile.profile_step(dec, ctx=32, batch=1, steps=1)["gemv_choices"] == []
     pick = {"impl": "triton", "torch_us": 6.0, "triton_us": 4.5, "triton_config": "fma n4 k1024", "times_us": {"torch": 6.0}}
