@@ -13,9 +13,10 @@ It alone takes a `PDL` constexpr (`kernels.pdl`, launched with launch_pdl, up to
 sequences): gdc_launch_dependents() and gdc_wait() before its first load, so the states, windows and
 semaphore are touched only after the previous kernel has finished; with `state_ready=True`
 (constexpr STATE_READY) the SSM state tile, the conv windows, the conv weights and the per-head
-constants are loaded before the wait (see `mamba2_decode_step`). With `norm=` (constexpr HAS_NORM) it
-also writes each head's sum of squares of the gated output and multiplies that output by the norm
-weight, so the RMSNorm after it needs no kernel of its own (`kernels.gemv.rms_scaled_linear`).
+constants are loaded, and the window's semaphore taken, before the wait (see `mamba2_decode_step`).
+With `norm=` (constexpr HAS_NORM) it also writes each head's sum of squares of the gated output and
+multiplies that output by the norm weight, so the RMSNorm after it needs no kernel of its own
+(`kernels.gemv.rms_scaled_linear`).
 
 Base offsets are int64 (a 512k-token prompt times H*P overflows int32); in-tile offsets stay int32.
 """
@@ -466,7 +467,20 @@ def _decode_step_kernel(
     if HAS_NORM:
         # A weight: no kernel of the step writes it, so it is loaded with the state.
         nw = tl.load(nw_ptr + ch_x, mask=p_mask, other=0.0).to(tl.float32)
-    if PDL and STATE_READY:
+
+    # 2. The group's B/C window is read by every program of (b, g): the last of them to arrive on the
+    #    semaphore (which it then resets) shifts it, so a program arrives only after its window loads.
+    #    Every thread's loads are ordered before the arrival by the barrier and the acq_rel atomic (PTX
+    #    memory model: bar.sync synchronises the program's threads, the release is cumulative), so no
+    #    load can see the last arriver's store, even one still in flight. With STATE_READY under PDL a
+    #    program arrives before its wait, where the atomic's round trip overlaps the kernel before (the
+    #    semaphore belongs to this layer's window alone: `_semaphore`); otherwise after this token's
+    #    conv, where all its loads are in flight before the atomic stalls the program.
+    counter = sem_ptr + b * G + g
+    EARLY: tl.constexpr = PDL and STATE_READY
+    if EARLY:
+        tl.debug_barrier()
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel")
         tl.extra.cuda.gdc_wait()
     dt = tl.load(dt_ptr + b64 * s_db + h * s_dh).to(tl.float32) + dt_bias
     if HAS_Z:
@@ -475,13 +489,9 @@ def _decode_step_kernel(
     Bv, B_win = _conv_token(xbc_row, ch_B, n_mask, s_xc, B_old, B_nxt, B_w, B_cb, W, BLOCK_W)
     Cv, C_win = _conv_token(xbc_row, ch_C, n_mask, s_xc, C_old, C_nxt, C_w, C_cb, W, BLOCK_W)
 
-    # 2. All threads of the program have their window values; from here on windows may be written.
-    #    The group's B/C window is read by every program of (b, g): the last of them to arrive on the
-    #    semaphore (which it then resets) shifts it. Arriving before this program's own stores keeps
-    #    the release from waiting on them.
-    tl.debug_barrier()
-    counter = sem_ptr + b * G + g
-    arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+    if not EARLY:
+        tl.debug_barrier()
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel")
     cdt = cst_ptr.dtype.element_ty
     # The x channels belong to this program alone.
     tl.store(cst_row + ch_x[:, None] * s_cc + offs_w[None, :] * s_ck, x_win.to(cdt), mask=p_mask[:, None] & w_mask)
@@ -514,15 +524,17 @@ def _decode_step_kernel(
         tl.atomic_xchg(counter, 0, sem="relaxed")
 
 
-# One int32 semaphore per (batch row, group), kept per device and size and never freed, so a
-# CUDA graph that captured a decode step keeps pointing at live memory. Every call leaves it zero.
+# One int32 semaphore per (batch row, group) of each conv_state (a layer's window: the steps of two
+# layers may overlap under PDL, and their programs arrive before their wait), kept per device, window
+# address and size and never freed, so a CUDA graph that captured a decode step keeps pointing at live
+# memory. Every call leaves it zero.
 _SEMAPHORES = {}
 
 
-def _semaphore(device, n):
-    key = (str(device), n)
+def _semaphore(conv_state, n):
+    key = (str(conv_state.device), conv_state.data_ptr(), n)
     if key not in _SEMAPHORES:
-        _SEMAPHORES[key] = torch.zeros(n, dtype=torch.int32, device=device)
+        _SEMAPHORES[key] = torch.zeros(n, dtype=torch.int32, device=conv_state.device)
     return _SEMAPHORES[key]
 
 
@@ -553,14 +565,15 @@ def mamba2_decode_step(xBC, dt, conv_state, conv_weight, conv_bias, ssm_state, A
     `state_ready=True` promises that ssm_state and conv_state were last written before a kernel
     launched without PDL (in a decode step: by this layer's step in the previous step, which ended
     with sampling kernels launched without PDL), so under PDL the state tile and the conv windows are
-    loaded before gdc_wait(), overlapping the in-projection GEMV before it. Without that promise (the
-    default) a state written by the kernel just before would be read stale.
+    loaded, and the window's semaphore taken, before gdc_wait(), overlapping the in-projection GEMV
+    before it. Without that promise (the default) a state written by the kernel just before would be
+    read stale.
 
     `norm=(norm_weight, sumsq)` (with z): as ref.mamba2_decode_step, one program a head (a `block_p`
     below the head's P is refused).
 
     Launches one kernel and allocates nothing when `out` is given (after the first call for a given
-    batch size and device, which creates the small semaphore reused from then on). `block_p` overrides
+    conv_state and batch size, which creates its small semaphore, reused from then on). `block_p` overrides
     `decode_block_p` (the benchmark sweeps it).
     """
     Bsz, Cdim = xBC.shape
@@ -590,7 +603,7 @@ def mamba2_decode_step(xBC, dt, conv_state, conv_weight, conv_bias, ssm_state, A
     use_pdl = step_pdl(xBC.device, Bsz)
     _decode_step_kernel[(Bsz, H, triton.cdiv(P, block_p))](
         xBC, dt, conv_state, conv_weight, conv_bias if conv_bias is not None else conv_weight, ssm_state,
-        A, D, dt_bias, zz, out, _semaphore(xBC.device, Bsz * G),
+        A, D, dt_bias, zz, out, _semaphore(conv_state, Bsz * G),
         *xBC.stride(), *dt.stride(), *conv_state.stride(), *conv_weight.stride(),
         *ssm_state.stride(), *zz.stride(), *out.stride(),
         float(dt_limit[0]), float(dt_limit[1]) if has_limit else 0.0,

@@ -408,7 +408,9 @@ def test_write_kv_pdl_path(monkeypatch):
 
 def _ssd_step(G, state_ready, watch_state=None, batch=2):
     """make() for one Mamba-2 decode step. The SSM state and the conv window are watched unless
-    state_ready (the promise: no kernel just before wrote them); `watch_state` overrides that."""
+    state_ready (the promise: no kernel just before wrote them); `watch_state` overrides that. The
+    window's semaphore is watched unless state_ready: with the promise the step takes it before its
+    wait."""
     watch_state = not state_ready if watch_state is None else watch_state
     st = kmod("ssd")
     Bsz, H, P, N, W = batch, 4, 16, 16, 4
@@ -421,14 +423,14 @@ def _ssd_step(G, state_ready, watch_state=None, batch=2):
         conv_w, conv_b = torch.randn(Cdim, W, generator=g) * 0.5, torch.randn(Cdim, generator=g) * 0.1
         A, Dh, dt_bias = -torch.rand(H, generator=g), torch.randn(H, generator=g), torch.randn(H, generator=g) - 2
         z = torch.randn(Bsz, H, P, generator=g)
-        sem = st._semaphore(xBC.device, Bsz * G)
+        sem = st._semaphore(conv_state, Bsz * G)
 
         def run():
             y = st.mamba2_decode_step(xBC, dt, conv_state, conv_w, conv_b, ssm_state, A, Dh, dt_bias, ngroups=G,
                                       headdim=P, z=z, state_ready=state_ready)
             return [y, conv_state, ssm_state, sem]
 
-        return run, (xBC, dt, *((conv_state, ssm_state) if watch_state else ()), z, sem)
+        return run, (xBC, dt, *((conv_state, ssm_state) if watch_state else ()), *(() if state_ready else (sem,)), z)
 
     return make
 
