@@ -19,9 +19,10 @@ The model runs three ways, all through `kernels.ssd`:
 
 - `forward(tokens [B, T])`: one parallel forward from zero state, logits [B, T, V] (also the training
   path: with impl="ref" it is autograd through the reference scan, in chunks of at most REF_CHUNK);
-- `forward_chunk(tokens [b, T], conv, ssm, rows)`: a prefill chunk that starts from, and writes back,
-  the rows `rows` of the batched state buffers; returns the last position's hidden state;
-- `step(tokens [B], conv, ssm)`: one token per sequence, both states updated in place; its norms go
+- `forward_chunk(tokens [b, T], conv, ssm, rows, start)`: a prefill chunk at positions start.. that starts
+  from, and writes back, the rows `rows` of the batched state buffers; returns the last position's
+  hidden state;
+- `step(tokens [B], conv, ssm, positions=)`: one token per sequence, both states updated in place; its norms go
   through `kernels.mamba2_norm` (one launch each on the Triton path: embedding + pre-norm, residual add +
   pre-norm). On the Triton path with one norm group and up to two sequences (`GATE_IN_STEP_ROWS`) the
   decode step also applies the gate and gathers the gated norm's statistics (each head's sum of squares; it
@@ -184,10 +185,10 @@ class Mixer(nn.Module):
         """Whether a decode step of `rows` sequences applies the gate in the SSM step (see `step`)."""
         return impl == "triton" and self.norm.group_size == self.config.d_inner and rows <= GATE_IN_STEP_ROWS
 
-    def step(self, h, conv_state, ssm_state, impl: str, *, state_ready: bool = False, h_scale=None, residual=None,
-             next_norm=None):
-        """One token h [B, d] -> out_proj's output [B, d]; conv_state [B, conv_dim, W-1] and ssm_state
-        [B, H, P, N] updated in place.
+    def step(self, h, conv_state, ssm_state, impl: str, *, positions, state_ready: bool = False, h_scale=None,
+             residual=None, next_norm=None):
+        """One token h [B, d] at positions [B] -> out_proj's output [B, d]; conv_state [B, conv_dim, W] (a ring:
+        `ssd.conv_window_slots`) and ssm_state [B, H, P, N] updated in place.
 
         z, xBC and dt stay strided views of the in-projection, read in place by the kernels.
         `state_ready`: see `Mamba2LM.step`. Where `gate_in_step`, the norms around the block may come
@@ -222,6 +223,7 @@ class Mixer(nn.Module):
             self.decay_rates(),
             self.D,
             self.dt_bias,
+            positions=positions,
             ngroups=c.ngroups,
             headdim=c.headdim,
             dt_limit=c.dt_limit,
@@ -288,22 +290,33 @@ class Mamba2LM(nn.Module):
             r = r + out
         return self.head(r)
 
-    def forward_chunk(self, tokens, conv, ssm, rows, impl: str):
-        """Prefill chunk tokens [b, T] of the sequences in rows [b] of the state buffers.
+    def forward_chunk(self, tokens, conv, ssm, rows, impl: str, start: int):
+        """Prefill chunk tokens [b, T], at positions start..start+T-1, of the sequences in rows [b] of the
+        state buffers.
 
-        conv [L, B, conv_dim, W-1] and ssm [L, B, H, P, N] hold each sequence's state before the chunk
-        and receive the state after it. Returns the last position's residual [b, d] (fp32).
+        conv [L, B, conv_dim, W] (the rings of the decode step: the input at position p in slot p % W,
+        `ssd.conv_window_slots`) and ssm [L, B, H, P, N] hold each sequence's state before the chunk and
+        receive the state after it. Returns the last position's residual [b, d] (fp32).
         """
+        W = conv.shape[-1]
+        before = ssd.conv_window_slots(start, W)
+        after = ssd.conv_window_slots(start + tokens.shape[1], W)
         r = self.embed(tokens)
         for i, block in enumerate(self.backbone.layers):
-            out, conv_final, ssm_final = block.mixer(block.norm(r), impl, conv[i, rows], ssm[i, rows])
-            conv[i, rows] = conv_final.to(conv.dtype)
+            ring = conv[i, rows]
+            out, conv_final, ssm_final = block.mixer(block.norm(r), impl, ring[..., before], ssm[i, rows])
+            ring[..., after] = conv_final.to(conv.dtype)
+            # The slot of the next position holds an input no window reads again: zero, so the state
+            # after a prompt is the same however it was cut into chunks.
+            ring[..., (start + tokens.shape[1]) % W] = 0
+            conv[i, rows] = ring
             ssm[i, rows] = ssm_final
             r = r + out
         return r[:, -1]
 
-    def step(self, tokens, conv, ssm, impl: str, *, state_ready: bool = False):
-        """One token per sequence, tokens [B]; conv and ssm ([L, B, ...]) updated in place. Logits [B, V].
+    def step(self, tokens, conv, ssm, impl: str, *, positions, state_ready: bool = False):
+        """One token per sequence, tokens [B] at positions [B]; conv and ssm ([L, B, ...]; conv the rings of
+        `forward_chunk`) updated in place. Logits [B, V].
 
         The same blocks as `forward`, with each residual add fused into the norm that follows it (the
         next block's pre-norm, or norm_f): r = embed(tokens); h = norm_0(r); then per layer
@@ -328,12 +341,12 @@ class Mamba2LM(nn.Module):
             # (or the head) applies 1 / rms (`Mixer.step`).
             h_scale = None
             for i, block in enumerate(layers):
-                r, h, sumsq = block.mixer.step(h, conv[i], ssm[i], impl, state_ready=state_ready, h_scale=h_scale,
-                                               residual=r, next_norm=norms[i + 1])
+                r, h, sumsq = block.mixer.step(h, conv[i], ssm[i], impl, positions=positions, state_ready=state_ready,
+                                               h_scale=h_scale, residual=r, next_norm=norms[i + 1])
                 h_scale = (sumsq, norms[i + 1].eps)
             return gemv.rms_scaled_linear(h, *h_scale, self.head_weight(), impl=impl)
         for i, block in enumerate(layers):
-            out = block.mixer.step(h, conv[i], ssm[i], impl, state_ready=state_ready)
+            out = block.mixer.step(h, conv[i], ssm[i], impl, positions=positions, state_ready=state_ready)
             h, r = mamba2_norm.add_rmsnorm(out, r, norms[i + 1].weight, norms[i + 1].eps, impl=impl)
         return gemv.linear(h, self.head_weight(), impl=impl)
 

@@ -2,8 +2,10 @@
 
 The cache is two preallocated buffers, the same size at any context:
 
-    conv [L, B, conv_dim, d_conv-1]  model dtype   the last d_conv-1 inputs of each layer's conv
-    ssm  [L, B, H, P, N]             float32       each layer's SSM state
+    conv [L, B, conv_dim, d_conv]  model dtype   each layer's conv inputs, a ring: position p in slot p % d_conv
+    ssm  [L, B, H, P, N]           float32       each layer's SSM state
+
+and, on the host, how many tokens each row has consumed through prefill (the ring's position).
 
 A decode step reads and rewrites both in place (one `mamba2_decode_step` per layer), allocating only
 temporaries and never reading a value back to the host, so it can be captured in a CUDA graph. On the
@@ -12,8 +14,11 @@ Triton path it is 5 launches per layer plus 2 (see `arch.mamba2.Mamba2LM.step`).
 Prefill consumes each prompt in chunks of `prefill_chunk` tokens, each chunk starting from the state
 the previous one left (conv window and SSM state), so a 128k prompt costs memory linear in the chunk,
 not the prompt, and only the last position's logits are computed. Prompts of different lengths are
-prefilled one length group at a time into their rows of the batched state. `prefill_forward`
-continues from whatever state the cache holds, so a prompt consumed in two calls equals one call.
+prefilled one group at a time into their rows of the batched state (rows that have consumed as many
+tokens and get prompts of one length). `prefill_forward` continues from whatever state the cache
+holds, so a prompt consumed in two calls equals one call. A decode step takes each token's position
+from its caller (the decoder's state advances them on the device) and writes that token's conv input
+into slot position % d_conv, which no program of the step reads (`ssd.mamba2_decode_step`).
 """
 
 from dataclasses import dataclass
@@ -32,8 +37,9 @@ FP32_PARAMS = ("A_log", "D", "dt_bias")
 
 @dataclass
 class Mamba2Cache:
-    conv: torch.Tensor  # [L, B, conv_dim, d_conv-1] model dtype
+    conv: torch.Tensor  # [L, B, conv_dim, d_conv] model dtype, rings (`ssd.conv_window_slots`)
     ssm: torch.Tensor  # [L, B, H, P, N] float32
+    lens: list[int]  # tokens each row has consumed through prefill_forward
 
 
 class Mamba2Decoder(AutoregressiveDecoder):
@@ -78,36 +84,41 @@ class Mamba2Decoder(AutoregressiveDecoder):
     def new_cache(self, prompt_lens: list[int], max_len: int) -> Mamba2Cache:
         c, B = self.config, len(prompt_lens)
         return Mamba2Cache(
-            conv=torch.zeros(c.n_layer, B, c.conv_dim, c.d_conv - 1, device=self.device, dtype=self.dtype),
+            conv=torch.zeros(c.n_layer, B, c.conv_dim, c.d_conv, device=self.device, dtype=self.dtype),
             ssm=torch.zeros(c.n_layer, B, c.nheads, c.headdim, c.d_state, device=self.device, dtype=torch.float32),
+            lens=[0] * B,
         )
 
     def prefill_forward(self, cache: Mamba2Cache, prompts: list[list[int]]) -> torch.Tensor:
         """Consume prompts (row i of the cache continues with prompts[i]); logits [B, V] of each last token."""
         groups = {}
         for i, p in enumerate(prompts):
-            groups.setdefault(len(p), []).append(i)
+            groups.setdefault((cache.lens[i], len(p)), []).append(i)
         last = [None] * len(prompts)
-        for length, members in groups.items():
+        for (done, length), members in groups.items():
             rows = torch.tensor(members, device=self.device)
             tokens = torch.tensor([prompts[i] for i in members], device=self.device)
             for start in range(0, length, self.prefill_chunk):
-                r = self.model.forward_chunk(tokens[:, start : start + self.prefill_chunk], cache.conv, cache.ssm, rows, self.impl)
+                r = self.model.forward_chunk(tokens[:, start : start + self.prefill_chunk], cache.conv, cache.ssm, rows,
+                                             self.impl, done + start)
             for i, logit in zip(members, self.model.head(r)):
                 last[i] = logit
+                cache.lens[i] = done + length
         return torch.stack(last)
 
     def decode_forward(self, cache: Mamba2Cache, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # The state already encodes each sequence's position: `positions` is not needed. Every step
-        # ends with sampling kernels launched without PDL, so the states are ready at the next step.
-        return self.model.step(tokens, cache.conv, cache.ssm, self.impl, state_ready=True)
+        # Every step ends with sampling kernels launched without PDL, so the states are ready at the next step.
+        return self.model.step(tokens, cache.conv, cache.ssm, self.impl, positions=positions, state_ready=True)
 
     def memory(self, batch: int, ctx: int, *, new_tokens: int = 1) -> Memory:
         c = self.config
         elt = torch.tensor([], dtype=self.dtype).element_size()
-        state = batch * c.n_layer * (c.conv_dim * (c.d_conv - 1) * elt + c.nheads * c.headdim * c.d_state * 4)
+        ssm = c.nheads * c.headdim * c.d_state * 4
+        state = batch * c.n_layer * (c.conv_dim * c.d_conv * elt + ssm)
+        # A step writes its SSM states and one slot of each conv ring.
+        written = batch * c.n_layer * (c.conv_dim * elt + ssm)
         weights = self.weight_bytes()
         # A step reads one embedding row, not the table; a tied table is still read whole as the head.
         embed = self.model.backbone.embeddings.weight
         weights_read = weights - (0 if c.tie_embeddings else embed.numel() * embed.element_size())
-        return Memory(weight_bytes=weights, state_bytes=state, step_read_bytes=weights_read + state, step_write_bytes=state)
+        return Memory(weight_bytes=weights, state_bytes=state, step_read_bytes=weights_read + state, step_write_bytes=written)

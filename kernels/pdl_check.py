@@ -116,16 +116,16 @@ SPECS = [
           dict(H=8, D=64, H_PAD=8, D_PAD=64, PAGE=16), dict(num_warps=4), {"slot_ptr": "*i64"}),
     *(_spec(f"ssd decode step{label}", "ssd", "_decode_step_kernel",
             dict(H=64, P=64, G=1, N=128, W=4, BLOCK_P=64, BLOCK_N=128, BLOCK_W=4, HAS_BIAS=True, HAS_Z=False,
-                 HAS_LIMIT=False, s_xc=1, s_dh=1, s_ck=1, s_wk=1, s_zp=1, s_yp=1, s_sn=1, STATE_READY=ready),
+                 HAS_LIMIT=False, s_xc=1, s_dh=1, s_ck=1, s_wk=1, s_zp=1, s_yp=1, s_sn=1, s_pos=1, STATE_READY=ready),
             dict(num_warps=8), {"st_ptr": "*fp32", "A_ptr": "*fp32", "D_ptr": "*fp32", "dtb_ptr": "*fp32",
-                                "sem_ptr": "*i32"}, floats=("lim_lo", "lim_hi"), unaligned=("s_cc", "s_wc"))
+                                "pos_ptr": "*i64"}, floats=("lim_lo", "lim_hi"), unaligned=("s_cc", "s_wc"))
       for ready, label in ((False, " (1.3b)"), (True, " (state ready)"))),
     _spec("ssd decode step (state ready, gate + norm statistics)", "ssd", "_decode_step_kernel",
           dict(H=64, P=64, G=1, N=128, W=4, BLOCK_P=64, BLOCK_N=128, BLOCK_W=4, HAS_BIAS=True, HAS_Z=True,
-               HAS_LIMIT=False, s_xc=1, s_dh=1, s_ck=1, s_wk=1, s_zp=1, s_yp=1, s_sn=1, STATE_READY=True, HAS_NORM=True,
+               HAS_LIMIT=False, s_xc=1, s_dh=1, s_ck=1, s_wk=1, s_zp=1, s_yp=1, s_sn=1, s_pos=1, STATE_READY=True, HAS_NORM=True,
                s_qh=1),
           dict(num_warps=8), {"st_ptr": "*fp32", "A_ptr": "*fp32", "D_ptr": "*fp32", "dtb_ptr": "*fp32",
-                              "sem_ptr": "*i32", "ss_ptr": "*fp32"}, floats=("lim_lo", "lim_hi"), unaligned=("s_cc", "s_wc")),
+                              "pos_ptr": "*i64", "ss_ptr": "*fp32"}, floats=("lim_lo", "lim_hi"), unaligned=("s_cc", "s_wc")),
     *(_spec(f"wkv7 step (BV 32{label})", "wkv7", "_step_kernel", dict(BK=64, BV=32, STATE_READY=ready),
             dict(num_warps=4), dict(dict.fromkeys(("r", "w", "k", "v", "a", "b", "out"), "*bf16"), state="*fp32"),
             floats=("scale",))

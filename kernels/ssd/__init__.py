@@ -6,9 +6,9 @@ shapes and semantics are documented in ref.py and README.md.
 
 from kernels import check_impl
 from kernels.ssd import ref
-from kernels.ssd.ref import DEFAULT_DT_LIMIT, ssd_recurrent_ref
+from kernels.ssd.ref import DEFAULT_DT_LIMIT, conv_window_slots, ssd_recurrent_ref
 
-__all__ = ["ssd_chunk_scan", "causal_conv1d", "mamba2_decode_step", "ssd_recurrent_ref"]
+__all__ = ["ssd_chunk_scan", "causal_conv1d", "mamba2_decode_step", "conv_window_slots", "ssd_recurrent_ref"]
 
 
 def _module(impl):
@@ -33,14 +33,15 @@ def causal_conv1d(x, weight, bias=None, *, initial_state=None, activation="silu"
     return _module(impl).causal_conv1d(x, weight, bias, initial_state=initial_state, activation=activation)
 
 
-def mamba2_decode_step(xBC, dt, conv_state, conv_weight, conv_bias, ssm_state, A, D, dt_bias, *, ngroups, headdim,
-                       dt_limit=DEFAULT_DT_LIMIT, z=None, impl, out=None, state_ready=False, norm=None):
-    """One token: xBC `[B, C]`, dt `[B, H]`; conv_state `[B, C, W-1]` and ssm_state `[B, H, P, N]` updated in
-    place; returns y `[B, H, P]` (written into `out` when given). `state_ready` (Triton, see
+def mamba2_decode_step(xBC, dt, conv_state, conv_weight, conv_bias, ssm_state, A, D, dt_bias, *, positions, ngroups,
+                       headdim, dt_limit=DEFAULT_DT_LIMIT, z=None, impl, out=None, state_ready=False, norm=None):
+    """One token at `positions` `[B]`: xBC `[B, C]`, dt `[B, H]`; conv_state `[B, C, W]` (a ring, the input
+    at position p in slot p % W: `conv_window_slots`) and ssm_state `[B, H, P, N]` updated in place;
+    returns y `[B, H, P]` (written into `out` when given). `state_ready` (Triton, see
     triton.mamba2_decode_step): ssm_state and conv_state were last written before a kernel launched
     without PDL. `norm=(norm_weight, sumsq)` (with z): the gated norm's statistics into sumsq `[B, H]`
     and the result times norm_weight (ref.mamba2_decode_step)."""
     extra = {"state_ready": state_ready} if impl == "triton" else {}
     return _module(impl).mamba2_decode_step(xBC, dt, conv_state, conv_weight, conv_bias, ssm_state, A, D, dt_bias,
-                                            ngroups=ngroups, headdim=headdim, dt_limit=dt_limit, z=z, out=out,
-                                            norm=norm, **extra)
+                                            positions=positions, ngroups=ngroups, headdim=headdim, dt_limit=dt_limit,
+                                            z=z, out=out, norm=norm, **extra)

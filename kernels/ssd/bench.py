@@ -71,7 +71,9 @@ def decode_layer(batch, dev, seed):
         return (torch.randn(*shape, generator=g, device=dev) * scale).to(dtype)
 
     return dict(
-        conv_state=rnd(batch, CONV_DIM, W - 1, dtype=bf),
+        conv_state=rnd(batch, CONV_DIM, W, dtype=bf),
+        # Each row at its own slot of the ring; the timed replays feed every step the same positions.
+        positions=torch.arange(batch, device=dev) + 4097,
         conv_weight=rnd(CONV_DIM, W, scale=0.5, dtype=bf),
         conv_bias=rnd(CONV_DIM, scale=0.1, dtype=bf),
         ssm_state=rnd(batch, H, P, N, scale=0.1),
@@ -84,7 +86,7 @@ def decode_layer(batch, dev, seed):
 def decode_bytes(batch):
     H, P, G, N, W = (SHAPE[k] for k in "HPGNW")
     state = batch * H * P * N * 4 * 2
-    conv_state = batch * CONV_DIM * (W - 1) * 2 * 2
+    conv_state = batch * CONV_DIM * (W + 1) * 2  # the ring read, one slot written
     inputs = batch * CONV_DIM * 2 + batch * H * 2 + batch * H * P * 2
     weights = CONV_DIM * W * 2 + CONV_DIM * 2 + 3 * H * 4
     return state + conv_state + inputs + weights
@@ -135,9 +137,12 @@ def bench_decode(b, batch, copy_bps):
         b.record(dict(point, impl="causal_conv1d:causal_conv1d_update", status="unavailable", reason=conv_why))
 
     def peer_layer(layer):
-        # mamba-ssm keeps a W-long conv window [B, C, W] and expands dt/A/D/dt_bias over P (and N).
-        window = torch.cat([torch.zeros_like(layer["conv_state"][..., :1]), layer["conv_state"]], -1)
-        return dict(layer, conv_state=window,
+        # mamba-ssm keeps a W-long conv window [B, C, W], oldest first and shifted each step (the lab's
+        # ring in position order, after an unused oldest column), and expands dt/A/D/dt_bias over P (and N).
+        ring, slots = layer["conv_state"], ssd.conv_window_slots(layer["positions"], W)
+        window = torch.cat([torch.zeros_like(ring[..., :1]), ring.gather(2, slots[:, None, :].expand(-1, CONV_DIM, -1))], -1)
+        peer = {k: v for k, v in layer.items() if k != "positions"}
+        return dict(peer, conv_state=window,
                     A_full=layer["A"][:, None, None].expand(H, P, N), D_full=layer["D"][:, None].expand(H, P),
                     dtb_full=layer["dt_bias"][:, None].expand(H, P))
 

@@ -9,7 +9,8 @@ Head h reads group h // (H // G).
   it is also the training path of `arch.mamba2` (B and C stay per group, never copied per head).
 - `ssd_recurrent_ref`: the same recurrence one token at a time, the ground truth for the above.
 - `causal_conv1d`: depthwise causal convolution over `[B, T, C]` with a carried window.
-- `mamba2_decode_step`: one token of conv + SSM, updating both states in place.
+- `mamba2_decode_step`: one token of conv + SSM, updating both states in place (the conv state a ring of
+  W inputs indexed by position, `conv_window_slots`).
 """
 
 import torch
@@ -146,6 +147,18 @@ def causal_conv1d(x, weight, bias=None, *, initial_state=None, activation="silu"
     return y.transpose(1, 2).to(x.dtype), window[..., window.shape[-1] - (W - 1):].to(x.dtype)
 
 
+def check_decode_conv(xBC, conv_state, conv_weight, positions):
+    """A decode step's conv ring `[B, C, W]` and positions `[B]` (integers), checked against xBC `[B, C]`."""
+    Bsz, Cdim = xBC.shape
+    W = conv_weight.shape[1]
+    if tuple(conv_state.shape) != (Bsz, Cdim, W) or tuple(conv_weight.shape) != (Cdim, W):
+        raise ValueError(f"mamba2_decode_step: conv_state must be the ring [{Bsz}, {Cdim}, {W}] of conv_weight "
+                         f"[{Cdim}, {W}], got {tuple(conv_state.shape)} and {tuple(conv_weight.shape)}")
+    if tuple(positions.shape) != (Bsz,) or positions.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"mamba2_decode_step: positions must be int32 or int64 [{Bsz}], "
+                         f"got {positions.dtype} {tuple(positions.shape)}")
+
+
 def check_decode_norm(norm, z, batch, H, P):
     """(norm_weight, sumsq) of a decode step's `norm=`, checked: z given, weight [H*P], sumsq [B, H] float32."""
     if z is None or len(norm) != 2:
@@ -157,12 +170,26 @@ def check_decode_norm(norm, z, batch, H, P):
     return norm_weight, sumsq
 
 
-def mamba2_decode_step(xBC, dt, conv_state, conv_weight, conv_bias, ssm_state, A, D, dt_bias, *, ngroups, headdim,
-                       dt_limit=DEFAULT_DT_LIMIT, z=None, out=None, norm=None):
-    """One token: conv window shift + conv + SiLU, split into x/B/C, SSM update; both states in place.
+def conv_window_slots(position, width):
+    """Slots of a conv ring `[..., C, width]` (the input at position p lives in slot p % width) that hold
+    the width-1 inputs before `position`, oldest first: `[width-1]` for an int, `[B, width-1]` for a
+    tensor of positions `[B]`. Position p - width + 1 + j is in slot (p + 1 + j) % width."""
+    if torch.is_tensor(position):
+        taps = torch.arange(width - 1, device=position.device)
+        return (position.long()[:, None] + 1 + taps) % width
+    return [(position + 1 + j) % width for j in range(width - 1)]
 
-    xBC `[B, C]` with C = H*P + 2*G*N ordered [x, B, C]; conv_state `[B, C, W-1]`; ssm_state `[B, H, P, N]`
-    fp32; dt `[B, H]` raw (softplus(dt + dt_bias), clamped). Returns y `[B, H, P]` in xBC's dtype.
+
+def mamba2_decode_step(xBC, dt, conv_state, conv_weight, conv_bias, ssm_state, A, D, dt_bias, *, positions, ngroups,
+                       headdim, dt_limit=DEFAULT_DT_LIMIT, z=None, out=None, norm=None):
+    """One token: conv + SiLU over the carried window and the token, split into x/B/C, SSM update; both
+    states in place.
+
+    xBC `[B, C]` with C = H*P + 2*G*N ordered [x, B, C]; conv_state `[B, C, W]`, a ring: the input at
+    position p lives in slot p % W (zeros before the first); positions `[B]` (int) the position of this
+    token, whose input is written into slot positions % W (that slot's old input, W back, is not in
+    the window). ssm_state `[B, H, P, N]` fp32; dt `[B, H]` raw (softplus(dt + dt_bias), clamped).
+    Returns y `[B, H, P]` in xBC's dtype.
 
     `norm=(norm_weight [H*P], sumsq [B, H] float32)`, with z: the first half of the gated RMSNorm that
     follows (one group of all H*P channels). g = y * silu(z) is rounded to xBC's dtype; sumsq receives
@@ -172,9 +199,13 @@ def mamba2_decode_step(xBC, dt, conv_state, conv_weight, conv_bias, ssm_state, A
     Bsz, Cdim = xBC.shape
     H, P, G = dt.shape[1], headdim, ngroups
     N = (Cdim - H * P) // (2 * G)
-    # 1. Shift the new input into the conv window and convolve (with bias), then SiLU.
-    window = torch.cat([conv_state.float(), xBC.float()[..., None]], dim=-1)
-    conv_state.copy_(window[..., 1:])
+    W = conv_weight.shape[1]
+    check_decode_conv(xBC, conv_state, conv_weight, positions)
+    # 1. The W-1 carried inputs and this token, convolved (with bias), then SiLU; the token into its slot.
+    slots = conv_window_slots(positions, W)
+    old = conv_state.gather(2, slots[:, None, :].expand(Bsz, Cdim, W - 1))
+    window = torch.cat([old.float(), xBC.float()[..., None]], dim=-1)
+    conv_state.scatter_(2, (positions.long() % W)[:, None, None].expand(Bsz, Cdim, 1), xBC[..., None].to(conv_state.dtype))
     xbc = F.silu((window * conv_weight.float()).sum(-1) + (0 if conv_bias is None else conv_bias.float()))
     # 2. Split into x [B, H, P], B and C [B, H, N] (a group's B and C serve H // G heads).
     x = xbc[:, : H * P].reshape(Bsz, H, P)

@@ -8,12 +8,12 @@ stored, so there is no `[B, nc, G, L, L]` buffer):
 4. `_chunk_scan_kernel`: y = exp(dA_cs) C @ state_in + causal (C B^T * decay * dt) @ x, then D and gate.
 
 `_causal_conv1d_kernel`: depthwise causal conv over `[B, T, C]` with a carried window.
-`_decode_step_kernel`: one fused token step (conv window shift + conv + SiLU + SSM update + output).
+`_decode_step_kernel`: one fused token step (conv over the ring window + SiLU + SSM update + output).
 It alone takes a `PDL` constexpr (`kernels.pdl`, launched with launch_pdl, up to `PDL_MAX_BATCH`
-sequences): gdc_launch_dependents() and gdc_wait() before its first load, so the states, windows and
-semaphore are touched only after the previous kernel has finished; with `state_ready=True`
-(constexpr STATE_READY) the SSM state tile, the conv windows, the conv weights and the per-head
-constants are loaded, and the window's semaphore taken, before the wait (see `mamba2_decode_step`).
+sequences): gdc_launch_dependents() and gdc_wait() before its first load, so the states and windows
+are touched only after the previous kernel has finished; with `state_ready=True` (constexpr
+STATE_READY) the SSM state tile, the conv windows, the conv weights and the per-head constants are
+loaded before the wait (see `mamba2_decode_step`).
 With `norm=` (constexpr HAS_NORM) it also writes each head's sum of squares of the gated output and
 multiplies that output by the norm weight, so the RMSNorm after it needs no kernel of its own
 (`kernels.gemv.rms_scaled_linear`).
@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
-from kernels.ssd.ref import DEFAULT_DT_LIMIT, check_decode_norm
+from kernels.ssd.ref import DEFAULT_DT_LIMIT, check_decode_conv, check_decode_norm
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -388,39 +388,43 @@ def causal_conv1d(x, weight, bias=None, *, initial_state=None, activation="silu"
 @triton.jit
 def _conv_window(cst_row, w_ptr, cb_ptr, ch, ch_mask, s_cc, s_ck, s_wc, s_wk,
                  W: tl.constexpr, BLOCK_W: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """Loads of channels `ch` that do not depend on this token: the carried window `[BLOCK_CH, BLOCK_W]`
-    (columns 0..W-2), the same shifted one column left (what is stored back, with the token at W-2),
-    the conv weights and the bias."""
+    """Loads of channels `ch` that do not depend on this token: their ring of W slots `[BLOCK_CH,
+    BLOCK_W]`, the conv weights and the bias."""
     offs_w = tl.arange(0, BLOCK_W)[None, :]
-    win_ptr = cst_row + ch[:, None] * s_cc
-    old = tl.load(win_ptr + offs_w * s_ck, mask=ch_mask[:, None] & (offs_w < W - 1), other=0.0)
-    # The shifted window is loaded one column over rather than moved across lanes.
-    nxt = tl.load(win_ptr + (offs_w + 1) * s_ck, mask=ch_mask[:, None] & (offs_w < W - 2), other=0.0)
-    w = tl.load(w_ptr + ch[:, None] * s_wc + offs_w * s_wk, mask=ch_mask[:, None] & (offs_w < W), other=0.0)
+    wmask = ch_mask[:, None] & (offs_w < W)
+    ring = tl.load(cst_row + ch[:, None] * s_cc + offs_w * s_ck, mask=wmask, other=0.0)
+    w = tl.load(w_ptr + ch[:, None] * s_wc + offs_w * s_wk, mask=wmask, other=0.0)
     if HAS_BIAS:
         cb = tl.load(cb_ptr + ch, mask=ch_mask, other=0.0)
     else:
         cb = tl.zeros_like(ch).to(w.dtype)
-    return old, nxt, w, cb
+    return ring, w, cb
 
 
 @triton.jit
-def _conv_token(xbc_row, ch, ch_mask, s_xc, old, nxt, w, cb, W: tl.constexpr, BLOCK_W: tl.constexpr):
-    """One token's conv + SiLU of channels `ch` `[BLOCK_CH]` from `_conv_window`'s loads and the token's
-    inputs, and the shifted window to store."""
-    offs_w = tl.arange(0, BLOCK_W)[None, :]
-    new = tl.load(xbc_row + ch * s_xc, mask=ch_mask, other=0.0)[:, None]
-    # [BLOCK_CH, BLOCK_W]: the W-1 carried inputs, then this token.
-    win = tl.where(offs_w == W - 1, new, old).to(tl.float32)
-    acc = tl.sum(win * w.to(tl.float32), axis=1) + cb.to(tl.float32)
-    return acc * tl.sigmoid(acc), tl.where(offs_w == W - 2, new, nxt)
+def _conv_token(ring, w, cb, new, slot_t, W: tl.constexpr, BLOCK_W: tl.constexpr):
+    """One token's conv + SiLU `[BLOCK_CH]` from `_conv_window`'s loads and the token's inputs `new`
+    `[BLOCK_CH]`, which go into slot `slot_t`, this position's."""
+    offs_w = tl.arange(0, BLOCK_W)
+    # Slot s holds tap (s - t - 1) mod W of the window (tap W - 1, slot t % W, is this token): the
+    # weights are rolled to the slots in registers, so no load waits for the position.
+    tap = (offs_w + (W - 1) - slot_t) % W
+    w32 = w.to(tl.float32)
+    w_rolled = tl.zeros_like(w32)
+    for j in tl.static_range(W):
+        # Sums over the W axis, which each thread holds whole: no exchange between threads.
+        w_j = tl.sum(tl.where(offs_w[None, :] == j, w32, 0.0), axis=1)
+        w_rolled += tl.where(tap[None, :] == j, w_j[:, None], 0.0)
+    win = tl.where(offs_w[None, :] == slot_t, new[:, None], ring).to(tl.float32)
+    acc = tl.sum(win * w_rolled, axis=1) + cb.to(tl.float32)
+    return acc * tl.sigmoid(acc)
 
 
 @triton.jit
 def _decode_step_kernel(
-    xbc_ptr, dt_ptr, cst_ptr, w_ptr, cb_ptr, st_ptr, A_ptr, D_ptr, dtb_ptr, z_ptr, y_ptr, sem_ptr,
+    xbc_ptr, dt_ptr, cst_ptr, w_ptr, cb_ptr, st_ptr, A_ptr, D_ptr, dtb_ptr, z_ptr, y_ptr, pos_ptr,
     s_xb, s_xc, s_db, s_dh, s_cb, s_cc, s_ck, s_wc, s_wk,
-    s_sb, s_sh, s_sp, s_sn, s_zb, s_zh, s_zp, s_yb, s_yh, s_yp,
+    s_sb, s_sh, s_sp, s_sn, s_zb, s_zh, s_zp, s_yb, s_yh, s_yp, s_pos,
     lim_lo, lim_hi,
     H: tl.constexpr, P: tl.constexpr, G: tl.constexpr, N: tl.constexpr, W: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
@@ -441,14 +445,12 @@ def _decode_step_kernel(
     n_mask = offs_n < N
     xbc_row = xbc_ptr + b64 * s_xb
     cst_row = cst_ptr + b64 * s_cb
-    offs_w = tl.arange(0, BLOCK_W)
-    w_mask = offs_w[None, :] < W - 1
 
     # 1. Every load first, the state tile [BLOCK_P, BLOCK_N] (most of the bytes) leading, so one memory
-    #    round trip covers all of them. With STATE_READY the state tile and the conv windows (both last
+    #    round trip covers all of them. With STATE_READY the state tile and the conv rings (both last
     #    written by this kernel a step earlier), the conv weights and the per-head constants are loaded
     #    before the wait, overlapping the kernel before; after it only the in-projection's outputs
-    #    (this token's x/B/C inputs, dt, z), which it has just written to L2.
+    #    (this token's x/B/C inputs, dt, z) and the position, which it has just written to L2.
     st = st_ptr + b64 * s_sb + h * s_sh + offs_p[:, None] * s_sp + offs_n[None, :] * s_sn
     pn_mask = p_mask[:, None] & n_mask[None, :]
     if PDL and not STATE_READY:
@@ -458,43 +460,38 @@ def _decode_step_kernel(
     ch_x = h * P + offs_p
     ch_B = H * P + g * N + offs_n
     ch_C = H * P + G * N + g * N + offs_n
-    x_old, x_nxt, x_w, x_cb = _conv_window(cst_row, w_ptr, cb_ptr, ch_x, p_mask, s_cc, s_ck, s_wc, s_wk, W, BLOCK_W, HAS_BIAS)
-    B_old, B_nxt, B_w, B_cb = _conv_window(cst_row, w_ptr, cb_ptr, ch_B, n_mask, s_cc, s_ck, s_wc, s_wk, W, BLOCK_W, HAS_BIAS)
-    C_old, C_nxt, C_w, C_cb = _conv_window(cst_row, w_ptr, cb_ptr, ch_C, n_mask, s_cc, s_ck, s_wc, s_wk, W, BLOCK_W, HAS_BIAS)
+    x_ring, x_w, x_cb = _conv_window(cst_row, w_ptr, cb_ptr, ch_x, p_mask, s_cc, s_ck, s_wc, s_wk, W, BLOCK_W, HAS_BIAS)
+    B_ring, B_w, B_cb = _conv_window(cst_row, w_ptr, cb_ptr, ch_B, n_mask, s_cc, s_ck, s_wc, s_wk, W, BLOCK_W, HAS_BIAS)
+    C_ring, C_w, C_cb = _conv_window(cst_row, w_ptr, cb_ptr, ch_C, n_mask, s_cc, s_ck, s_wc, s_wk, W, BLOCK_W, HAS_BIAS)
     A = tl.load(A_ptr + h).to(tl.float32)
     Dh = tl.load(D_ptr + h).to(tl.float32)
     dt_bias = tl.load(dtb_ptr + h).to(tl.float32)
     if HAS_NORM:
         # A weight: no kernel of the step writes it, so it is loaded with the state.
         nw = tl.load(nw_ptr + ch_x, mask=p_mask, other=0.0).to(tl.float32)
-
-    # 2. The group's B/C window is read by every program of (b, g): the last of them to arrive on the
-    #    semaphore (which it then resets) shifts it, so a program arrives only after its window loads.
-    #    Every thread's loads are ordered before the arrival by the barrier and the acq_rel atomic (PTX
-    #    memory model: bar.sync synchronises the program's threads, the release is cumulative), so no
-    #    load can see the last arriver's store, even one still in flight. With STATE_READY under PDL a
-    #    program arrives before its wait, where the atomic's round trip overlaps the kernel before (the
-    #    semaphore belongs to this layer's window alone: `_semaphore`); otherwise after this token's
-    #    conv, where all its loads are in flight before the atomic stalls the program.
-    counter = sem_ptr + b * G + g
-    EARLY: tl.constexpr = PDL and STATE_READY
-    if EARLY:
-        tl.debug_barrier()
-        arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+    if PDL and STATE_READY:
         tl.extra.cuda.gdc_wait()
+    # All of this token's loads before any reduction, so they share one round trip.
+    slot_t = tl.load(pos_ptr + b64 * s_pos) % W
     dt = tl.load(dt_ptr + b64 * s_db + h * s_dh).to(tl.float32) + dt_bias
     if HAS_Z:
         zv = tl.load(z_ptr + b64 * s_zb + h * s_zh + offs_p * s_zp, mask=p_mask, other=0.0).to(tl.float32)
-    x, x_win = _conv_token(xbc_row, ch_x, p_mask, s_xc, x_old, x_nxt, x_w, x_cb, W, BLOCK_W)
-    Bv, B_win = _conv_token(xbc_row, ch_B, n_mask, s_xc, B_old, B_nxt, B_w, B_cb, W, BLOCK_W)
-    Cv, C_win = _conv_token(xbc_row, ch_C, n_mask, s_xc, C_old, C_nxt, C_w, C_cb, W, BLOCK_W)
+    x_new = tl.load(xbc_row + ch_x * s_xc, mask=p_mask, other=0.0)
+    B_new = tl.load(xbc_row + ch_B * s_xc, mask=n_mask, other=0.0)
+    C_new = tl.load(xbc_row + ch_C * s_xc, mask=n_mask, other=0.0)
+    x = _conv_token(x_ring, x_w, x_cb, x_new, slot_t, W, BLOCK_W)
+    Bv = _conv_token(B_ring, B_w, B_cb, B_new, slot_t, W, BLOCK_W)
+    Cv = _conv_token(C_ring, C_w, C_cb, C_new, slot_t, W, BLOCK_W)
 
-    if not EARLY:
-        tl.debug_barrier()
-        arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+    # 2. This token's inputs into its slot, the one holding the input W positions back, which no
+    #    program's window includes: nothing another program reads this step is overwritten, so the
+    #    programs need no ordering among them. The x channels belong to this program; the group's B
+    #    and C are written by the group's first program.
     cdt = cst_ptr.dtype.element_ty
-    # The x channels belong to this program alone.
-    tl.store(cst_row + ch_x[:, None] * s_cc + offs_w[None, :] * s_ck, x_win.to(cdt), mask=p_mask[:, None] & w_mask)
+    tl.store(cst_row + ch_x * s_cc + slot_t * s_ck, x_new.to(cdt), mask=p_mask)
+    if (h % (H // G) == 0) & (pid_p == 0):
+        tl.store(cst_row + ch_B * s_cc + slot_t * s_ck, B_new.to(cdt), mask=n_mask)
+        tl.store(cst_row + ch_C * s_cc + slot_t * s_ck, C_new.to(cdt), mask=n_mask)
 
     # 3. state = exp(dt A) state + dt x B^T, in place.
     dt = _softplus(dt)
@@ -514,28 +511,6 @@ def _decode_step_kernel(
         tl.store(ss_ptr + b64 * s_qb + h * s_qh, tl.sum(tl.where(p_mask, g * g, 0.0), axis=0))
         y = g * nw
     tl.store(y_ptr + b64 * s_yb + h * s_yh + offs_p * s_yp, y.to(y_ptr.dtype.element_ty), mask=p_mask)
-
-    if arrived == (H // G) * tl.cdiv(P, BLOCK_P) - 1:
-        bc_mask = n_mask[:, None] & w_mask
-        tl.store(cst_row + ch_B[:, None] * s_cc + offs_w[None, :] * s_ck, B_win.to(cdt), mask=bc_mask)
-        tl.store(cst_row + ch_C[:, None] * s_cc + offs_w[None, :] * s_ck, C_win.to(cdt), mask=bc_mask)
-        # The next launch is ordered after this one by the stream (under PDL by its gdc_wait, which
-        # waits for this grid to complete), so a relaxed reset suffices.
-        tl.atomic_xchg(counter, 0, sem="relaxed")
-
-
-# One int32 semaphore per (batch row, group) of each conv_state (a layer's window: the steps of two
-# layers may overlap under PDL, and their programs arrive before their wait), kept per device, window
-# address and size and never freed, so a CUDA graph that captured a decode step keeps pointing at live
-# memory. Every call leaves it zero.
-_SEMAPHORES = {}
-
-
-def _semaphore(conv_state, n):
-    key = (str(conv_state.device), conv_state.data_ptr(), n)
-    if key not in _SEMAPHORES:
-        _SEMAPHORES[key] = torch.zeros(n, dtype=torch.int32, device=conv_state.device)
-    return _SEMAPHORES[key]
 
 
 # Larger batches launch the decode step without PDL. Graphed mamba2-1.3b steps on the H200
@@ -558,33 +533,35 @@ def decode_block_p(headdim):
     return min(64, triton.next_power_of_2(headdim))
 
 
-def mamba2_decode_step(xBC, dt, conv_state, conv_weight, conv_bias, ssm_state, A, D, dt_bias, *, ngroups, headdim,
-                       dt_limit=DEFAULT_DT_LIMIT, z=None, out=None, block_p=None, state_ready=False, norm=None):
+def mamba2_decode_step(xBC, dt, conv_state, conv_weight, conv_bias, ssm_state, A, D, dt_bias, *, positions, ngroups,
+                       headdim, dt_limit=DEFAULT_DT_LIMIT, z=None, out=None, block_p=None, state_ready=False, norm=None):
     """One fused token step (see ref.mamba2_decode_step); conv_state and ssm_state are updated in place.
+
+    conv_state `[B, C, W]` is a ring (ref.mamba2_decode_step): the token at `positions` `[B]` reads the
+    W-1 slots before it and writes its input into slot positions % W, so no program of the grid
+    overwrites what another reads and the step needs no ordering among its programs.
 
     `state_ready=True` promises that ssm_state and conv_state were last written before a kernel
     launched without PDL (in a decode step: by this layer's step in the previous step, which ended
-    with sampling kernels launched without PDL), so under PDL the state tile and the conv windows are
-    loaded, and the window's semaphore taken, before gdc_wait(), overlapping the in-projection GEMV
-    before it. Without that promise (the default) a state written by the kernel just before would be
-    read stale.
+    with sampling kernels launched without PDL), so under PDL the state tile and the conv rings are
+    loaded before gdc_wait(), overlapping the in-projection GEMV before it. Without that promise (the
+    default) a state written by the kernel just before would be read stale. The positions are read
+    after the wait either way.
 
     `norm=(norm_weight, sumsq)` (with z): as ref.mamba2_decode_step, one program a head (a `block_p`
     below the head's P is refused).
 
-    Launches one kernel and allocates nothing when `out` is given (after the first call for a given
-    conv_state and batch size, which creates its small semaphore, reused from then on). `block_p` overrides
+    Launches one kernel and allocates nothing when `out` is given. `block_p` overrides
     `decode_block_p` (the benchmark sweeps it).
     """
     Bsz, Cdim = xBC.shape
     H, P, G = dt.shape[1], headdim, ngroups
     N = ssm_state.shape[-1]
     W = conv_weight.shape[1]
-    if (ssm_state.shape != (Bsz, H, P, N) or Cdim != H * P + 2 * G * N or H % G
-            or conv_state.shape != (Bsz, Cdim, W - 1) or conv_weight.shape != (Cdim, W)):
+    if ssm_state.shape != (Bsz, H, P, N) or Cdim != H * P + 2 * G * N or H % G:
         raise ValueError(f"shape mismatch: xBC {tuple(xBC.shape)} dt {tuple(dt.shape)} "
-                         f"conv_state {tuple(conv_state.shape)} "
-                         f"conv_weight {tuple(conv_weight.shape)} ssm_state {tuple(ssm_state.shape)} G={G} P={P}")
+                         f"ssm_state {tuple(ssm_state.shape)} G={G} P={P}")
+    check_decode_conv(xBC, conv_state, conv_weight, positions)
     if ssm_state.dtype != torch.float32:
         raise ValueError(f"ssm_state must be float32, got {ssm_state.dtype}")
     if out is None:
@@ -603,9 +580,9 @@ def mamba2_decode_step(xBC, dt, conv_state, conv_weight, conv_bias, ssm_state, A
     use_pdl = step_pdl(xBC.device, Bsz)
     _decode_step_kernel[(Bsz, H, triton.cdiv(P, block_p))](
         xBC, dt, conv_state, conv_weight, conv_bias if conv_bias is not None else conv_weight, ssm_state,
-        A, D, dt_bias, zz, out, _semaphore(conv_state, Bsz * G),
+        A, D, dt_bias, zz, out, positions,
         *xBC.stride(), *dt.stride(), *conv_state.stride(), *conv_weight.stride(),
-        *ssm_state.stride(), *zz.stride(), *out.stride(),
+        *ssm_state.stride(), *zz.stride(), *out.stride(), positions.stride(0),
         float(dt_limit[0]), float(dt_limit[1]) if has_limit else 0.0,
         H=H, P=P, G=G, N=N, W=W, BLOCK_P=block_p, BLOCK_N=block_n, BLOCK_W=triton.next_power_of_2(W),
         HAS_BIAS=conv_bias is not None, HAS_Z=z is not None, HAS_LIMIT=has_limit, PDL=use_pdl,

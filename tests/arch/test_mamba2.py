@@ -180,13 +180,14 @@ def test_step_equals_unfused_blocks_ref():
     dec = decoders.load("mamba2-tiny", device="cpu", dtype="float32", impl="ref", seed=3)
     model, c = dec.model, dec.config
     tokens = torch.tensor([5, 77, 300])
-    conv = torch.randn(c.n_layer, 3, c.conv_dim, c.d_conv - 1)
+    positions = torch.tensor([9, 4, 130])
+    conv = torch.randn(c.n_layer, 3, c.conv_dim, c.d_conv)
     ssm = torch.randn(c.n_layer, 3, c.nheads, c.headdim, c.d_state)
     conv2, ssm2 = conv.clone(), ssm.clone()
-    logits = model.step(tokens, conv, ssm, "ref")
+    logits = model.step(tokens, conv, ssm, "ref", positions=positions)
     r = model.embed(tokens)
     for i, block in enumerate(model.backbone.layers):
-        r = r + block.mixer.step(block.norm(r), conv2[i], ssm2[i], "ref")
+        r = r + block.mixer.step(block.norm(r), conv2[i], ssm2[i], "ref", positions=positions)
     assert torch.equal(logits, model.head(r))
     assert torch.equal(conv, conv2) and torch.equal(ssm, ssm2)
 
@@ -201,17 +202,19 @@ def test_step_triton_one_sequence_equals_the_blocks():
     dec = decoders.load("mamba2-tiny", device="cpu", dtype="float32", impl="ref", seed=3)
     model, c = dec.model, dec.config
     tokens = torch.tensor([77])
-    conv = torch.randn(c.n_layer, 1, c.conv_dim, c.d_conv - 1)
+    positions = torch.tensor([6])
+    conv = torch.randn(c.n_layer, 1, c.conv_dim, c.d_conv)
     ssm = torch.randn(c.n_layer, 1, c.nheads, c.headdim, c.d_state)
     conv2, ssm2 = conv.clone(), ssm.clone()
-    logits = model.step(tokens, conv, ssm, "triton")
-    want = model.step(tokens, conv2, ssm2, "ref")
+    logits = model.step(tokens, conv, ssm, "triton", positions=positions)
+    want = model.step(tokens, conv2, ssm2, "ref", positions=positions)
     for got, ref in ((logits, want), (conv, conv2), (ssm, ssm2)):
         assert ((got - ref).norm() / ref.norm()).item() < 1e-4
     mixer = model.backbone.layers[0].mixer
     before = ssm2[0].clone()
     with pytest.raises(ValueError, match="gate in the step"):
-        mixer.step(torch.zeros(1, c.d_model), conv2[0], ssm2[0], "ref", residual=torch.zeros(1, c.d_model))
+        mixer.step(torch.zeros(1, c.d_model), conv2[0], ssm2[0], "ref", positions=positions,
+                   residual=torch.zeros(1, c.d_model))
     assert torch.equal(ssm2[0], before)
 
 

@@ -100,10 +100,12 @@ def test_prefill_resumed_from_saved_state_equals_one_pass_ref():
     cuts = [61, 45]
     first = dec.new_cache(cuts, 140)
     dec.prefill_forward(first, [p[:c] for p, c in zip(prompts, cuts)])
-    saved = Mamba2Cache(conv=first.conv.clone(), ssm=first.ssm.clone())
+    saved = Mamba2Cache(conv=first.conv.clone(), ssm=first.ssm.clone(), lens=list(first.lens))
+    assert saved.lens == cuts
     resumed = dec.new_cache([133, 70], 140)
     resumed.conv.copy_(saved.conv)
     resumed.ssm.copy_(saved.ssm)
+    resumed.lens = list(saved.lens)
     logits = dec.prefill_forward(resumed, [p[c:] for p, c in zip(prompts, cuts)])
     assert rel(logits, expected) < 1e-5
     assert rel(resumed.ssm, whole.ssm) < 1e-5 and rel(resumed.conv, whole.conv) < 1e-5
@@ -138,11 +140,14 @@ def test_memory_model_is_exact_and_context_free():
     cache = dec.new_cache([5, 5, 5], 100)
     state = sum(t.numel() * t.element_size() for t in (cache.conv, cache.ssm))
     m = dec.memory(3, 100)
-    assert m.state_bytes == state == 3 * c.n_layer * (c.conv_dim * (c.d_conv - 1) * 4 + c.nheads * c.headdim * c.d_state * 4)
+    ssm = c.nheads * c.headdim * c.d_state * 4
+    assert m.state_bytes == state == 3 * c.n_layer * (c.conv_dim * c.d_conv * 4 + ssm)
     assert dec.memory(3, 131072) == m
     weights = sum(p.numel() * p.element_size() for p in dec.model.parameters())
     # Tied: the embedding table is read once, as the head.
-    assert m.weight_bytes == weights and m.step_read_bytes == weights + state and m.step_write_bytes == state
+    assert m.weight_bytes == weights and m.step_read_bytes == weights + state
+    # Written: the SSM states and one slot of each conv ring.
+    assert m.step_write_bytes == 3 * c.n_layer * (c.conv_dim * 4 + ssm)
     config = dataclasses.replace(c, tie_embeddings=False)
     untied = Mamba2Decoder(mamba2.build(config, None, "untied"), config, device="cpu", dtype=torch.float32, impl="ref", source="untied")
     untied_weights = untied.weight_bytes()
@@ -165,9 +170,9 @@ def test_triton_equals_ref_whole_model(lens):
     a, b = tri.generate(prompts, max_new_tokens=4), ref.generate(prompts, max_new_tokens=4)
     assert a.tokens == b.tokens
     with torch.inference_mode():
-        step = torch.tensor([3])
-        got = tri.decode_forward(tri.new_cache([5], 8), step, None)
-        want = ref.decode_forward(ref.new_cache([5], 8), step, None)
+        step, pos = torch.tensor([3]), torch.tensor([6])
+        got = tri.decode_forward(tri.new_cache([5], 8), step, pos)
+        want = ref.decode_forward(ref.new_cache([5], 8), step, pos)
     assert rel(got, want) < 1e-4
 
 
@@ -210,10 +215,10 @@ def test_triton_step_launches_five_kernels_per_layer(monkeypatch):
 
     dec = tiny("triton", dtype="bfloat16")
     cache = dec.new_cache([3, 3, 3], 8)
-    tokens = torch.tensor([5, 9, 2])
-    dec.decode_forward(cache, tokens, None)
+    tokens, positions = torch.tensor([5, 9, 2]), torch.tensor([3, 3, 3])
+    dec.decode_forward(cache, tokens, positions)
     with LaunchCount(monkeypatch, type(norm_tri._gated_rmsnorm_kernel)) as count:
-        dec.decode_forward(cache, tokens, None)
+        dec.decode_forward(cache, tokens, positions)
     L = dec.config.n_layer
     # The projections and the head: F.linear, or its mm / addmm where the dispatcher decomposes it.
     assert set(count.aten) <= {"linear", "mm", "addmm"} and len(count.aten) == 2 * L + 1
@@ -245,13 +250,13 @@ def test_gpu_decode_step_replays_in_a_cuda_graph_triton():
     dec.prefill_forward(cache, random_tokens((4, 64), vocab=50288, seed=11).tolist())
     tokens = random_tokens((4,), vocab=50288, seed=12).cuda()
     pos = torch.full((4,), 64, device="cuda")
-    eager_cache = Mamba2Cache(cache.conv.clone(), cache.ssm.clone())
+    eager_cache = Mamba2Cache(cache.conv.clone(), cache.ssm.clone(), list(cache.lens))
     expected = dec.decode_forward(eager_cache, tokens, pos)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         # Warm-up (compiles the kernels) on a scratch copy, so the graph's cache sees exactly one step.
-        dec.decode_forward(Mamba2Cache(cache.conv.clone(), cache.ssm.clone()), tokens, pos)
+        dec.decode_forward(Mamba2Cache(cache.conv.clone(), cache.ssm.clone(), list(cache.lens)), tokens, pos)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

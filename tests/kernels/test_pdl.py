@@ -120,7 +120,7 @@ class Guard:
         if self.saved is not None:
             self.errors.append("gdc_launch_dependents called twice before a wait")
             return
-        # why: cached workspaces (e.g. the SSD semaphore) may have been made by an earlier test in
+        # why: cached workspaces (e.g. the GEMV split-K workspace) may have been made by an earlier test in
         # inference mode, and inference tensors only take in-place writes inside it
         with torch.inference_mode():
             self.saved = [t.clone() for t in self.watched]
@@ -407,10 +407,9 @@ def test_write_kv_pdl_path(monkeypatch):
 
 
 def _ssd_step(G, state_ready, watch_state=None, batch=2):
-    """make() for one Mamba-2 decode step. The SSM state and the conv window are watched unless
+    """make() for one Mamba-2 decode step. The SSM state and the conv ring are watched unless
     state_ready (the promise: no kernel just before wrote them); `watch_state` overrides that. The
-    window's semaphore is watched unless state_ready: with the promise the step takes it before its
-    wait."""
+    positions are always watched: the step reads them after its wait."""
     watch_state = not state_ready if watch_state is None else watch_state
     st = kmod("ssd")
     Bsz, H, P, N, W = batch, 4, 16, 16, 4
@@ -419,18 +418,18 @@ def _ssd_step(G, state_ready, watch_state=None, batch=2):
     def make():
         g = torch.Generator().manual_seed(G)
         xBC, dt = torch.randn(Bsz, Cdim, generator=g), torch.randn(Bsz, H, generator=g)
-        conv_state, ssm_state = torch.randn(Bsz, Cdim, W - 1, generator=g), torch.randn(Bsz, H, P, N, generator=g)
+        conv_state, ssm_state = torch.randn(Bsz, Cdim, W, generator=g), torch.randn(Bsz, H, P, N, generator=g)
         conv_w, conv_b = torch.randn(Cdim, W, generator=g) * 0.5, torch.randn(Cdim, generator=g) * 0.1
         A, Dh, dt_bias = -torch.rand(H, generator=g), torch.randn(H, generator=g), torch.randn(H, generator=g) - 2
         z = torch.randn(Bsz, H, P, generator=g)
-        sem = st._semaphore(conv_state, Bsz * G)
+        positions = torch.arange(Bsz) * 3 + 5
 
         def run():
-            y = st.mamba2_decode_step(xBC, dt, conv_state, conv_w, conv_b, ssm_state, A, Dh, dt_bias, ngroups=G,
-                                      headdim=P, z=z, state_ready=state_ready)
-            return [y, conv_state, ssm_state, sem]
+            y = st.mamba2_decode_step(xBC, dt, conv_state, conv_w, conv_b, ssm_state, A, Dh, dt_bias,
+                                      positions=positions, ngroups=G, headdim=P, z=z, state_ready=state_ready)
+            return [y, conv_state, ssm_state]
 
-        return run, (xBC, dt, *((conv_state, ssm_state) if watch_state else ()), *(() if state_ready else (sem,)), z)
+        return run, (xBC, dt, *((conv_state, ssm_state) if watch_state else ()), positions, z)
 
     return make
 
@@ -511,8 +510,10 @@ def test_state_ready_loads_the_state_before_the_wait(monkeypatch, module):
         assert not guard.errors and guard.launches == guard.waits > 0
         assert bool(got[0].isnan().any()) == state_ready
         if module == "ssd":
-            # the conv window too: its stored shift comes from the window loaded before the wait
-            assert bool(got[1].isnan().any()) == state_ready
+            # The conv ring is exact either way: the step stores only the token's inputs, read after
+            # the wait, never a value of the ring it loaded before it.
+            run, _ = make(state_ready=state_ready, watch_state=True)()
+            assert same(got[1], run()[1])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -584,17 +585,18 @@ def mamba2_step(d=2048, d_inner=4096, H=64, P=64, N=128, W=4, dtype=torch.bfloat
              out=rnd(d, d_inner, scale=d_inner**-0.5), conv_w=rnd(cdim, W, scale=0.5), conv_b=rnd(cdim, scale=0.1),
              A=-torch.rand(H, generator=g).to(DEVICE), D=rnd(H, dt=torch.float32),
              dt_bias=rnd(H, dt=torch.float32) - 2)
-    state = dict(h=rnd(1, d), res=rnd(1, d, dt=torch.float32), conv=rnd(1, cdim, W - 1),
-                 ssm=rnd(1, H, P, N, scale=0.1, dt=torch.float32))
+    state = dict(h=rnd(1, d), res=rnd(1, d, dt=torch.float32), conv=rnd(1, cdim, W),
+                 ssm=rnd(1, H, P, N, scale=0.1, dt=torch.float32), pos=torch.full((1,), 7, device=DEVICE))
 
     def step(s):
         n, r = add_rmsnorm(s["h"], s["res"], w["n"], 1e-5)
         zxd = gemv_triton(n, w["inp"])
         z, xBC, dt = zxd[:, :d_inner], zxd[:, d_inner : d_inner + cdim], zxd[:, d_inner + cdim :]
         y = mamba2_decode_step(xBC, dt, s["conv"], w["conv_w"], w["conv_b"], s["ssm"], w["A"], w["D"], w["dt_bias"],
-                               ngroups=1, headdim=P)
+                               positions=s["pos"], ngroups=1, headdim=P)
         s["h"].copy_(gemv_triton(gated_rmsnorm(y.view(1, d_inner), z, w["gn"], d_inner, 1e-5), w["out"]))
         s["res"].copy_(r)
+        s["pos"] += 1
 
     return step, state
 

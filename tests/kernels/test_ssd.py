@@ -164,13 +164,15 @@ def decode_inputs(Bsz, H, P, G, N, W, *, dtype=torch.float32, seed=0, device=DEV
     return dict(
         xBC=rnd(Bsz, Cdim).to(dtype),
         dt=rnd(Bsz, H).to(dtype),
-        conv_state=rnd(Bsz, Cdim, W - 1).to(dtype),
+        conv_state=rnd(Bsz, Cdim, W).to(dtype),
         conv_weight=rnd(Cdim, W, scale=W**-0.5).to(dtype),
         conv_bias=rnd(Cdim, scale=0.1).to(dtype),
         ssm_state=rnd(Bsz, H, P, N),
         A=-torch.exp(rnd(H, scale=0.5)),
         D=rnd(H),
         dt_bias=rnd(H, scale=0.5) - 2.0,
+        # Rows at different slots of their rings, row 1 past position 2^31 (int64 positions).
+        positions=(torch.arange(Bsz) * 5 + seed + 3 + (torch.arange(Bsz) == 1) * W * 2**29).to(device),
     ), rnd(Bsz, H, P).to(dtype)
 
 
@@ -191,10 +193,36 @@ def test_triton_decode_step_matches_ref(Bsz, H, P, G, N, gate, dt_limit, bias):
         results[impl] = (y, a["conv_state"], a["ssm_state"])
     for got, want in zip(results["triton"], results["ref"]):
         assert rel(got, want) < 1e-5
-    # Both states really moved (in place), and the conv window shifted in the new input.
+    # Both states really moved (in place): the token's input went into its slot of the ring, the
+    # other slots kept theirs.
     assert not torch.equal(results["ref"][2], args["ssm_state"])
-    assert torch.equal(results["triton"][1][..., -1], args["xBC"])
-    assert torch.equal(results["triton"][1][..., :-1], args["conv_state"][..., 1:])
+    slot = args["positions"] % 4
+    for b in range(Bsz):
+        ring, old = results["triton"][1][b], args["conv_state"][b]
+        assert torch.equal(ring[:, slot[b]], args["xBC"][b])
+        keep = torch.arange(4, device=DEV) != slot[b]
+        assert torch.equal(ring[:, keep], old[:, keep])
+
+
+@pytest.mark.parametrize("impl", ["ref", "triton"])
+def test_decode_step_reads_the_ring_before_its_position(impl):
+    """The conv over slots (p+1..p+W-1) % W, oldest first, then the token: against a linear window
+    built by hand, for every slot the token can take."""
+    Bsz, H, P, G, N, W = 4, 2, 16, 1, 16, 4
+    args, _ = decode_inputs(Bsz, H, P, G, N, W, seed=11)
+    args["positions"] = torch.tensor([0, 5, 10, 15], device=DEV)
+    args["D"] = torch.zeros_like(args["D"])
+    args["ssm_state"] = torch.zeros_like(args["ssm_state"])
+    ring = args["conv_state"].clone()
+    y = ssd.mamba2_decode_step(**args, ngroups=G, headdim=P, impl=impl)
+    # With a zero state and D, y = dt * x (B . C): x is the conv of the hand-built window.
+    for b, p in enumerate(args["positions"].tolist()):
+        window = torch.stack([ring[b, :, (p - W + 1 + j) % W] for j in range(W - 1)] + [args["xBC"][b]], dim=-1)
+        xbc = torch.nn.functional.silu((window * args["conv_weight"]).sum(-1) + args["conv_bias"])
+        x = xbc[: H * P].reshape(H, P)
+        Bv, Cv = xbc[H * P: H * P + N], xbc[H * P + N:]
+        dt = torch.nn.functional.softplus(args["dt"][b] + args["dt_bias"])
+        assert rel(y[b], (dt[:, None] * x) * (Bv @ Cv)) < 1e-5
 
 
 @pytest.mark.parametrize("Bsz,H,P,G,N", [(1, 4, 16, 1, 16), (2, 6, 24, 3, 20)])
@@ -256,16 +284,18 @@ def test_decode_steps_match_conv_and_scan(impl, G):
     y_scan, s_scan = ssd.ssd_chunk_scan(x, dt, args["A"], Bm, Cm, chunk_size=16, D=args["D"], z=z,
                                         dt_bias=args["dt_bias"], dt_softplus=True, impl=impl)
 
-    conv_state = torch.zeros(Bsz, Cdim, W - 1, device=DEV)
+    conv_state = torch.zeros(Bsz, Cdim, W, device=DEV)
     ssm_state = torch.zeros(Bsz, H, P, N, device=DEV)
     ys = []
     for t in range(T):
         ys.append(ssd.mamba2_decode_step(xBC[:, t], dt[:, t], conv_state, args["conv_weight"], args["conv_bias"],
-                                         ssm_state, args["A"], args["D"], args["dt_bias"], ngroups=G, headdim=P,
+                                         ssm_state, args["A"], args["D"], args["dt_bias"],
+                                         positions=torch.full((Bsz,), t, device=DEV), ngroups=G, headdim=P,
                                          z=z[:, t], impl=impl))
     assert rel(torch.stack(ys, dim=1), y_scan) < 1e-5
     assert rel(ssm_state, s_scan) < 1e-5
-    assert torch.equal(conv_state, conv_fin)
+    # The ring's last W-1 positions are the conv's carried window.
+    assert torch.equal(conv_state[..., ssd.conv_window_slots(T, W)], conv_fin)
 
 
 MAMBA2_13B = dict(H=64, P=64, G=1, N=128, W=4)
@@ -320,7 +350,7 @@ def test_gpu_triton_decode_step_bf16_in_cuda_graph(Bsz, state_ready):
     def step():
         ssd.mamba2_decode_step(**args, ngroups=s["G"], headdim=s["P"], impl="triton", out=out, **extra)
 
-    # Warm-up (compilation, semaphore) on copies, then capture on the real buffers.
+    # Warm-up (compilation) on copies, then capture on the real buffers.
     saved = {k: v.clone() for k, v in args.items()}
     step()
     for k in args:
@@ -332,9 +362,11 @@ def test_gpu_triton_decode_step_bf16_in_cuda_graph(Bsz, state_ready):
         args["xBC"].copy_(xs[t])
         args["dt"].copy_(dts[t])
         graph.replay()
+        args["positions"] += 1
         ref_args["xBC"].copy_(xs[t])
         ref_args["dt"].copy_(dts[t])
         y_ref = ssd.mamba2_decode_step(**ref_args, ngroups=s["G"], headdim=s["P"], impl="ref")
+        ref_args["positions"] += 1
         assert rel(out, y_ref) < 1e-2
     assert rel(args["ssm_state"], ref_args["ssm_state"]) < 1e-3
     assert torch.equal(args["conv_state"], ref_args["conv_state"])
