@@ -9,11 +9,11 @@ stored, so there is no `[B, nc, G, L, L]` buffer):
 
 `_causal_conv1d_kernel`: depthwise causal conv over `[B, T, C]` with a carried window.
 `_decode_step_kernel`: one fused token step (conv over the ring window + SiLU + SSM update + output).
-It alone takes a `PDL` constexpr (`kernels.pdl`, launched with launch_pdl, up to `PDL_MAX_BATCH`
-sequences): gdc_launch_dependents() and gdc_wait() before its first load, so the states and windows
-are touched only after the previous kernel has finished; with `state_ready=True` (constexpr
-STATE_READY) the SSM state tile, the conv windows, the conv weights and the per-head constants are
-loaded before the wait (see `mamba2_decode_step`).
+It alone takes a `PDL` constexpr (`kernels.pdl`, launched with launch_pdl at every batch size):
+gdc_launch_dependents() and gdc_wait() before its first load, so the states and rings are touched
+only after the previous kernel has finished; with `state_ready=True` (constexpr STATE_READY) the SSM
+state tile, the positions, the conv rings, the conv weights and the per-head constants are loaded
+before the wait (see `mamba2_decode_step`).
 With `norm=` (constexpr HAS_NORM) it also writes each head's sum of squares of the gated output and
 multiplies that output by the norm weight, so the RMSNorm after it needs no kernel of its own
 (`kernels.gemv.rms_scaled_linear`).
@@ -404,7 +404,8 @@ def _conv_window(cst_row, w_ptr, cb_ptr, ch, ch_mask, s_cc, s_ck, s_wc, s_wk,
 @triton.jit
 def _conv_token(ring, w, cb, new, slot_t, W: tl.constexpr, BLOCK_W: tl.constexpr):
     """One token's conv + SiLU `[BLOCK_CH]` from `_conv_window`'s loads and the token's inputs `new`
-    `[BLOCK_CH]`, which go into slot `slot_t`, this position's."""
+    `[BLOCK_CH]`, and the ring tile with them in slot `slot_t` (this position's), in the layout of
+    the ring's load, so its store needs no other copy of the inputs."""
     offs_w = tl.arange(0, BLOCK_W)
     # Slot s holds tap (s - t - 1) mod W of the window (tap W - 1, slot t % W, is this token): the
     # weights are rolled to the slots in registers, so no load waits for the position.
@@ -417,7 +418,7 @@ def _conv_token(ring, w, cb, new, slot_t, W: tl.constexpr, BLOCK_W: tl.constexpr
         w_rolled += tl.where(tap[None, :] == j, w_j[:, None], 0.0)
     win = tl.where(offs_w[None, :] == slot_t, new[:, None], ring).to(tl.float32)
     acc = tl.sum(win * w_rolled, axis=1) + cb.to(tl.float32)
-    return acc * tl.sigmoid(acc)
+    return acc * tl.sigmoid(acc), win
 
 
 @triton.jit
@@ -445,17 +446,21 @@ def _decode_step_kernel(
     n_mask = offs_n < N
     xbc_row = xbc_ptr + b64 * s_xb
     cst_row = cst_ptr + b64 * s_cb
+    offs_w = tl.arange(0, BLOCK_W)
 
     # 1. Every load first, the state tile [BLOCK_P, BLOCK_N] (most of the bytes) leading, so one memory
-    #    round trip covers all of them. With STATE_READY the state tile and the conv rings (both last
-    #    written by this kernel a step earlier), the conv weights and the per-head constants are loaded
+    #    round trip covers all of them. With STATE_READY the state tile, the position and the conv rings
+    #    (last written by the previous step), the conv weights and the per-head constants are loaded
     #    before the wait, overlapping the kernel before; after it only the in-projection's outputs
-    #    (this token's x/B/C inputs, dt, z) and the position, which it has just written to L2.
+    #    (this token's x/B/C inputs, dt, z), which it has just written to L2.
     st = st_ptr + b64 * s_sb + h * s_sh + offs_p[:, None] * s_sp + offs_n[None, :] * s_sn
     pn_mask = p_mask[:, None] & n_mask[None, :]
     if PDL and not STATE_READY:
         tl.extra.cuda.gdc_wait()
     s = tl.load(st, mask=pn_mask, other=0.0, cache_modifier=".cg")
+    # The position, with the state: the previous step's last kernel wrote it, long enough ago for it
+    # to have left L2, so after the wait it would be the one load of the token's round trip from HBM.
+    slot_t = tl.load(pos_ptr + b64 * s_pos) % W
     # Conv + SiLU of this program's x channels and of its group's B and C channels.
     ch_x = h * P + offs_p
     ch_B = H * P + g * N + offs_n
@@ -472,26 +477,26 @@ def _decode_step_kernel(
     if PDL and STATE_READY:
         tl.extra.cuda.gdc_wait()
     # All of this token's loads before any reduction, so they share one round trip.
-    slot_t = tl.load(pos_ptr + b64 * s_pos) % W
     dt = tl.load(dt_ptr + b64 * s_db + h * s_dh).to(tl.float32) + dt_bias
     if HAS_Z:
         zv = tl.load(z_ptr + b64 * s_zb + h * s_zh + offs_p * s_zp, mask=p_mask, other=0.0).to(tl.float32)
     x_new = tl.load(xbc_row + ch_x * s_xc, mask=p_mask, other=0.0)
     B_new = tl.load(xbc_row + ch_B * s_xc, mask=n_mask, other=0.0)
     C_new = tl.load(xbc_row + ch_C * s_xc, mask=n_mask, other=0.0)
-    x = _conv_token(x_ring, x_w, x_cb, x_new, slot_t, W, BLOCK_W)
-    Bv = _conv_token(B_ring, B_w, B_cb, B_new, slot_t, W, BLOCK_W)
-    Cv = _conv_token(C_ring, C_w, C_cb, C_new, slot_t, W, BLOCK_W)
+    x, x_win = _conv_token(x_ring, x_w, x_cb, x_new, slot_t, W, BLOCK_W)
+    Bv, B_win = _conv_token(B_ring, B_w, B_cb, B_new, slot_t, W, BLOCK_W)
+    Cv, C_win = _conv_token(C_ring, C_w, C_cb, C_new, slot_t, W, BLOCK_W)
 
     # 2. This token's inputs into its slot, the one holding the input W positions back, which no
     #    program's window includes: nothing another program reads this step is overwritten, so the
     #    programs need no ordering among them. The x channels belong to this program; the group's B
     #    and C are written by the group's first program.
     cdt = cst_ptr.dtype.element_ty
-    tl.store(cst_row + ch_x * s_cc + slot_t * s_ck, x_new.to(cdt), mask=p_mask)
+    slot = offs_w[None, :] == slot_t
+    tl.store(cst_row + ch_x[:, None] * s_cc + offs_w[None, :] * s_ck, x_win.to(cdt), mask=p_mask[:, None] & slot)
     if (h % (H // G) == 0) & (pid_p == 0):
-        tl.store(cst_row + ch_B * s_cc + slot_t * s_ck, B_new.to(cdt), mask=n_mask)
-        tl.store(cst_row + ch_C * s_cc + slot_t * s_ck, C_new.to(cdt), mask=n_mask)
+        tl.store(cst_row + ch_B[:, None] * s_cc + offs_w[None, :] * s_ck, B_win.to(cdt), mask=n_mask[:, None] & slot)
+        tl.store(cst_row + ch_C[:, None] * s_cc + offs_w[None, :] * s_ck, C_win.to(cdt), mask=n_mask[:, None] & slot)
 
     # 3. state = exp(dt A) state + dt x B^T, in place.
     dt = _softplus(dt)
@@ -513,19 +518,6 @@ def _decode_step_kernel(
     tl.store(y_ptr + b64 * s_yb + h * s_yh + offs_p * s_yp, y.to(y_ptr.dtype.element_ty), mask=p_mask)
 
 
-# Larger batches launch the decode step without PDL. Graphed mamba2-1.3b steps on the H200
-# (results/step_ab.jsonl, experiments `glue_conv_pdl` and `ssd_pdl_batch`): PDL saved ~150 / 70 us a
-# step at batch 1 / 2, and cost 12 / 88 / 87 / 383 us at batch 4 / 8 / 32 / 64 (it saved 40 at 16).
-# Likely cause (not measured apart): the programs placed early wait at gdc_wait holding their
-# registers (the state tile) while the in-projection GEMV before them still needs the SMs.
-PDL_MAX_BATCH = 2
-
-
-def step_pdl(device, batch):
-    """Whether a decode step of `batch` sequences launches with PDL (`kernels.pdl` and PDL_MAX_BATCH)."""
-    return pdl(device, __name__) and batch <= PDL_MAX_BATCH
-
-
 def decode_block_p(headdim):
     """Rows of P per program: the whole head, up to 64 rows. Measured on the H200 at the 1.3b shape
     (results/ssd.jsonl), 64 rows with 8 warps beat 8, 16 and 32 rows at every batch from 1 to 128
@@ -541,12 +533,12 @@ def mamba2_decode_step(xBC, dt, conv_state, conv_weight, conv_bias, ssm_state, A
     W-1 slots before it and writes its input into slot positions % W, so no program of the grid
     overwrites what another reads and the step needs no ordering among its programs.
 
-    `state_ready=True` promises that ssm_state and conv_state were last written before a kernel
-    launched without PDL (in a decode step: by this layer's step in the previous step, which ended
-    with sampling kernels launched without PDL), so under PDL the state tile and the conv rings are
-    loaded before gdc_wait(), overlapping the in-projection GEMV before it. Without that promise (the
-    default) a state written by the kernel just before would be read stale. The positions are read
-    after the wait either way.
+    `state_ready=True` promises that ssm_state, conv_state and positions were last written before a
+    kernel launched without PDL (in a decode step: the states by this layer's step in the previous
+    step, the positions by its sampling, which ends with kernels launched without PDL), so under PDL
+    the state tile, the position and the conv rings are loaded before gdc_wait(), overlapping the
+    in-projection GEMV before it. Without that promise (the default) a value written by the kernel
+    just before would be read stale.
 
     `norm=(norm_weight, sumsq)` (with z): as ref.mamba2_decode_step, one program a head (a `block_p`
     below the head's P is refused).
@@ -577,7 +569,7 @@ def mamba2_decode_step(xBC, dt, conv_state, conv_weight, conv_bias, ssm_state, A
         norm_args = dict(nw_ptr=norm_weight, ss_ptr=sumsq, s_qb=sumsq.stride(0), s_qh=sumsq.stride(1), HAS_NORM=True)
     block_p = block_p or decode_block_p(P)
     block_n = triton.next_power_of_2(N)
-    use_pdl = step_pdl(xBC.device, Bsz)
+    use_pdl = pdl(xBC.device, __name__)
     _decode_step_kernel[(Bsz, H, triton.cdiv(P, block_p))](
         xBC, dt, conv_state, conv_weight, conv_bias if conv_bias is not None else conv_weight, ssm_state,
         A, D, dt_bias, zz, out, positions,
