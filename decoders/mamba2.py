@@ -39,7 +39,9 @@ FP32_PARAMS = ("A_log", "D", "dt_bias")
 class Mamba2Cache:
     conv: torch.Tensor  # [L, B, conv_dim, d_conv] model dtype, rings (`ssd.conv_window_slots`)
     ssm: torch.Tensor  # [L, B, H, P, N] float32
-    lens: list[int]  # tokens each row has consumed through prefill_forward
+    # tokens each row has consumed through prefill_forward; decode steps, which take their positions
+    # from the caller, leave it as it is (a prefill after decode steps needs it set to the lengths)
+    lens: list[int]
 
 
 class Mamba2Decoder(AutoregressiveDecoder):
