@@ -39,6 +39,10 @@ MIN_PREFILL_SPLIT_TOKENS = 256
 PROGRAMS_PER_SM = 4
 # fp32 elements of partials the merging program holds per chunk (32 registers a thread at 4 warps).
 REDUCE_ELEMS = 4096
+# Up to this many (64 registers a thread at 4 warps) the flat merge loads every partial at once, beside
+# the log-sum-exps: one L2 round trip for the whole merge (a batch-1 llama-1b layer at 4k: 4 heads x
+# 32 splits x 64).
+ONE_LOAD_ELEMS = 8192
 
 
 @dataclass(frozen=True)
@@ -229,7 +233,7 @@ def _decode_split_kernel(
     num_splits,
     G: tl.constexpr, G_PAD: tl.constexpr, G_R: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
-    S_PAD: tl.constexpr, FLAT_MERGE: tl.constexpr, EARLY_V: tl.constexpr,
+    S_PAD: tl.constexpr, FLAT_MERGE: tl.constexpr, EARLY_V: tl.constexpr, ONE_LOAD: tl.constexpr,
     kn_ptr=None, vn_ptr=None, cos_ptr=None, sin_ptr=None, stride_knb=0, stride_knh=0, stride_vnb=0, stride_vnh=0,
     stride_cos=0, ROPE: tl.constexpr = False,
 ):
@@ -336,27 +340,38 @@ def _decode_split_kernel(
                 if FLAT_MERGE:
                     # [G_R, S_PAD] every split's lse in one load, so M is known before any partial
                     # is read and the unrolled chunk loads below depend on nothing but M: they can
-                    # all be in flight together instead of one L2 round trip per chunk.
+                    # all be in flight together instead of one L2 round trip per chunk. Up to
+                    # ONE_LOAD_ELEMS the partials are loaded beside the lse, before any reduction:
+                    # one round trip in all (the reductions' barriers keep loads after them there).
                     sp = tl.arange(0, S_PAD)
-                    lse_all = tl.load(lse_head + gr[:, None] * stride_lh + sp[None, :],
-                                      mask=gr_ok[:, None] & (sp[None, :] < n_valid), other=float("-inf"),
-                                      cache_modifier=".cg")
+                    sp_mask = gr_ok[:, None] & (sp[None, :] < n_valid)
+                    lse_all = tl.load(lse_head + gr[:, None] * stride_lh + sp[None, :], mask=sp_mask,
+                                      other=float("-inf"), cache_modifier=".cg")
+                    if ONE_LOAD:
+                        # [G_R, S_PAD, D_PAD] every partial, loaded beside the log-sum-exps.
+                        part_all = tl.load(part_head + gr[:, None, None] * stride_ph + sp[None, :, None] * stride_ps
+                                           + d[None, None, :], mask=sp_mask[:, :, None], other=0.0,
+                                           cache_modifier=".cg")
                     # Padding head rows get weight 1 on zero partials instead of NaN from -inf - -inf.
                     lse_all = tl.where(gr_ok[:, None], lse_all, 0.0)
                     m_run = tl.max(lse_all, 1)
-                    den = tl.sum(tl.exp2(lse_all - m_run[:, None]), 1)
-                    red = tl.zeros([G_R, D_PAD], dtype=tl.float32)
-                    for c in tl.static_range(0, S_PAD, CHUNK):
-                        s = c + sc
-                        smask = gr_ok[:, None] & (s[None, :] < n_valid)
-                        lse = tl.load(lse_head + gr[:, None] * stride_lh + s[None, :], mask=smask,
-                                      other=float("-inf"), cache_modifier=".cg")
-                        w = tl.exp2(tl.where(gr_ok[:, None], lse, 0.0) - m_run[:, None])
-                        # [G_R, CHUNK, D_PAD]
-                        part = tl.load(part_head + gr[:, None, None] * stride_ph + s[None, :, None] * stride_ps
-                                       + d[None, None, :], mask=smask[:, :, None], other=0.0,
-                                       cache_modifier=".cg")
-                        red += tl.sum(w[:, :, None] * part, 1)
+                    w_all = tl.exp2(lse_all - m_run[:, None])
+                    den = tl.sum(w_all, 1)
+                    if ONE_LOAD:
+                        red = tl.sum(w_all[:, :, None] * part_all, 1)
+                    else:
+                        red = tl.zeros([G_R, D_PAD], dtype=tl.float32)
+                        for c in tl.static_range(0, S_PAD, CHUNK):
+                            s = c + sc
+                            smask = gr_ok[:, None] & (s[None, :] < n_valid)
+                            lse = tl.load(lse_head + gr[:, None] * stride_lh + s[None, :], mask=smask,
+                                          other=float("-inf"), cache_modifier=".cg")
+                            w = tl.exp2(tl.where(gr_ok[:, None], lse, 0.0) - m_run[:, None])
+                            # [G_R, CHUNK, D_PAD]
+                            part = tl.load(part_head + gr[:, None, None] * stride_ph + s[None, :, None] * stride_ps
+                                           + d[None, None, :], mask=smask[:, :, None], other=0.0,
+                                           cache_modifier=".cg")
+                            red += tl.sum(w[:, :, None] * part, 1)
                 else:
                     # Online over chunks of splits.
                     m_run = tl.full([G_R], float("-inf"), dtype=tl.float32)
@@ -460,6 +475,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *
         CHUNK=min(chunk, s_pad) if spec.flat_merge else chunk,
         # S_PAD only shapes the flat merge; fixed otherwise so the default compiles once for all split counts.
         S_PAD=s_pad if spec.flat_merge else 1, FLAT_MERGE=spec.flat_merge,
+        ONE_LOAD=spec.flat_merge and g_r * s_pad * d_pad <= ONE_LOAD_ELEMS,
         EARLY_V=spec.early_v, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **rope_args,
     )
