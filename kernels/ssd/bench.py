@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import ssd
+from kernels.ssd import ref as ssd_ref
 from kernels.ssd import triton as ssd_triton
 from kernels.benchtools import append_jsonl, copy_bandwidth, environment, import_mamba_ssm, time_ms
 
@@ -139,8 +140,8 @@ def bench_decode(b, batch, copy_bps):
     def peer_layer(layer):
         # mamba-ssm keeps a W-long conv window [B, C, W], oldest first and shifted each step (the lab's
         # ring in position order, after an unused oldest column), and expands dt/A/D/dt_bias over P (and N).
-        ring, slots = layer["conv_state"], ssd.conv_window_slots(layer["positions"], W)
-        window = torch.cat([torch.zeros_like(ring[..., :1]), ring.gather(2, slots[:, None, :].expand(-1, CONV_DIM, -1))], -1)
+        ring = layer["conv_state"]
+        window = torch.cat([torch.zeros_like(ring[..., :1]), ssd_ref.conv_window(ring, layer["positions"])], -1)
         peer = {k: v for k, v in layer.items() if k != "positions"}
         return dict(peer, conv_state=window,
                     A_full=layer["A"][:, None, None].expand(H, P, N), D_full=layer["D"][:, None].expand(H, P),

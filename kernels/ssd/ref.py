@@ -180,6 +180,12 @@ def conv_window_slots(position, width):
     return [(position + 1 + j) % width for j in range(width - 1)]
 
 
+def conv_window(conv_state, positions):
+    """The W-1 inputs before `positions` `[B]`, oldest first, from conv rings `[B, C, W]`: `[B, C, W-1]`."""
+    Bsz, Cdim, W = conv_state.shape
+    return conv_state.gather(2, conv_window_slots(positions, W)[:, None, :].expand(Bsz, Cdim, W - 1))
+
+
 def mamba2_decode_step(xBC, dt, conv_state, conv_weight, conv_bias, ssm_state, A, D, dt_bias, *, positions, ngroups,
                        headdim, dt_limit=DEFAULT_DT_LIMIT, z=None, out=None, norm=None):
     """One token: conv + SiLU over the carried window and the token, split into x/B/C, SSM update; both
@@ -202,9 +208,7 @@ def mamba2_decode_step(xBC, dt, conv_state, conv_weight, conv_bias, ssm_state, A
     W = conv_weight.shape[1]
     check_decode_conv(xBC, conv_state, conv_weight, positions)
     # 1. The W-1 carried inputs and this token, convolved (with bias), then SiLU; the token into its slot.
-    slots = conv_window_slots(positions, W)
-    old = conv_state.gather(2, slots[:, None, :].expand(Bsz, Cdim, W - 1))
-    window = torch.cat([old.float(), xBC.float()[..., None]], dim=-1)
+    window = torch.cat([conv_window(conv_state, positions).float(), xBC.float()[..., None]], dim=-1)
     conv_state.scatter_(2, (positions.long() % W)[:, None, None].expand(Bsz, Cdim, 1), xBC[..., None].to(conv_state.dtype))
     xbc = F.silu((window * conv_weight.float()).sum(-1) + (0 if conv_bias is None else conv_bias.float()))
     # 2. Split into x [B, H, P], B and C [B, H, N] (a group's B and C serve H // G heads).
