@@ -130,15 +130,21 @@ def _num_sms(device: torch.device) -> int:
     return 4
 
 
-def choose_num_splits(programs: int, max_seq_len: int, num_sms: int, *,
+def choose_num_splits(programs: int, max_seq_len: int, num_sms: int, *, block_n: int,
                       programs_per_sm: int = PROGRAMS_PER_SM, min_split_tokens: int = MIN_SPLIT_TOKENS) -> int:
     """Key splits for a grid of `programs` programs without splits (decode: sequences x kv heads;
-    prefill: query tiles x heads x sequences) over sequences of length <= max_seq_len."""
+    prefill: query tiles x heads x sequences) over sequences of length <= max_seq_len, cut by the
+    kernel into runs of whole `block_n`-key tiles."""
     # About programs_per_sm programs per SM, rounded down so the grid stays one wave: rounding up
     # (16 x 8 x 5 = 640 programs where 528 fit) left a second, nearly empty wave of slow programs.
     wanted = max(1, programs_per_sm * num_sms // max(programs, 1))
     # At least min_split_tokens per split: shorter runs spend more on the partials than they save.
-    return max(1, min(wanted, triton.cdiv(max(max_seq_len, 1), min_split_tokens), MAX_SPLITS))
+    splits = max(1, min(wanted, triton.cdiv(max(max_seq_len, 1), min_split_tokens), MAX_SPLITS))
+    # The kernels give each split cdiv(tiles, splits) tiles, so at max_seq_len only the splits
+    # returned here hold data (33 asked of 64 tiles: 32 runs of 2). Asking for more would launch
+    # programs with nothing to do and widen the merge (a flat merge pads its splits to a power of 2).
+    tiles = triton.cdiv(max(max_seq_len, 1), block_n)
+    return triton.cdiv(tiles, triton.cdiv(tiles, splits))
 
 
 @dataclass
@@ -164,6 +170,7 @@ def decode_workspace(batch, num_q_heads, num_kv_heads, head_dim, max_seq_len, de
     spec = _variant(variant)
     if num_splits is None:
         num_splits = choose_num_splits(batch * num_kv_heads, max_seq_len, _num_sms(device),
+                                       block_n=decode_config(head_dim, variant).block_n,
                                        programs_per_sm=spec.programs_per_sm, min_split_tokens=spec.min_split_tokens)
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
@@ -644,7 +651,8 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seql
     page = k_cache.shape[1]
     if num_splits is None:
         num_splits = choose_num_splits(m_blocks * num_q_heads * batch, block_tables.shape[1] * page, _num_sms(q.device),
-                                       programs_per_sm=PREFILL_PROGRAMS_PER_SM, min_split_tokens=MIN_PREFILL_SPLIT_TOKENS)
+                                       block_n=cfg.block_n, programs_per_sm=PREFILL_PROGRAMS_PER_SM,
+                                       min_split_tokens=MIN_PREFILL_SPLIT_TOKENS)
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
     d_pad = _pad_dim(head_dim)

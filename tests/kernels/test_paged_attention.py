@@ -318,11 +318,12 @@ def test_prefill_key_splits_match_ref(q_lens, seq_lens, page, group, num_kv_head
 
 
 def test_prefill_splits_only_when_the_query_tiles_leave_sms_idle():
-    from kernels.paged_attention.triton import MIN_PREFILL_SPLIT_TOKENS, PREFILL_PROGRAMS_PER_SM, choose_num_splits
+    from kernels.paged_attention.triton import (MIN_PREFILL_SPLIT_TOKENS, PREFILL_PROGRAMS_PER_SM, choose_num_splits,
+                                                prefill_config)
 
     def splits(programs, max_kv_len):
-        return choose_num_splits(programs, max_kv_len, 132, programs_per_sm=PREFILL_PROGRAMS_PER_SM,
-                                 min_split_tokens=MIN_PREFILL_SPLIT_TOKENS)
+        return choose_num_splits(programs, max_kv_len, 132, block_n=prefill_config(64).block_n,
+                                 programs_per_sm=PREFILL_PROGRAMS_PER_SM, min_split_tokens=MIN_PREFILL_SPLIT_TOKENS)
 
     # Many query tiles (a 4k-token prompt chunk): no split.
     assert splits(32 * 32, 131072) == 1
@@ -330,6 +331,32 @@ def test_prefill_splits_only_when_the_query_tiles_leave_sms_idle():
     assert splits(32, 32768) == 8
     # A short prefix caps the splits at one per 256 keys.
     assert splits(32, 600) == 3
+
+
+def test_decode_splits_all_hold_data_at_the_bound():
+    from kernels.paged_attention.triton import DECODE_VARIANTS, choose_num_splits
+
+    long = DECODE_VARIANTS["long"]
+
+    def splits(programs, max_seq_len, block_n=128):
+        return choose_num_splits(programs, max_seq_len, 132, block_n=block_n, programs_per_sm=long.programs_per_sm,
+                                 min_split_tokens=long.min_split_tokens)
+
+    # A batch-1 llama-1b layer (8 kv heads, 128-key tiles): two programs an SM want 33 splits; at 4k
+    # the 32 tiles cap them, past it 33 would give 32 runs of whole tiles and one empty split.
+    for ctx in (4096, 8192, 32768, 131072):
+        assert splits(8, ctx) == 32
+    # Fewer tiles than wanted splits: one tile each.
+    assert splits(8, 1000) == 8
+    for programs in (1, 3, 8, 16, 40):
+        for max_seq_len in (1, 127, 129, 5000, 8192, 65537):
+            for block_n in (16, 64, 128):
+                s = splits(programs, max_seq_len, block_n)
+                tiles = -(-max_seq_len // block_n)
+                per_split = -(-tiles // s)
+                # the kernel's cut: every split holds data at the bound, none are left over
+                assert (s - 1) * per_split < tiles <= s * per_split
+                assert s <= max(1, 2 * 132 // programs)
 
 
 def test_prefill_triton_chunked_equals_one_shot():
