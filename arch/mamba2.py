@@ -55,6 +55,11 @@ from kernels import gemv, mamba2_norm, ssd
 # out_proj's epilogue (`gate_rows`, e4d4587): 1394-1397 -> 1338 us at two, 1575 -> 1735-1737 at four,
 # 1930-1933 -> 2135 at eight.
 GATE_IN_STEP_ROWS = 2
+# Up to this many sequences out_proj's GEMV on that path loads two weight tiles before its PDL wait
+# (`gemv.linear`'s early_tiles), as llama's o-projection after its decode attention: the SSM step before
+# it leaves HBM idle. Graphed A/B (`results/step_ab.jsonl`, `out_proj_early_tiles`): one sequence
+# 921-922 -> 901-902 us a step; two 1347-1349 -> 1361-1363, so one.
+EARLY_TILES_ROWS = 1
 
 # Largest chunk of the reference SSD scan (impl="ref", the training path; the Triton path uses the config's
 # chunk_size). Its intermediates cost about H (L + P N / L) floats per token, the [L, L] decays against the
@@ -232,11 +237,13 @@ class Mixer(nn.Module):
             state_ready=state_ready,
             norm=(self.norm.weight, sumsq) if gate_in_step else None,
         ).reshape(h.shape[0], c.d_inner)
+        early_tiles = 2 if h.shape[0] <= EARLY_TILES_ROWS else 1
         if gate_in_step and residual is not None:
             return gemv.linear_residual_norm(y, self.out_proj.weight, residual, next_norm.weight, self.out_proj.bias,
-                                             impl=impl, rms_scale=(sumsq, self.norm.eps))
+                                             impl=impl, rms_scale=(sumsq, self.norm.eps), early_tiles=early_tiles)
         if gate_in_step:
-            return gemv.rms_scaled_linear(y, sumsq, self.norm.eps, self.out_proj.weight, self.out_proj.bias, impl=impl)
+            return gemv.rms_scaled_linear(y, sumsq, self.norm.eps, self.out_proj.weight, self.out_proj.bias, impl=impl,
+                                          early_tiles=early_tiles)
         return gemv.gated_norm_linear(
             y, z, self.norm.weight, self.norm.eps, self.out_proj.weight,
             self.out_proj.bias, group_size=self.norm.group_size, impl=impl,

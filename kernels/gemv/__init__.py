@@ -39,15 +39,15 @@ accumulation. The grouped form runs G independent products in one launch: x `[G,
   and the projection after it. As `gated_norm_linear`: per shape the fastest of that pair and the GEMV
   with the norm in the same pass as the product (the statistics gathered as the x tiles load, 1 / rms
   applied to the sums: kernels/gemv/README.md); elsewhere the pair. `rms_choices()` is its `choices()`.
-- `rms_scaled_linear(x, sumsq, eps, weight, bias=None, *, impl) -> [M, N]`: the second half of an
+- `rms_scaled_linear(x, sumsq, eps, weight, bias=None, *, impl, early_tiles=1) -> [M, N]`: the second half of an
   RMSNorm whose statistics the kernel before gathered: x `[M, K]` is already g * norm_weight and
   sumsq `[M, S]` (float32) holds partial sums of g^2 (Mamba-2's decode step writes one a head,
   `linear_residual_norm` one per program), so the result is rsqrt(sumsq.sum(-1) / K + eps) * (x @
   weight^T) + bias = linear(rmsnorm(g) * norm_weight). As
   `gated_norm_linear`: per shape the fastest of the pair (`linear` then the scale) and the GEMV that
   scales its products in the epilogue; elsewhere the pair. `scaled_choices()` is its `choices()`.
-- `linear_residual_norm(x, weight, residual, norm_weight, bias=None, *, impl, rms_scale=None) -> (r, h,
-  sumsq)`: r = `linear_residual(x, weight, residual, bias)`, and the first half
+- `linear_residual_norm(x, weight, residual, norm_weight, bias=None, *, impl, rms_scale=None, early_tiles=1)
+  -> (r, h, sumsq)`: r = `linear_residual(x, weight, residual, bias)`, and the first half
   of the RMSNorm that reads r next: h = r * norm_weight in x's dtype, sumsq `[M, S]` float32 partial
   sums of r^2, so that `rms_scaled_linear(h, sumsq, eps, W)` is `linear(rmsnorm(r), W)` with no norm
   kernel between. `rms_scale=(sumsq, eps)`: x itself comes with its statistics (as
@@ -291,9 +291,10 @@ def _check_sumsq(x, sumsq, caller):
                          f"{sumsq.dtype}")
 
 
-def rms_scaled_linear(x, sumsq, eps, weight, bias=None, *, impl):
+def rms_scaled_linear(x, sumsq, eps, weight, bias=None, *, impl, early_tiles=1):
     """rsqrt(sumsq.sum(-1) / K + eps) * (x @ weight^T) + bias: x `[M, K]` (g * norm_weight), sumsq `[M, S]`
-    float32 (partial sums of g^2), weight `[N, K]` -> `[M, N]` in x's dtype. See the module docstring."""
+    float32 (partial sums of g^2), weight `[N, K]` -> `[M, N]` in x's dtype. See the module docstring;
+    `early_tiles` as `linear`'s."""
     check_impl(impl)
     if x.dim() != 2 or weight.dim() != 2 or x.shape[-1] != weight.shape[-1]:
         raise ValueError(f"rms_scaled_linear: needs x [M, K] and weight [N, K], got {tuple(x.shape)} and "
@@ -301,20 +302,21 @@ def rms_scaled_linear(x, sumsq, eps, weight, bias=None, *, impl):
     _check_sumsq(x, sumsq, "rms_scaled_linear")
 
     def pair(w):
-        prod = F.linear(x, w) if impl == "ref" else linear(x, w, impl=impl)
+        prod = F.linear(x, w) if impl == "ref" else linear(x, w, impl=impl, early_tiles=early_tiles)
         out = prod.float() * torch.rsqrt(sumsq.sum(-1, keepdim=True) / x.shape[-1] + eps)
         return (out if bias is None else out + bias.float()).to(x.dtype)
 
     if not _fusable(x, weight, bias, impl):
         return pair(weight)
-    return _fused_or_pair(x, weight, bias, _key(x, weight, bias), _SCALED_CHOICES, pair, rms_scale=(sumsq, eps))
+    return _fused_or_pair(x, weight, bias, _key(x, weight, bias), _SCALED_CHOICES, pair, early_tiles=early_tiles,
+                          rms_scale=(sumsq, eps))
 
 
-def linear_residual_norm(x, weight, residual, norm_weight, bias=None, *, impl, rms_scale=None):
+def linear_residual_norm(x, weight, residual, norm_weight, bias=None, *, impl, rms_scale=None, early_tiles=1):
     """(r, h, sumsq): r = residual + linear(x, weight, bias) `[M, N]` in the residual's dtype (the product
     rounded to x's dtype first, with `rms_scale=(sumsq_x, eps)` scaled as `rms_scaled_linear`'s), h = r *
     norm_weight `[M, N]` in x's dtype and sumsq `[M, S]` float32 partial sums of r^2. See the module
-    docstring."""
+    docstring; `early_tiles` as `linear`'s."""
     check_impl(impl)
     if (x.dim() != 2 or weight.dim() != 2 or x.shape[-1] != weight.shape[-1]
             or tuple(residual.shape) != (x.shape[0], weight.shape[0]) or tuple(norm_weight.shape) != (weight.shape[0],)):
@@ -326,9 +328,9 @@ def linear_residual_norm(x, weight, residual, norm_weight, bias=None, *, impl, r
 
     def pair(w):
         if rms_scale is None:
-            prod = F.linear(x, w, bias) if impl == "ref" else linear(x, w, bias, impl=impl)
+            prod = F.linear(x, w, bias) if impl == "ref" else linear(x, w, bias, impl=impl, early_tiles=early_tiles)
         else:
-            prod = rms_scaled_linear(x, *rms_scale, w, bias, impl=impl)
+            prod = rms_scaled_linear(x, *rms_scale, w, bias, impl=impl, early_tiles=early_tiles)
         r = (residual.float() + prod.float()).to(residual.dtype)
         h = (r.float() * norm_weight.float()).to(x.dtype)
         return r, h, r.float().square().sum(-1, keepdim=True)
@@ -337,8 +339,8 @@ def linear_residual_norm(x, weight, residual, norm_weight, bias=None, *, impl, r
             and not (torch.is_grad_enabled() and (residual.requires_grad or norm_weight.requires_grad))):
         return pair(weight)
     key = (*_key(x, weight, bias), str(residual.dtype).removeprefix("torch."), rms_scale is not None)
-    return _fused_or_pair(x, weight, bias, key, _RESIDUAL_NORM_CHOICES, pair, residual=residual,
-                          norm_out=norm_weight, rms_scale=rms_scale)
+    return _fused_or_pair(x, weight, bias, key, _RESIDUAL_NORM_CHOICES, pair, early_tiles=early_tiles,
+                          residual=residual, norm_out=norm_weight, rms_scale=rms_scale)
 
 
 def linear_residual(x, weight, residual, bias=None, *, impl, early_tiles=1):

@@ -461,6 +461,31 @@ def test_linear_residual_norm_then_rms_scaled_linear_is_the_sublayer(impl, r_dty
         G_.linear_residual_norm(x, w, r, nw, impl=impl)
 
 
+def test_statistics_ops_pass_early_tiles_to_the_gemv(monkeypatch):
+    """`early_tiles` of rms_scaled_linear and linear_residual_norm reaches the GEMV that runs, the fused
+    one or the pair's `linear` (on the CPU the pair)."""
+    import kernels.gemv.triton as T
+
+    seen = []
+
+    def spy(fn):
+        def wrapped(*args, early_tiles=1, **kw):
+            seen.append(early_tiles)
+            return fn(*args, early_tiles=early_tiles, **kw)
+        return wrapped
+
+    monkeypatch.setattr(G_, "linear", spy(G_.linear))
+    monkeypatch.setattr(T, "gemv_triton", spy(T.gemv_triton))
+    torch.manual_seed(3)
+    x, nw, w, b = rms_inputs(1, 24, 64)
+    xw, sumsq = scale_inputs(x, nw, 2)
+    r = torch.randn(1, 24, device=DEVICE)
+    G_.rms_scaled_linear(xw, sumsq, 1e-5, w, b, impl="triton", early_tiles=2)
+    G_.linear_residual_norm(xw, w, r, torch.ones(24, device=DEVICE), b, impl="triton", rms_scale=(sumsq, 1e-5),
+                            early_tiles=2)
+    assert seen and set(seen) == {2}
+
+
 def test_gemv_rms_scale_refuses_bad_input():
     from kernels.gemv.triton import gemv_triton
 
