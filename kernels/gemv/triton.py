@@ -538,7 +538,8 @@ def gemv_triton(x, weight, bias=None, *, out=None, config=None, norm=None, rms_n
     `early_tiles` (1 or 2; PDL launches of FMA configurations only): the weight tiles each program
     loads before its PDL wait. One is the default: in graphed decode steps of all three families a
     second one was slower. Two measured faster for llama's decode projections on either side of the
-    batch-1 decode attention, q/k/v and o (kernels/gemv/README.md, performance log)."""
+    batch-1 decode attention, q/k/v and o, and for Mamba-2's batch-1 out_proj after its SSM step
+    (kernels/gemv/README.md, performance log)."""
     if early_tiles not in (1, 2):
         raise ValueError(f"gemv: early_tiles must be 1 or 2, got {early_tiles}")
     if sum(v is not None for v in (norm, rms_norm, rms_scale)) > 1:
