@@ -13,10 +13,10 @@ from pathlib import Path
 
 import torch
 
-from arch.checkpoint import CheckpointError, CONFIG_DIR, preset_names, read_json
+from declab_arch.checkpoint import CheckpointError, CONFIG_DIR, preset_names, read_json
 from decoders.base import Decoder, Generation, Memory, StepOut, UsageError
 from decoders.sampling import GREEDY, Sampling
-from kernels import resolve_impl
+from declab_kernels import resolve_impl
 
 __all__ = ["load", "family_of", "user_errors", "USER_ERRORS", "Decoder", "Generation", "Memory", "StepOut", "Sampling", "GREEDY", "UsageError", "CheckpointError", "FAMILIES"]
 

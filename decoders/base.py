@@ -286,7 +286,7 @@ class AutoregressiveDecoder(Decoder):
     def forward_and_sample(self, state: ARState) -> torch.Tensor:
         """One decode forward and on-device sampling, updating the state's buffers: what a graph captures."""
         logits = self.decode_forward(state.cache, state.next_tokens, state.positions)
-        # Sampling (its argmax included, see kernels/argmax) is launched without PDL and ends with the
+        # Sampling (its argmax included, see declab_kernels/argmax) is launched without PDL and ends with the
         # kernel that writes the next tokens and advances the positions: the next step's kernels start
         # only after it (and everything before it) has finished, which the recurrent decoders rely on to
         # load each layer's state before its PDL wait (`state_ready`).

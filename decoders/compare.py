@@ -264,7 +264,7 @@ def measure_peer_point(args, dec, peer, peer_models, model, family, batch, ctx, 
 def run(args) -> int:
     import decoders
     from decoders import harness, peers
-    from kernels.benchtools import append_jsonl, environment
+    from declab_kernels.benchtools import append_jsonl, environment
 
     on_gpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
     chosen = defaults(on_gpu)

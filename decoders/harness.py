@@ -20,7 +20,7 @@ import time
 import torch
 
 from decoders.base import Decoder
-from kernels import benchtools
+from declab_kernels import benchtools
 
 
 def ceilings(device) -> dict:

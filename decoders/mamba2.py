@@ -1,4 +1,4 @@
-"""The Mamba-2 family: `arch.mamba2` decoding over a fixed-size recurrent state.
+"""The Mamba-2 family: `declab_arch.mamba2` decoding over a fixed-size recurrent state.
 
 The cache is two preallocated buffers, the same size at any context:
 
@@ -9,7 +9,7 @@ and, on the host, how many tokens each row has consumed through prefill (the rin
 
 A decode step reads and rewrites both in place (one `mamba2_decode_step` per layer), allocating only
 temporaries and never reading a value back to the host, so it can be captured in a CUDA graph. On the
-Triton path it is 5 launches per layer plus 2 (see `arch.mamba2.Mamba2LM.step`).
+Triton path it is 5 launches per layer plus 2 (see `declab_arch.mamba2.Mamba2LM.step`).
 
 Prefill consumes each prompt in chunks of `prefill_chunk` tokens, each chunk starting from the state
 the previous one left (conv window and SSM state), so a 128k prompt costs memory linear in the chunk,
@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from arch import mamba2
-from arch.checkpoint import load_tokenizer
+from declab_arch import mamba2
+from declab_arch.checkpoint import load_tokenizer
 from decoders.base import AutoregressiveDecoder, Memory
 
 # Parameters kept in float32 whatever the model dtype: A = -exp(A_log) and softplus(dt + dt_bias)

@@ -1,4 +1,4 @@
-"""The Mask-Predict family: a bidirectional masked LM (`arch.maskpredict`) decoded by iterative refinement.
+"""The Mask-Predict family: a bidirectional masked LM (`declab_arch.maskpredict`) decoded by iterative refinement.
 
 A canvas of N mask tokens follows the prompt; every `step` is one forward pass that predicts the
 masked positions of the current block and decides which predictions to keep. Rules (`rule=`):
@@ -21,7 +21,7 @@ sits in the paged cache: the prompt's K/V is computed once in prefill, a finishe
 the first pass of the next block (as a second query segment of the same packed forward, attending to
 the prefix and itself), and each pass writes only the current block's K/V after the prefix. The
 prefix never sees later tokens, which is exactly the segment attention of
-`arch.maskpredict.MaskPredictLM.hidden(segments=...)` (prompt 0, block k: k+1). With
+`declab_arch.maskpredict.MaskPredictLM.hidden(segments=...)` (prompt 0, block k: k+1). With
 `prefix_cache=False` every pass recomputes prompt + whole canvas with full bidirectional attention
 (LLaDA's own decoding; future blocks are all masks).
 
@@ -42,8 +42,8 @@ from pathlib import Path
 
 import torch
 
-from arch import llama, maskpredict
-from arch.checkpoint import load_tokenizer
+from declab_arch import llama, maskpredict
+from declab_arch.checkpoint import load_tokenizer
 from decoders.base import Decoder, Memory, StepOut, UsageError, record_graph
 from decoders.kv_cache import PagedKVCache
 from decoders.sampling import GREEDY, Sampling, sample

@@ -115,7 +115,7 @@ def hf_llama(config, device, dtype, *, static: bool):
 
 def hf_mamba2(config, device, dtype):
     if torch.device(device).type == "cuda":
-        from kernels.benchtools import import_mamba_ssm
+        from declab_kernels.benchtools import import_mamba_ssm
 
         # transformers picks mamba-ssm's kernels when its modelling module is first imported and the
         # package imports; a build without the CUDA extension needs the stand-in to import.
@@ -136,7 +136,7 @@ def hf_mamba2(config, device, dtype):
 
 
 def mamba_ssm_model(config, device, dtype):
-    from kernels.benchtools import import_mamba_ssm
+    from declab_kernels.benchtools import import_mamba_ssm
 
     import_mamba_ssm()
     from mamba_ssm.models.config_mamba import MambaConfig
@@ -208,7 +208,7 @@ def import_reason(module: str) -> str | None:
     """Why `module` cannot be imported, or None when it can."""
     try:
         if module == "mamba_ssm":
-            from kernels.benchtools import import_mamba_ssm
+            from declab_kernels.benchtools import import_mamba_ssm
 
             import_mamba_ssm()
         else:

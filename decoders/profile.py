@@ -8,11 +8,11 @@ graph), times `--steps` steps with the same timer as the harness, then records `
 the PyTorch profiler and sums the device time of each kernel (on the CPU: the self time of each
 operator). The table lists kernels by time per step; the summary splits the step into time spent in
 kernels and time between them (launch gaps, host work), beside the roofline of the same step. With
-programmatic dependent launch on (`kernels.pdl`, the default on Hopper) kernels overlap and each
+programmatic dependent launch on (`declab_kernels.pdl`, the default on Hopper) kernels overlap and each
 one's time includes its wait for the one before: the second table, the critical path, charges each
 kernel only what it added to the step (its end minus the end of the kernel that ended before it;
 the charges add up to the step), and DECLAB_PDL=0 gives a breakdown without the overlap.
-The record also lists `gemv_choices`: what `kernels.gemv` picked for each projection shape (cuBLAS
+The record also lists `gemv_choices`: what `declab_kernels.gemv` picked for each projection shape (cuBLAS
 or a Triton configuration; for Mamba-2's gated norm + out_proj, the fused prologue or the pair) and
 every candidate's time, so the GEMV rows of the table can be read with their choice.
 """
@@ -31,8 +31,8 @@ import decoders
 from decoders.base import Timer
 from decoders.compare import parse_size
 from decoders.harness import ceilings
-from kernels import gemv
-from kernels.benchtools import append_jsonl, environment
+from declab_kernels import gemv
+from declab_kernels.benchtools import append_jsonl, environment
 
 
 def kernel_times(prof, on_gpu: bool) -> list[tuple[str, int, float]]:

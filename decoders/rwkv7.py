@@ -1,4 +1,4 @@
-"""The RWKV-7 family: an RWKV-7 "Goose" model (`arch.rwkv7`) decoding with a constant-size state.
+"""The RWKV-7 family: an RWKV-7 "Goose" model (`declab_arch.rwkv7`) decoding with a constant-size state.
 
 A sequence's whole past is its state: per layer, the last normalised input of time mixing and of
 channel mixing (token shift, `[C]` each) and the WKV matrix `[H, K, V]` in float32. The cache holds
@@ -10,7 +10,7 @@ chunk to chunk, so a 128k prompt never materialises more than one chunk's activa
 per-token copy of the state. It continues from whatever state the cache holds, so a saved state
 can be resumed. A decode step updates the cache in place (the token shift written by the fused
 norm kernels, the WKV-7 step kernel; on impl="triton" 12 launches per layer, see
-`kernels/rwkv7_fused`): no allocation beyond temporaries, no host synchronisation, capturable in a
+`declab_kernels/rwkv7_fused`): no allocation beyond temporaries, no host synchronisation, capturable in a
 CUDA graph. The first step packs each layer's projection weights (the parameters become views of
 the packed matrices), so it runs before capture, as the first step always does.
 """
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from arch import rwkv7
-from arch.checkpoint import load_tokenizer
+from declab_arch import rwkv7
+from declab_arch.checkpoint import load_tokenizer
 from decoders.base import AutoregressiveDecoder, Memory, UsageError
 
 log = logging.getLogger("declab.decoders.rwkv7")

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.argmax import argmax
+from declab_kernels.argmax import argmax
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ def filtered_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
 def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None = None, *,
            impl: str, out: torch.Tensor | None = None, advance: torch.Tensor | None = None) -> torch.Tensor:
     """Next tokens [B] (int64) from logits [B, V], written into `out` when given; `advance` (int64 [B],
-    a decoder's positions) gets 1 added in the same launch. The final argmax runs on `kernels.argmax`
+    a decoder's positions) gets 1 added in the same launch. The final argmax runs on `declab_kernels.argmax`
     (impl "triton": two kernels, launched without PDL) or as `argmax(-1)` (impl "ref")."""
     if not sampling.greedy:
         probs = filtered_probs(logits, sampling)

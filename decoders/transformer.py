@@ -1,4 +1,4 @@
-"""The transformer family: a Llama-style model (`arch.llama`) decoding over a paged KV cache.
+"""The transformer family: a Llama-style model (`declab_arch.llama`) decoding over a paged KV cache.
 
 Prefill packs the prompts' tokens (several sequences, variable lengths) and runs them in chunks of
 `prefill_chunk` tokens per sequence, each chunk writing its K/V into the pages and attending over the
@@ -12,11 +12,11 @@ from pathlib import Path
 
 import torch
 
-from arch import llama
-from arch.checkpoint import load_tokenizer
+from declab_arch import llama
+from declab_arch.checkpoint import load_tokenizer
 from decoders.base import AutoregressiveDecoder, Memory
 from decoders.kv_cache import PagedKVCache
-from kernels import paged_attention
+from declab_kernels import paged_attention
 
 
 @dataclass

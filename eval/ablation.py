@@ -29,7 +29,7 @@ import torch
 import decoders
 from eval import quality, samples, train
 from eval.tasks import make
-from kernels.benchtools import append_jsonl, environment
+from declab_kernels.benchtools import append_jsonl, environment
 
 PRESETS = ["llama-30m", "mamba2-30m", "rwkv7-30m", "maskpredict-30m"]
 TASKS = ["declab_mqar", "declab_copy", "declab_ppl", "declab_cloze"]

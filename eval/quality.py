@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 import decoders
-from kernels.benchtools import append_jsonl, environment
+from declab_kernels.benchtools import append_jsonl, environment
 
 MQAR_TASK = re.compile(r"declab_mqar_(\d+)$")
 # The metric a table shows per task, first found: bits per byte (perplexity tasks), accuracy, the

@@ -1,7 +1,7 @@
 """Tokenizers for the lab's own models: a built-in byte-level tokenizer and a BPE trained on a corpus.
 
 Both are ordinary `tokenizers` objects wrapped as a transformers `PreTrainedTokenizerFast`, saved
-as `tokenizer.json` (+ `tokenizer_config.json`) beside a checkpoint, so `arch.checkpoint.load_tokenizer`
+as `tokenizer.json` (+ `tokenizer_config.json`) beside a checkpoint, so `declab_arch.checkpoint.load_tokenizer`
 reads them back like any HF tokenizer. Nothing is downloaded.
 
 Byte-level ids: 0..255 are the bytes, then the special tokens
@@ -74,13 +74,13 @@ def train_bpe(texts, vocab_size: int):
 
 
 def save_tokenizer(tokenizer, folder: Path) -> None:
-    """tokenizer.json and tokenizer_config.json in `folder`, read back by `arch.checkpoint.load_tokenizer`."""
+    """tokenizer.json and tokenizer_config.json in `folder`, read back by `declab_arch.checkpoint.load_tokenizer`."""
     tokenizer.save_pretrained(str(folder))
 
 
 def make_tokenizer(spec: str, texts=None):
     """A tokenizer from a spec: "byte", "bpe:<vocab_size>" (trained on `texts`) or a folder holding tokenizer files."""
-    from arch.checkpoint import load_tokenizer
+    from declab_arch.checkpoint import load_tokenizer
 
     if spec == "byte":
         return byte_tokenizer()

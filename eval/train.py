@@ -17,7 +17,7 @@ counts agree within 10% (`configs/<family>-30m.json`, checked by `check_matched`
   position is the step alone.
 - Objective: next-token cross-entropy through the model's parallel forward `Decoder.model(tokens)`
   (impl="ref": the families' differentiable PyTorch paths) for the autoregressive families; the
-  masked-diffusion loss (`arch.maskpredict.masked_diffusion_loss`) for Mask-Predict.
+  masked-diffusion loss (`declab_arch.maskpredict.masked_diffusion_loss`) for Mask-Predict.
 - Optimisation: AdamW (weight decay on matrices only), linear warmup then cosine decay to 10% of the
   peak, gradient clipping, bf16 autocast on a GPU, fp32 weights.
 - Validation every --val-every steps on the first --val-tokens of valid.bin: loss (nats per token;
@@ -43,10 +43,10 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import decoders
-from arch.checkpoint import CONFIG_DIR, read_json
+from declab_arch.checkpoint import CONFIG_DIR, read_json
 from eval.corpus import documents
 from eval.tokenizer import make_tokenizer, save_tokenizer
-from kernels.benchtools import append_jsonl, environment
+from declab_kernels.benchtools import append_jsonl, environment
 
 BPE_SAMPLE_DOCS = 20000
 
@@ -181,7 +181,7 @@ def loss_fn(dec):
     Mask-Predict the masked-diffusion loss of the first T tokens."""
     model = dec.model
     if dec.family == "maskpredict":
-        from arch.maskpredict import masked_diffusion_loss
+        from declab_arch.maskpredict import masked_diffusion_loss
 
         return lambda x, generator=None: masked_diffusion_loss(model, x[:, :-1], generator=generator)
     kwargs = {"impl": "ref"} if "impl" in inspect.signature(model.forward).parameters else {}

@@ -2,7 +2,7 @@
 
     python scripts/attention_timeline.py OUT.jsonl [--model llama-1b] [--ctx 4096,32768]
 
-A copy of `kernels/paged_attention/triton.py` is patched to read `%globaltimer` in every program at
+A copy of `declab_kernels/paged_attention/triton.py` is patched to read `%globaltimer` in every program at
 six points (start, start again where the kernel waited on the previous one until it stopped using
 PDL, after the seq_len load, after the K/V loop, after the split-K ticket, after the merge's store)
 and store them per layer; the decoder's decode calls are routed to
@@ -25,10 +25,10 @@ from pathlib import Path
 import torch
 
 import decoders
-import kernels.paged_attention as pa
+import declab_kernels.paged_attention as pa
 from decoders.base import Timer
 
-SOURCE = Path(__file__).resolve().parent.parent / "kernels" / "paged_attention" / "triton.py"
+SOURCE = Path(__file__).resolve().parent.parent / "declab_kernels" / "paged_attention" / "triton.py"
 STAMP = ('tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [split], dtype=tl.int64, '
          'is_pure=False, pack=1)')
 PHASES = ("t0_min", "t0_max", "t1_max", "t2_med", "t3_med", "t3_max", "t4_max", "t5", "prev_t5_to_t1")

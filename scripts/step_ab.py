@@ -26,7 +26,7 @@ import torch
 import decoders
 from decoders.base import Timer
 from decoders.compare import parse_ctx, parse_ints
-from kernels.benchtools import append_jsonl, environment
+from declab_kernels.benchtools import append_jsonl, environment
 
 
 def parse_variant(text: str) -> tuple[str, dict]:

@@ -8,8 +8,8 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 import decoders
-from arch.checkpoint import CheckpointError
-from arch.llama import LlamaConfig, rope_inv_freq
+from declab_arch.checkpoint import CheckpointError
+from declab_arch.llama import LlamaConfig, rope_inv_freq
 
 SMALL = dict(vocab_size=97, hidden_size=64, intermediate_size=112, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=512)
 
@@ -126,7 +126,7 @@ def test_tokenizer_is_loaded_from_the_folder(tmp_path):
 
 def test_fused_projections_are_the_only_copy_of_the_weights():
     """q/k/v and gate/up are views into one fused weight each, also after a dtype change, and load by HF names."""
-    from arch import llama
+    from declab_arch import llama
 
     config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=112, num_hidden_layers=1, num_attention_heads=4,
                          num_key_value_heads=2, attention_bias=True)

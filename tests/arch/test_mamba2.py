@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import decoders
-from arch import mamba2
-from arch.checkpoint import CONFIG_DIR, CheckpointError, read_json
+from declab_arch import mamba2
+from declab_arch.checkpoint import CONFIG_DIR, CheckpointError, read_json
 from decoders.mamba2 import Mamba2Decoder
 
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import decoders
-from arch import llama, maskpredict
-from arch.checkpoint import CONFIG_DIR, CheckpointError
+from declab_arch import llama, maskpredict
+from declab_arch.checkpoint import CONFIG_DIR, CheckpointError
 from decoders.kv_cache import PagedKVCache
 
 TINY = dict(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

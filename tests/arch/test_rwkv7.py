@@ -1,4 +1,4 @@
-"""RWKV-7 model (arch.rwkv7): the chunked, resumed and one-token forms agree with the parallel forward,
+"""RWKV-7 model (declab_arch.rwkv7): the chunked, resumed and one-token forms agree with the parallel forward,
 the reference path's training forward (logits and gradients) agrees with the literal chunked WKV-7
 reference, the Triton and reference WKV-7 kernels agree inside the model, checkpoints load with fla's
 names (and refuse missing or mis-shaped tensors), and logits match flash-linear-attention's own
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import decoders
-from arch import rwkv7
-from arch.checkpoint import CONFIG_DIR, CheckpointError, read_json
-from kernels.wkv7 import wkv7_chunk_ref
+from declab_arch import rwkv7
+from declab_arch.checkpoint import CONFIG_DIR, CheckpointError, read_json
+from declab_kernels.wkv7 import wkv7_chunk_ref
 
 TINY = read_json(CONFIG_DIR / "rwkv7-tiny.json")
 

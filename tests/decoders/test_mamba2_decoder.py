@@ -10,11 +10,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import decoders
-from arch import mamba2
+from declab_arch import mamba2
 from decoders.mamba2 import Mamba2Cache, Mamba2Decoder
 from decoders.sampling import Sampling
 
-TRITON_SSD = Path(__file__).resolve().parents[2] / "kernels" / "ssd" / "triton.py"
+TRITON_SSD = Path(__file__).resolve().parents[2] / "declab_kernels" / "ssd" / "triton.py"
 gpu = pytest.mark.gpu
 
 
@@ -157,11 +157,11 @@ def test_memory_model_is_exact_and_context_free():
 
 
 @pytest.mark.interpreter
-@pytest.mark.skipif(not TRITON_SSD.exists(), reason="kernels/ssd/triton.py is not written yet")
+@pytest.mark.skipif(not TRITON_SSD.exists(), reason="declab_kernels/ssd/triton.py is not written yet")
 @pytest.mark.parametrize("lens", [[37, 20, 5], [37, 20], [37]])
 def test_triton_equals_ref_whole_model(lens):
     """Three sequences, two and one: up to two the Triton step gates in the SSM step and the norms'
-    statistics come with the projections (`arch.mamba2.GATE_IN_STEP_ROWS`)."""
+    statistics come with the projections (`declab_arch.mamba2.GATE_IN_STEP_ROWS`)."""
     assert mamba2.GATE_IN_STEP_ROWS == 2
     ref, tri = tiny("ref"), tiny("triton")
     tokens = random_tokens((3, 70), seed=9)
@@ -211,7 +211,7 @@ class LaunchCount(TorchDispatchMode):
 def test_triton_step_launches_five_kernels_per_layer(monkeypatch):
     """Above `GATE_IN_STEP_ROWS` sequences: embedding + norm, then per layer in_proj, decode step, gated
     norm, out_proj, add + norm; the head."""
-    from kernels.mamba2_norm import triton as norm_tri
+    from declab_kernels.mamba2_norm import triton as norm_tri
 
     dec = tiny("triton", dtype="bfloat16")
     cache = dec.new_cache([3, 3, 3], 8)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import decoders
-from arch import maskpredict
+from declab_arch import maskpredict
 from decoders.base import UsageError
 from decoders.maskpredict import MaskPredictDecoder
 from decoders.sampling import Sampling

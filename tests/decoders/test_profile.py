@@ -22,8 +22,8 @@ def test_profile_step_accounts_for_the_step(model):
 
 
 def test_record_lists_the_gemv_choices(monkeypatch):
-    """The picks of kernels.gemv (made on a GPU; none on the CPU) come out one row per shape."""
-    from kernels import gemv
+    """The picks of declab_kernels.gemv (made on a GPU; none on the CPU) come out one row per shape."""
+    from declab_kernels import gemv
 
     # empty tables, as in a fresh process (earlier tests on a GPU leave their picks in them)
     for name in [n for n in vars(gemv) if n.endswith("_CHOICES")]:

@@ -89,8 +89,8 @@ def test_memory_counts_weights_and_kv(dec):
 @pytest.mark.parametrize("prompts", [[list(range(3, 40)), [7, 8, 9]], [list(range(5, 30))]])
 def test_triton_path_equals_the_reference(prompts):
     """Two sequences: norm kernels fused with the residual adds; one (one row a decode step,
-    `arch.llama.FOLD_ROWS`): each norm inside the GEMV after it and each add inside the one before."""
-    from arch import llama
+    `declab_arch.llama.FOLD_ROWS`): each norm inside the GEMV after it and each add inside the one before."""
+    from declab_arch import llama
 
     assert llama.FOLD_ROWS == 1
     ref = decoders.load("llama-tiny", device="cpu", dtype="float32", impl="ref", seed=1)

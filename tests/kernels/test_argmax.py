@@ -6,8 +6,8 @@ interpreter; the test marked `gpu` checks bf16 vocabularies of 50k-128k inside a
 import pytest
 import torch
 
-from kernels.argmax import argmax
-from kernels.argmax.triton import BLOCK, argmax_triton
+from declab_kernels.argmax import argmax
+from declab_kernels.argmax.triton import BLOCK, argmax_triton
 
 GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"

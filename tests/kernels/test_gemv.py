@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import gemv as G_
-from kernels.gemv import gemv, gemv_ref, linear
+from declab_kernels import gemv as G_
+from declab_kernels.gemv import gemv, gemv_ref, linear
 
 GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
@@ -29,7 +29,7 @@ def rel(a, b):
 
 
 def configs():
-    from kernels.gemv.triton import CONFIGS
+    from declab_kernels.gemv.triton import CONFIGS
 
     return CONFIGS
 
@@ -56,7 +56,7 @@ def test_gemv_default_config_matches_ref(M, N, K, nan_empty):
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("M,N,K", [(1, 17, 100), (3, 33, 201), (8, 20, 17)])
 def test_gemv_every_kind_matches_ref(kind, M, N, K, nan_empty):
-    from kernels.gemv.triton import gemv_triton
+    from declab_kernels.gemv.triton import gemv_triton
 
     x, w = torch.randn(M, K, device=DEVICE), torch.randn(N, K, device=DEVICE)
     got = gemv_triton(x, w, config=KINDS[kind])
@@ -66,7 +66,7 @@ def test_gemv_every_kind_matches_ref(kind, M, N, K, nan_empty):
 @pytest.mark.parametrize("kind", ["fma", "fma-split3", "dot-split2"])
 def test_gemv_grouped_strided_bias_out(kind):
     """G=3 products in one launch, x rows with a stride != K, a bias, written into a given out."""
-    from kernels.gemv.triton import gemv_triton
+    from declab_kernels.gemv.triton import gemv_triton
 
     Gn, M, N, K = 3, 2, 37, 150
     x = torch.randn(Gn, M, 2 * K, device=DEVICE)[:, :, 5:5 + K]
@@ -102,7 +102,7 @@ def test_gemv_bias_and_ref_impl():
 
 def test_split_k_leaves_counters_at_zero():
     """The last split resets its counter: the workspace is reusable (and CUDA-graph safe)."""
-    from kernels.gemv import triton as tri
+    from declab_kernels.gemv import triton as tri
 
     x, w = torch.randn(2, 300, device=DEVICE), torch.randn(50, 300, device=DEVICE)
     for _ in range(2):
@@ -120,14 +120,14 @@ def test_gemv_rejects_bad_shapes():
         gemv(x, torch.randn(4, 8, device=DEVICE), impl="triton", out=torch.empty(2, 5, device=DEVICE))
     with pytest.raises(ValueError):
         gemv(x, torch.randn(4, 8, device=DEVICE), impl="auto")
-    from kernels.gemv.triton import gemv_triton
+    from declab_kernels.gemv.triton import gemv_triton
 
     with pytest.raises(ValueError, match="early_tiles"):
         gemv_triton(x, torch.randn(4, 8, device=DEVICE), early_tiles=3)
 
 
 def test_config_pruning_keeps_fma_accumulators_small():
-    from kernels.gemv.triton import config_fits
+    from declab_kernels.gemv.triton import config_fits
 
     for cfg in configs():
         for M in (1, 4, 8, 16):
@@ -140,7 +140,7 @@ def test_config_pruning_keeps_fma_accumulators_small():
 
 def test_linear_on_cpu_is_f_linear(monkeypatch):
     """On the CPU `linear` never runs the interpreter: it is F.linear, whatever impl."""
-    from kernels.gemv import triton as tri
+    from declab_kernels.gemv import triton as tri
 
     def boom(*args, **kwargs):
         raise AssertionError("linear ran the Triton kernel on the CPU")
@@ -158,7 +158,7 @@ def test_linear_on_cpu_is_f_linear(monkeypatch):
 @gpu_only
 @pytest.mark.parametrize("M,N,K", [(1, 2048, 2048), (4, 3000, 2000), (8, 1000, 8192), (1, 8512, 2048), (16, 513, 96)])
 def test_gpu_every_config_bf16(M, N, K):
-    from kernels.gemv.triton import config_fits, config_name, gemv_triton
+    from declab_kernels.gemv.triton import config_fits, config_name, gemv_triton
 
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
     w = (torch.randn(N, K, device="cuda") * K ** -0.5).to(torch.bfloat16)
@@ -254,7 +254,7 @@ def norm_inputs(M, N, K, dtype=torch.float32, bias=True):
 
 
 def norm_ref(y, z, nw, w, b, eps=1e-5):
-    from kernels.mamba2_norm import gated_rmsnorm
+    from declab_kernels.mamba2_norm import gated_rmsnorm
 
     return gemv_ref(gated_rmsnorm(y, z, nw, y.shape[-1], eps, impl="ref"), w, b)
 
@@ -262,7 +262,7 @@ def norm_ref(y, z, nw, w, b, eps=1e-5):
 @pytest.mark.parametrize("kind", [None, *NORM_KINDS])
 @pytest.mark.parametrize("M,N,K", [(1, 17, 150), (3, 33, 201)])  # K not a multiple of BLOCK_K
 def test_gemv_norm_prologue_matches_ref(kind, M, N, K, nan_empty):
-    from kernels.gemv.triton import gemv_triton
+    from declab_kernels.gemv.triton import gemv_triton
 
     y, z, nw, w, b = norm_inputs(M, N, K)
     got = gemv_triton(y, w, b, config=NORM_KINDS.get(kind), norm=(z, nw, 1e-5))
@@ -271,7 +271,7 @@ def test_gemv_norm_prologue_matches_ref(kind, M, N, K, nan_empty):
 
 
 def test_gemv_norm_prologue_into_out_no_bias():
-    from kernels.gemv.triton import gemv_triton
+    from declab_kernels.gemv.triton import gemv_triton
 
     y, z, nw, w, _ = norm_inputs(2, 20, 70, bias=False)
     out = torch.full((2, 20), float("nan"), device=DEVICE)
@@ -280,7 +280,7 @@ def test_gemv_norm_prologue_into_out_no_bias():
 
 
 def test_gemv_norm_prologue_refuses_groups_and_bad_shapes():
-    from kernels.gemv.triton import gemv_triton
+    from declab_kernels.gemv.triton import gemv_triton
 
     y, z, nw, w, b = norm_inputs(1, 8, 64)
     with pytest.raises(ValueError, match="one group"):
@@ -295,7 +295,7 @@ def test_gemv_norm_prologue_refuses_groups_and_bad_shapes():
 @pytest.mark.parametrize("group_size", [96, 48])
 def test_gated_norm_linear_matches_the_pair(impl, group_size):
     """On the CPU (and with several groups anywhere) it is the unfused pair; ref is its definition."""
-    from kernels.mamba2_norm import gated_rmsnorm
+    from declab_kernels.mamba2_norm import gated_rmsnorm
 
     y, z, nw, w, b = norm_inputs(2, 24, 96)
     got = G_.gated_norm_linear(y, z, nw, 1e-5, w, b, group_size=group_size, impl=impl)
@@ -307,7 +307,7 @@ def test_gated_norm_linear_matches_the_pair(impl, group_size):
 @gpu_only
 @pytest.mark.parametrize("M", [1, 3])
 def test_gpu_gemv_norm_prologue_bf16(M):
-    from kernels.gemv.triton import CONFIGS, config_fits, gemv_triton
+    from declab_kernels.gemv.triton import CONFIGS, config_fits, gemv_triton
 
     N, K = 2048, 4096
     y, z, nw, w, b = norm_inputs(M, N, K, dtype=torch.bfloat16, bias=False)
@@ -335,8 +335,8 @@ def rms_inputs(M, N, K, dtype=torch.float32, bias=True):
 
 
 def rms_pair(x, nw, w, b, eps=1e-5):
-    """The definition: `kernels.rmsnorm`'s norm (rounded to x's dtype, times the weight), then the product."""
-    from kernels.rmsnorm import rms_norm
+    """The definition: `declab_kernels.rmsnorm`'s norm (rounded to x's dtype, times the weight), then the product."""
+    from declab_kernels.rmsnorm import rms_norm
 
     return gemv_ref(rms_norm(x, nw, eps, impl="ref"), w, b)
 
@@ -344,7 +344,7 @@ def rms_pair(x, nw, w, b, eps=1e-5):
 @pytest.mark.parametrize("kind", [None, *NORM_KINDS])
 @pytest.mark.parametrize("M,N,K", [(1, 17, 150), (3, 33, 201)])  # K not a multiple of BLOCK_K
 def test_gemv_rms_norm_prologue_matches_the_pair(kind, M, N, K, nan_empty):
-    from kernels.gemv.triton import gemv_triton
+    from declab_kernels.gemv.triton import gemv_triton
 
     x, nw, w, b = rms_inputs(M, N, K)
     got = gemv_triton(x, w, b, config=NORM_KINDS.get(kind), rms_norm=(nw, 1e-5))
@@ -367,7 +367,7 @@ def scale_inputs(x, nw, parts):
 @pytest.mark.parametrize("kind", [None, *NORM_KINDS])
 @pytest.mark.parametrize("M,N,K,parts", [(1, 17, 150, 1), (3, 33, 201, 5), (2, 9, 64, 64)])
 def test_gemv_rms_scale_epilogue_matches_the_pair(kind, M, N, K, parts, nan_empty):
-    from kernels.gemv.triton import gemv_triton
+    from declab_kernels.gemv.triton import gemv_triton
 
     torch.manual_seed(M + parts)
     x, nw, w, b = rms_inputs(M, N, K)
@@ -405,7 +405,7 @@ def test_rms_scaled_linear_matches_the_norm_and_projection(impl, dtype):
 def test_gemv_norm_out_epilogue_feeds_rms_scale(kind, r_dtype, M, N, K, nan_empty):
     """residual + norm_out writes r, h = r * w and per-program sums of r^2 that `rms_scale` turns into
     rmsnorm(r) * w for the GEMV after; with rms_scale on its own x as well (Mamba-2's out_proj)."""
-    from kernels.gemv.triton import CONFIGS, _as_config, gemv_triton
+    from declab_kernels.gemv.triton import CONFIGS, _as_config, gemv_triton
 
     torch.manual_seed(M + N)
     cfg = NORM_KINDS.get(kind, CONFIGS[0])
@@ -428,7 +428,7 @@ def test_gemv_norm_out_epilogue_feeds_rms_scale(kind, r_dtype, M, N, K, nan_empt
 
 
 def test_gemv_norm_out_refuses_bad_input():
-    from kernels.gemv.triton import CONFIGS, gemv_triton
+    from declab_kernels.gemv.triton import CONFIGS, gemv_triton
 
     x, nw, w, b = rms_inputs(2, 8, 64)
     r = torch.zeros(2, 8, device=DEVICE)
@@ -464,7 +464,7 @@ def test_linear_residual_norm_then_rms_scaled_linear_is_the_sublayer(impl, r_dty
 def test_statistics_ops_pass_early_tiles_to_the_gemv(monkeypatch):
     """`early_tiles` of rms_scaled_linear and linear_residual_norm reaches the GEMV that runs, the fused
     one or the pair's `linear` (on the CPU the pair)."""
-    import kernels.gemv.triton as T
+    import declab_kernels.gemv.triton as T
 
     seen = []
 
@@ -493,7 +493,7 @@ def test_statistics_ops_pass_early_tiles_to_the_gemv(monkeypatch):
 
 
 def test_gemv_rms_scale_refuses_bad_input():
-    from kernels.gemv.triton import gemv_triton
+    from declab_kernels.gemv.triton import gemv_triton
 
     x, nw, w, b = rms_inputs(2, 8, 64)
     _, sumsq = scale_inputs(x, nw, 2)
@@ -509,7 +509,7 @@ def test_gemv_rms_scale_refuses_bad_input():
 @pytest.mark.parametrize("r_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("M,N,K", [(1, 17, 150), (3, 33, 201)])
 def test_gemv_residual_epilogue_matches_the_add(kind, r_dtype, M, N, K, nan_empty):
-    from kernels.gemv.triton import gemv_triton
+    from declab_kernels.gemv.triton import gemv_triton
 
     x, _, w, b = rms_inputs(M, N, K)
     r = torch.randn(M, 2 * N, device=DEVICE).to(r_dtype)[:, N:]  # strided rows
@@ -523,7 +523,7 @@ def test_gemv_residual_epilogue_matches_the_add(kind, r_dtype, M, N, K, nan_empt
 
 def test_gemv_residual_epilogue_in_place_with_the_norm(nan_empty):
     """A decoder's whole sublayer in two launches: r += W_o(gated) and the next norm's projection."""
-    from kernels.gemv.triton import gemv_triton
+    from declab_kernels.gemv.triton import gemv_triton
 
     x, nw, w, b = rms_inputs(2, 24, 64)
     r = torch.randn(2, 24, device=DEVICE)
@@ -535,7 +535,7 @@ def test_gemv_residual_epilogue_in_place_with_the_norm(nan_empty):
 
 
 def test_gemv_rms_norm_and_residual_refuse_bad_input():
-    from kernels.gemv.triton import gemv_triton
+    from declab_kernels.gemv.triton import gemv_triton
 
     x, nw, w, b = rms_inputs(2, 8, 64)
     with pytest.raises(ValueError, match="weight \\[64\\]"):
@@ -576,7 +576,7 @@ def test_rms_norm_linear_and_linear_residual_match_their_definitions(impl, dtype
 def test_fused_rms_and_residual_choices_on_the_cpu_stand_in(monkeypatch):
     """The first call of a shape measures the pair against the fused GEMV (stood in for on the CPU by
     the interpreted kernel): whichever wins, the result is the definition's."""
-    from kernels.gemv.triton import CONFIGS
+    from declab_kernels.gemv.triton import CONFIGS
 
     monkeypatch.setattr(G_, "_fusable", lambda *a, **k: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
@@ -603,7 +603,7 @@ def test_fused_rms_and_residual_choices_on_the_cpu_stand_in(monkeypatch):
 @gpu_only
 @pytest.mark.parametrize("M", [1, 3])
 def test_gpu_gemv_rms_norm_and_residual_bf16(M):
-    from kernels.gemv.triton import CONFIGS, config_fits, gemv_triton
+    from declab_kernels.gemv.triton import CONFIGS, config_fits, gemv_triton
 
     N, K = 3072, 2048
     x, nw, w, _ = rms_inputs(M, N, K, dtype=torch.bfloat16, bias=False)
@@ -661,14 +661,14 @@ def sqrelu_inputs(M, N, K, dtype=torch.float32, bias=True):
 
 
 def sqrelu_pair(x, w, b):
-    from kernels.rwkv7_fused.ref import sqrelu_ref
+    from declab_kernels.rwkv7_fused.ref import sqrelu_ref
 
     return gemv_ref(sqrelu_ref(x.clone()), w, b)
 
 
 def swiglu_pair(x, w, b):
     """The unfused pair: the projection rounded to x's dtype, then SwiGLU as its kernel rounds it."""
-    from kernels.swiglu.ref import silu_mul_ref
+    from declab_kernels.swiglu.ref import silu_mul_ref
 
     return silu_mul_ref(gemv_ref(x, w, b))
 
@@ -676,7 +676,7 @@ def swiglu_pair(x, w, b):
 @pytest.mark.parametrize("kind", [None, "fma-3d-pipelined", "fma-split3", "dot", "dot-split2"])
 @pytest.mark.parametrize("M,N,K", [(1, 17, 150), (3, 33, 201)])  # K not a multiple of BLOCK_K
 def test_gemv_sqrelu_prologue_matches_ref(kind, M, N, K, nan_empty):
-    from kernels.gemv.triton import gemv_triton
+    from declab_kernels.gemv.triton import gemv_triton
 
     x, w, b = sqrelu_inputs(M, N, K)
     before = x.clone()
@@ -692,7 +692,7 @@ def test_gemv_sqrelu_prologue_matches_ref(kind, M, N, K, nan_empty):
 @pytest.mark.parametrize("M,I,K", [(1, 9, 150), (3, 33, 201), (2, 1, 17)])  # I odd: a half-empty last program
 @pytest.mark.parametrize("bias", [False, True])
 def test_gemv_swiglu_epilogue_matches_the_pair(kind, M, I, K, bias, nan_empty):
-    from kernels.gemv.triton import gemv_triton
+    from declab_kernels.gemv.triton import gemv_triton
 
     x, w, b = sqrelu_inputs(M, 2 * I, K, bias=bias)
     got = gemv_triton(x, w, b, config=NORM_KINDS.get(kind), swiglu=True)
@@ -705,7 +705,7 @@ def test_gemv_swiglu_epilogue_matches_the_pair(kind, M, I, K, bias, nan_empty):
 
 
 def test_gemv_swiglu_into_out():
-    from kernels.gemv.triton import gemv_triton
+    from declab_kernels.gemv.triton import gemv_triton
 
     x, w, _ = sqrelu_inputs(2, 40, 64, bias=False)
     out = torch.full((2, 20), float("nan"), device=DEVICE)
@@ -716,7 +716,7 @@ def test_gemv_swiglu_into_out():
 
 
 def test_gemv_prologue_epilogue_refuse_bad_input():
-    from kernels.gemv.triton import gemv_triton
+    from declab_kernels.gemv.triton import gemv_triton
 
     x, w, b = sqrelu_inputs(1, 8, 64)
     with pytest.raises(ValueError, match="act must be"):
@@ -751,7 +751,7 @@ def test_fused_choice_measures_on_a_copy(monkeypatch, pick, scratch):
     """The first call of a shape times the pair and the fused GEMV (stood in for here, on the CPU):
     whatever wins, the result is the pair's, and the timing runs (relu^2 in place, again and again)
     never touch x, even when x is lent as scratch."""
-    from kernels.gemv.triton import CONFIGS
+    from declab_kernels.gemv.triton import CONFIGS
 
     monkeypatch.setattr(G_, "_fusable", lambda *a, **k: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
@@ -793,7 +793,7 @@ def test_swiglu_linear_matches_the_pair(impl):
 @gpu_only
 @pytest.mark.parametrize("M", [1, 3])
 def test_gpu_gemv_sqrelu_and_swiglu_bf16(M):
-    from kernels.gemv.triton import CONFIGS, config_fits, gemv_triton
+    from declab_kernels.gemv.triton import CONFIGS, config_fits, gemv_triton
 
     x, w, _ = sqrelu_inputs(M, 2048, 8192, dtype=torch.bfloat16, bias=False)
     want = sqrelu_pair(x.float(), w.float(), None)
@@ -836,7 +836,7 @@ SPLITS = (0, 16, 48, 48, 96, 101)
 @pytest.mark.parametrize("kind", ["fma", "fma-split3", "fma-split4-pipelined", "dot"])
 @pytest.mark.parametrize("M", [1, 3])
 def test_gemv_select_matches_blockwise_products(kind, M, nan_empty):
-    from kernels.gemv.triton import gemv_triton, select_align
+    from declab_kernels.gemv.triton import gemv_triton, select_align
 
     assert select_align(SPLITS) == 16
     x, w, b = select_inputs(len(SPLITS) - 1, M, 150, SPLITS)
@@ -848,7 +848,7 @@ def test_gemv_select_matches_blockwise_products(kind, M, nan_empty):
 
 
 def test_gemv_select_default_config_and_refusals():
-    from kernels.gemv.triton import config_fits, gemv_triton, select_align
+    from declab_kernels.gemv.triton import config_fits, gemv_triton, select_align
 
     x, w, b = select_inputs(3, 1, 64, (0, 8, 8, 40))
     assert rel(gemv_triton(x, w, b, select=(0, 8, 8, 40)), select_ref(x, w, b, (0, 8, 8, 40))) < 1e-5
@@ -870,7 +870,7 @@ def test_gemv_select_default_config_and_refusals():
 
 
 def _as_triton_config(kw):
-    from kernels.gemv.triton import _as_config
+    from declab_kernels.gemv.triton import _as_config
 
     return _as_config(kw)
 
@@ -879,7 +879,7 @@ def _as_triton_config(kw):
 def test_select_linear_is_blockwise_f_linear(impl, monkeypatch):
     """On the CPU (and with impl="ref") it is each input's block by F.linear; with the fused path
     stood in for on the CPU, both picks give the same columns."""
-    from kernels.gemv.triton import CONFIGS
+    from declab_kernels.gemv.triton import CONFIGS
 
     x, w, b = select_inputs(5, 2, 96, SPLITS)
     want = select_ref(x, w, b, SPLITS)
@@ -906,7 +906,7 @@ def test_select_linear_is_blockwise_f_linear(impl, monkeypatch):
 @gpu_only
 @pytest.mark.parametrize("M", [1, 4])
 def test_gpu_select_linear_bf16(M):
-    from kernels.gemv.triton import CONFIGS, config_fits, gemv_triton, select_align
+    from declab_kernels.gemv.triton import CONFIGS, config_fits, gemv_triton, select_align
 
     # rwkv7-1.5b's packed down-projection: r, k, v (+ v's LoRA), w, a and g LoRAs
     C = 2048

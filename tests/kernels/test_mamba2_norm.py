@@ -1,12 +1,12 @@
-"""Tests for kernels/mamba2_norm: the reference equals arch.mamba2's norm modules, and triton equals ref
+"""Tests for declab_kernels/mamba2_norm: the reference equals declab_arch.mamba2's norm modules, and triton equals ref
 on odd sizes, strided inputs and NaN-poisoned outputs (the interpreter on the CPU)."""
 
 import pytest
 import torch
 
-from arch.mamba2 import RMSNorm, RMSNormGated
-from kernels import mamba2_norm
-from kernels.mamba2_norm import ref
+from declab_arch.mamba2 import RMSNorm, RMSNormGated
+from declab_kernels import mamba2_norm
+from declab_kernels.mamba2_norm import ref
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16]

@@ -8,7 +8,7 @@ Cache slots no sequence owns are filled with NaN, so a kernel that reads past a 
 import pytest
 import torch
 
-from kernels import paged_attention as pa
+from declab_kernels import paged_attention as pa
 
 GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
@@ -95,7 +95,7 @@ def run_prefill(q_lens, seq_lens, page, group, num_kv_heads, head_dim, causal, *
         got = pa.paged_prefill_attention(q, k_cache, v_cache, block_tables, lens, cu, scale, causal=causal,
                                          impl="triton", max_seqlen_q=max(q_lens))
     else:
-        from kernels.paged_attention import triton as pa_triton
+        from declab_kernels.paged_attention import triton as pa_triton
 
         got = pa_triton.paged_prefill_attention(q, k_cache, v_cache, block_tables, lens, cu, scale, causal=causal,
                                                 max_seqlen_q=max(q_lens), num_splits=num_splits)
@@ -318,7 +318,7 @@ def test_prefill_key_splits_match_ref(q_lens, seq_lens, page, group, num_kv_head
 
 
 def test_prefill_splits_only_when_the_query_tiles_leave_sms_idle():
-    from kernels.paged_attention.triton import (MIN_PREFILL_SPLIT_TOKENS, PREFILL_PROGRAMS_PER_SM, choose_num_splits,
+    from declab_kernels.paged_attention.triton import (MIN_PREFILL_SPLIT_TOKENS, PREFILL_PROGRAMS_PER_SM, choose_num_splits,
                                                 prefill_config)
 
     def splits(programs, max_kv_len):
@@ -334,7 +334,7 @@ def test_prefill_splits_only_when_the_query_tiles_leave_sms_idle():
 
 
 def test_decode_splits_all_hold_data_at_the_bound():
-    from kernels.paged_attention.triton import DECODE_VARIANTS, choose_num_splits
+    from declab_kernels.paged_attention.triton import DECODE_VARIANTS, choose_num_splits
 
     long = DECODE_VARIANTS["long"]
 

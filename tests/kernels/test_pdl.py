@@ -19,12 +19,12 @@ import pytest
 import torch
 import triton.language.extra.cuda as tl_cuda
 
-import kernels
+import declab_kernels
 
 GPU = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if GPU else "cpu"
-MODULES = kernels.PDL_KERNELS
+MODULES = declab_kernels.PDL_KERNELS
 
 interpreter_only = pytest.mark.skipif(not INTERPRET, reason="stubs griddepcontrol, which only the interpreter allows")
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
@@ -36,7 +36,7 @@ def gpu_only(test):
 
 
 def kmod(name):
-    return importlib.import_module(f"kernels.{name}.triton")
+    return importlib.import_module(f"declab_kernels.{name}.triton")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -44,13 +44,13 @@ def kmod(name):
 
 
 def test_pdl_is_off_on_the_cpu_and_with_declab_pdl_0(monkeypatch):
-    assert not kernels.pdl("cpu")
-    assert not kernels.pdl(torch.device("cpu"))
+    assert not declab_kernels.pdl("cpu")
+    assert not declab_kernels.pdl(torch.device("cpu"))
     if not GPU:
-        assert not kernels.pdl()
+        assert not declab_kernels.pdl()
     monkeypatch.setenv("DECLAB_PDL", "0")
-    assert not kernels.pdl()
-    assert not kernels.pdl("cuda")
+    assert not declab_kernels.pdl()
+    assert not declab_kernels.pdl("cuda")
 
 
 def test_pdl_needs_hopper_no_interpreter_and_no_opt_out(monkeypatch):
@@ -58,37 +58,37 @@ def test_pdl_needs_hopper_no_interpreter_and_no_opt_out(monkeypatch):
     capability = {"value": (9, 0)}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(kernels, "_capability", lambda index: capability["value"])
+    monkeypatch.setattr(declab_kernels, "_capability", lambda index: capability["value"])
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv("DECLAB_PDL", raising=False)
-    assert kernels.pdl("cuda:0") and kernels.pdl(torch.device("cuda")) and kernels.pdl(0) and kernels.pdl()
+    assert declab_kernels.pdl("cuda:0") and declab_kernels.pdl(torch.device("cuda")) and declab_kernels.pdl(0) and declab_kernels.pdl()
     monkeypatch.setenv("DECLAB_PDL", "1")
-    assert kernels.pdl("cuda")
+    assert declab_kernels.pdl("cuda")
     monkeypatch.setenv("DECLAB_PDL", "0")
-    assert not kernels.pdl("cuda")
+    assert not declab_kernels.pdl("cuda")
     monkeypatch.delenv("DECLAB_PDL")
     capability["value"] = (8, 0)
-    assert not kernels.pdl("cuda")
+    assert not declab_kernels.pdl("cuda")
     capability["value"] = (10, 0)
-    assert kernels.pdl("cuda")
+    assert declab_kernels.pdl("cuda")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert not kernels.pdl("cuda")
-    assert not kernels.pdl("cpu")
+    assert not declab_kernels.pdl("cuda")
+    assert not declab_kernels.pdl("cpu")
     monkeypatch.delenv("TRITON_INTERPRET")
     # DECLAB_PDL_OFF: off for the named kernel folders only
     monkeypatch.setenv("DECLAB_PDL_OFF", "ssd, mamba2_norm")
-    assert not kernels.pdl("cuda", "kernels.ssd.triton")
-    assert not kernels.pdl("cuda", "kernels.mamba2_norm.triton")
-    assert kernels.pdl("cuda", "kernels.gemv.triton") and kernels.pdl("cuda")
+    assert not declab_kernels.pdl("cuda", "declab_kernels.ssd.triton")
+    assert not declab_kernels.pdl("cuda", "declab_kernels.mamba2_norm.triton")
+    assert declab_kernels.pdl("cuda", "declab_kernels.gemv.triton") and declab_kernels.pdl("cuda")
     monkeypatch.setenv("DECLAB_PDL_OFF", "ssd,gemm")
     with pytest.raises(ValueError, match="gemm"):
-        kernels.pdl("cuda", "kernels.gemv.triton")
+        declab_kernels.pdl("cuda", "declab_kernels.gemv.triton")
 
 
 def test_every_pdl_launch_site_names_its_kernel():
     # A launch site that passed no name would ignore DECLAB_PDL_OFF without a word.
     for name in MODULES:
-        src = Path(kernels.__file__).parent.joinpath(name, "triton.py").read_text()
+        src = Path(declab_kernels.__file__).parent.joinpath(name, "triton.py").read_text()
         calls = re.findall(r"\bpdl\(([^)]*)\)", src)
         assert calls, name
         assert all(c.endswith("__name__") for c in calls), (name, calls)
@@ -510,11 +510,11 @@ def llama_step(d=2048, hq=32, hkv=8, hd=64, inter=8192, page=16, ctx=300, dtype=
     """One llama layer's decode step at batch 1 on the Triton kernels: add+RMSNorm, qkv GEMV, RoPE,
     KV write, paged decode, o GEMV, add+RMSNorm, gate/up GEMV, SwiGLU, down GEMV; the output is fed
     back as the next step's input and positions, slots and lengths advance. Returns (step, state)."""
-    from kernels.gemv.triton import gemv_triton
-    from kernels.paged_attention.triton import decode_workspace, paged_decode_attention, write_kv
-    from kernels.rmsnorm.triton import add_rms_norm_triton
-    from kernels.rotary.triton import apply_rotary_triton
-    from kernels.swiglu.triton import silu_mul_triton
+    from declab_kernels.gemv.triton import gemv_triton
+    from declab_kernels.paged_attention.triton import decode_workspace, paged_decode_attention, write_kv
+    from declab_kernels.rmsnorm.triton import add_rms_norm_triton
+    from declab_kernels.rotary.triton import apply_rotary_triton
+    from declab_kernels.swiglu.triton import silu_mul_triton
 
     g = torch.Generator().manual_seed(seed)
 
@@ -557,9 +557,9 @@ def llama_step(d=2048, hq=32, hkv=8, hd=64, inter=8192, page=16, ctx=300, dtype=
 def mamba2_step(d=2048, d_inner=4096, H=64, P=64, N=128, W=4, dtype=torch.bfloat16, seed=0):
     """One Mamba-2 layer's decode step at batch 1: add+RMSNorm (float32 residual), in_proj GEMV,
     the fused conv + SSM step, gated RMSNorm, out_proj GEMV, fed back as the next input."""
-    from kernels.gemv.triton import gemv_triton
-    from kernels.mamba2_norm.triton import add_rmsnorm, gated_rmsnorm
-    from kernels.ssd.triton import mamba2_decode_step
+    from declab_kernels.gemv.triton import gemv_triton
+    from declab_kernels.mamba2_norm.triton import add_rmsnorm, gated_rmsnorm
+    from declab_kernels.ssd.triton import mamba2_decode_step
 
     g = torch.Generator().manual_seed(seed)
 
@@ -588,13 +588,13 @@ def mamba2_step(d=2048, d_inner=4096, H=64, P=64, N=128, W=4, dtype=torch.bfloat
 
 
 def rwkv7_step(C=2048, H=32, ranks=(32, 64, 64, 128), dtype=torch.bfloat16, seed=0):
-    """One RWKV-7 layer's decode step at batch 1, as arch/rwkv7.py runs it on the fused kernels:
+    """One RWKV-7 layer's decode step at batch 1, as declab_arch/rwkv7.py runs it on the fused kernels:
     add+LayerNorm+shift, the down GEMV of the six mixed inputs, LoRA hidden, LoRA up GEMV, time-mix
     inputs, the WKV-7 step, gate/output, o GEMV, add+LayerNorm+shift, key GEMV, sqrelu, value GEMV."""
-    from kernels.gemv.triton import gemv_triton
-    from kernels.rwkv7_fused.triton import (add_norm_shift_triton, gate_output_triton, lora_hidden_triton,
+    from declab_kernels.gemv.triton import gemv_triton
+    from declab_kernels.rwkv7_fused.triton import (add_norm_shift_triton, gate_output_triton, lora_hidden_triton,
                                             sqrelu_triton, time_mix_inputs_triton)
-    from kernels.wkv7.triton import wkv7_step_triton
+    from declab_kernels.wkv7.triton import wkv7_step_triton
 
     g = torch.Generator().manual_seed(seed)
 
@@ -694,12 +694,12 @@ def _graph_trace(builder, steps):
 def test_gpu_decode_chain_graph_pdl_equals_no_pdl(monkeypatch, model):
     """A decode step captured in a CUDA graph and replayed 40 times (each step's output is the next
     one's input): with PDL the states after every replay equal those without, bit for bit."""
-    if not kernels.pdl("cuda"):
+    if not declab_kernels.pdl("cuda"):
         pytest.skip("PDL needs compute capability >= 9 (and DECLAB_PDL != 0)")
     monkeypatch.setenv("DECLAB_PDL", "0")
     plain = _graph_trace(BUILDERS[model], 40)
     monkeypatch.delenv("DECLAB_PDL")
-    assert kernels.pdl("cuda")
+    assert declab_kernels.pdl("cuda")
     with_pdl = _graph_trace(BUILDERS[model], 40)
     for i, (a, b) in enumerate(zip(with_pdl, plain)):
         for key in a:
@@ -711,11 +711,11 @@ def test_gpu_decode_chain_graph_pdl_equals_no_pdl(monkeypatch, model):
 def test_gpu_norm_gemv_swiglu_gemv_graph_many_replays(monkeypatch):
     """rmsnorm -> gemv -> swiglu -> gemv at llama-1b sizes, replayed 200 times per capture with
     fresh inputs copied in before each replay: PDL on equals PDL off bit for bit."""
-    from kernels.gemv.triton import gemv_triton
-    from kernels.rmsnorm.triton import add_rms_norm_triton
-    from kernels.swiglu.triton import silu_mul_triton
+    from declab_kernels.gemv.triton import gemv_triton
+    from declab_kernels.rmsnorm.triton import add_rms_norm_triton
+    from declab_kernels.swiglu.triton import silu_mul_triton
 
-    if not kernels.pdl("cuda"):
+    if not declab_kernels.pdl("cuda"):
         pytest.skip("PDL needs compute capability >= 9 (and DECLAB_PDL != 0)")
     g = torch.Generator().manual_seed(0)
     d, inter = 2048, 8192
@@ -756,9 +756,9 @@ def test_gpu_norm_gemv_swiglu_gemv_graph_many_replays(monkeypatch):
 def test_gpu_write_kv_then_paged_decode_graph(monkeypatch):
     """write_kv then the split-K paged decode (ticket merge) in one graph, 100 replays each writing
     the next position and reading it back: PDL on equals PDL off bit for bit."""
-    from kernels.paged_attention.triton import decode_workspace, paged_decode_attention, write_kv
+    from declab_kernels.paged_attention.triton import decode_workspace, paged_decode_attention, write_kv
 
-    if not kernels.pdl("cuda"):
+    if not declab_kernels.pdl("cuda"):
         pytest.skip("PDL needs compute capability >= 9 (and DECLAB_PDL != 0)")
     page, hkv, hq, hd, ctx, steps = 16, 8, 32, 64, 1000, 100
     blocks = -(-(ctx + steps) // page)
@@ -811,7 +811,7 @@ def test_gpu_write_kv_then_paged_decode_graph(monkeypatch):
 
 
 def test_pdl_check_memory_order_collapses_runs():
-    from kernels.pdl_check import memory_order
+    from declab_kernels.pdl_check import memory_order
 
     sass = """
         /*0010*/                   LDG.E.128 R4, desc[UR4][R2.64] ;

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kernels.rmsnorm import add_rms_norm, add_rms_norm_ref, rms_norm
+from declab_kernels.rmsnorm import add_rms_norm, add_rms_norm_ref, rms_norm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from arch.llama import LlamaConfig, Rotary
-from kernels.paged_attention.ref import write_kv
-from kernels.rotary import apply_rotary, apply_rotary_ref, apply_rotary_write_kv
+from declab_arch.llama import LlamaConfig, Rotary
+from declab_kernels.paged_attention.ref import write_kv
+from declab_kernels.rotary import apply_rotary, apply_rotary_ref, apply_rotary_write_kv
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

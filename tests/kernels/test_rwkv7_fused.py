@@ -5,8 +5,8 @@ under the interpreter."""
 import pytest
 import torch
 
-from kernels.rwkv7_fused import add_norm_shift, gate_output, lora_hidden, sqrelu, time_mix_inputs
-from kernels.rwkv7_fused.triton import add_norm_shift_triton, gate_output_triton, lora_hidden_triton, time_mix_inputs_triton
+from declab_kernels.rwkv7_fused import add_norm_shift, gate_output, lora_hidden, sqrelu, time_mix_inputs
+from declab_kernels.rwkv7_fused.triton import add_norm_shift_triton, gate_output_triton, lora_hidden_triton, time_mix_inputs_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

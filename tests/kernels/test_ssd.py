@@ -1,4 +1,4 @@
-"""Tests for kernels/ssd: chunked ref vs recurrent ref, triton vs ref, state handoff, decode vs scan.
+"""Tests for declab_kernels/ssd: chunked ref vs recurrent ref, triton vs ref, state handoff, decode vs scan.
 
 On the CPU the Triton kernels run under the interpreter (small odd sizes, float32); tests marked
 for the GPU use the mamba2-1.3b shapes in bf16.
@@ -7,7 +7,7 @@ for the GPU use the mamba2-1.3b shapes in bf16.
 import pytest
 import torch
 
-from kernels import ssd
+from declab_kernels import ssd
 
 GPU = pytest.mark.gpu
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -230,7 +230,7 @@ def test_decode_step_reads_the_ring_before_its_position(impl):
 def test_decode_step_norm_is_the_gated_rmsnorm(Bsz, H, P, G, N, impl):
     """With norm=(weight, sumsq): the result times rsqrt(mean of the row's g^2 + eps) is the gated RMSNorm
     of the plain step's output (one group), and sumsq holds each head's sum of the rounded g^2."""
-    from kernels import mamba2_norm
+    from declab_kernels import mamba2_norm
 
     args, z = decode_inputs(Bsz, H, P, G, N, 4, seed=3)
     nw = torch.randn(H * P, generator=torch.Generator().manual_seed(5)).to(DEV)
@@ -259,7 +259,7 @@ def test_decode_step_norm_is_checked():
         with pytest.raises(ValueError, match="float32 sumsq"):
             ssd.mamba2_decode_step(**args, ngroups=1, headdim=16, z=z, impl=impl,
                                    norm=(nw, torch.zeros(1, 8, device=DEV)))
-    from kernels.ssd import triton as tri
+    from declab_kernels.ssd import triton as tri
 
     with pytest.raises(ValueError, match="one program a head"):
         tri.mamba2_decode_step(**args, ngroups=1, headdim=16, z=z, block_p=8, norm=(nw, torch.zeros(1, 4, device=DEV)))

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.swiglu import silu_mul, silu_mul_ref
+from declab_kernels.swiglu import silu_mul, silu_mul_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

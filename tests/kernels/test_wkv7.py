@@ -8,10 +8,10 @@ GPU-marked tests run the rwkv7-1.5b shape (H=32, K=V=64) with bf16 inputs.
 import pytest
 import torch
 
-from kernels.wkv7 import wkv7_chunk, wkv7_step
-from kernels.wkv7 import ref as wkv7_ref
-from kernels.wkv7.ref import rwkv7_inputs, wkv7_chunk_factored, wkv7_chunk_ref, wkv7_recurrent_ref, wkv7_step_ref
-from kernels.wkv7.triton import wkv7_chunk_triton, wkv7_step_triton
+from declab_kernels.wkv7 import wkv7_chunk, wkv7_step
+from declab_kernels.wkv7 import ref as wkv7_ref
+from declab_kernels.wkv7.ref import rwkv7_inputs, wkv7_chunk_factored, wkv7_chunk_ref, wkv7_recurrent_ref, wkv7_step_ref
+from declab_kernels.wkv7.triton import wkv7_chunk_triton, wkv7_step_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.gpu

@@ -1,0 +1,522 @@
+"""Llama-style decoder (Llama 2/3, Qwen2, Mistral): RMSNorm, RoPE (with the Llama-3 scaling rule),
+grouped-query attention, SwiGLU MLP, tied or untied embeddings; and the HF checkpoint loader.
+
+Parameter names follow HF `LlamaForCausalLM` (`model.layers.N.self_attn.q_proj.weight`, ...), so a
+checkpoint's state dict loads without renaming. Attention runs in one of two ways:
+
+- `forward(tokens [B, T])`: contiguous K/V, causal or not, through PyTorch SDPA; used by
+  `Decoder.logits` for scoring and as the independent check of the paged path;
+- `forward_paged(tokens [N], positions [N], batch)`: packed tokens of several sequences whose K/V
+  are written into and read from a paged cache through `declab_kernels.paged_attention` (prefill chunks
+  and decode steps).
+
+On impl="triton" (`PagedBatch.impl`) `forward_paged` runs fused kernels: for one packed row (batch-1
+decode; `FOLD_ROWS`) each RMSNorm inside the GEMV after it and each residual add inside the GEMV before
+it, for more rows each residual add inside the RMSNorm kernel after it; q/k/v as one GEMV
+(`Attention.qkv_weight`); in prefill RoPE on q and k and the K/V write in one kernel, in decode both
+inside the paged decode kernel (`rope=`); gate/up as one GEMV (`MLP.gate_up_weight`) with SwiGLU in
+its epilogue (`declab_kernels.gemv.swiglu_linear`, else in its own kernel); every projection and the head go through `declab_kernels.gemv` (the Triton GEMV where it
+measured faster than cuBLAS for that shape, decode rows only). The fused weights are
+the only copy: `q_proj.weight` etc. are views into them (see `fuse_linears`), so HF names still load
+and save, and parameter counts stay right. `forward` and impl="ref" keep the plain reference math.
+
+The blocks are reused unchanged (with `causal=False`) by the Mask-Predict family.
+"""
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from declab_arch.checkpoint import CheckpointError, assign_weights, config_from_dict, load_weights, read_json
+from declab_kernels import gemv, paged_attention, rmsnorm, rotary
+
+# Packed rows up to which the Triton path runs each RMSNorm inside the GEMV after it and each residual
+# add inside the GEMV before it: faster for one row (llama-1b batch-1 decode step at 4k 859 -> 847 us),
+# slower for four, where the fused prologue loses to the norm kernel + GEMV pair and the pairs cost a
+# launch more than the add + norm kernel (results/step_ab.jsonl).
+FOLD_ROWS = 1
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 8192
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    def __post_init__(self):
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise CheckpointError(
+                f"num_attention_heads {self.num_attention_heads} is not a multiple of num_key_value_heads {self.num_key_value_heads}"
+            )
+
+
+@dataclass
+class PagedBatch:
+    """Where a packed forward reads and writes K/V: tensors only, built by the decoder's cache."""
+
+    k_cache: torch.Tensor  # [L, num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor  # [L, num_blocks, block_size, Hkv, D]
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    seq_lens: torch.Tensor  # [B] int32, valid K/V positions after this forward's tokens are written
+    slot_mapping: torch.Tensor | None  # [N] int64, cache slot of each packed token (None: Triton decode, whose kernel finds it)
+    decode: bool  # one query per sequence (N == B)
+    causal: bool = True
+    cu_seqlens_q: torch.Tensor | None = None  # [B+1] int32, prefill only
+    max_seqlen_q: int = 1
+    impl: str = "ref"
+    workspace: dict | None = field(default=None, repr=False)
+
+
+def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight [sum of out_features, in] (and bias) holding the linears' weights in order.
+
+    Each linear's parameters become views into it (same Parameter objects, so names, optimisers
+    and `copy_` into them keep working) and the separate copies are freed.
+    """
+    with torch.no_grad():
+        weight = torch.cat([lin.weight.data for lin in linears])
+        bias = torch.cat([lin.bias.data for lin in linears]) if linears[0].bias is not None else None
+        start = 0
+        for lin in linears:
+            end = start + lin.out_features
+            lin.weight.data = weight[start:end]
+            if bias is not None:
+                lin.bias.data = bias[start:end]
+            start = end
+    return weight, bias
+
+
+class FusedLinears(nn.Module):
+    """A module whose projections `FUSED = {name: (linear names)}` share one weight each.
+
+    `fuse` runs at construction and again after every `.to()`/`.cuda()`/`.half()` (`_apply`), which
+    converts each parameter into its own new tensor and so would otherwise undo the sharing.
+    """
+
+    FUSED: dict[str, tuple[str, ...]] = {}
+
+    def fuse(self):
+        for name, parts in self.FUSED.items():
+            weight, bias = fuse_linears(*(getattr(self, p) for p in parts))
+            # Plain attributes, not parameters or buffers: the parameters are the views.
+            setattr(self, f"{name}_weight", weight)
+            setattr(self, f"{name}_bias", bias)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self.fuse()
+        return self
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32 (as HF does), scaled in the input's dtype, or in the weight's with
+    `weight_dtype_out` (a float32 residual stream feeding bf16 layers, as in Mamba-2)."""
+
+    def __init__(self, dim: int, eps: float, *, weight_dtype_out: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self.weight_dtype_out = weight_dtype_out
+
+    def forward(self, x):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(self.weight.dtype if self.weight_dtype_out else x.dtype)
+
+
+def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
+    """[D/2] inverse frequencies, with the Llama-3 rule when `rope_scaling` says so."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+        smooth = (old_len / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        middle = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        inv_freq = torch.where(middle, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+    elif kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind != "default":
+        raise CheckpointError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3)")
+    return inv_freq.float()
+
+
+class Rotary(nn.Module):
+    """cos/sin tables for positions [0, max_position_embeddings), built once on the model's device."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.max_positions = config.max_position_embeddings
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        self.cos = self.sin = None
+
+    def tables(self):
+        """cos, sin [P, D/2] float32, built on first use (on the device of `inv_freq`)."""
+        if self.cos is None or self.cos.device != self.inv_freq.device:
+            pos = torch.arange(self.max_positions, device=self.inv_freq.device, dtype=torch.float32)
+            angles = torch.outer(pos, self.inv_freq)  # [P, D/2]
+            self.cos, self.sin = angles.cos(), angles.sin()
+        return self.cos, self.sin
+
+    def forward(self, x, positions):
+        """x [..., H, D] at `positions` [...] (HF's rotate-half convention)."""
+        cos, sin = self.tables()
+        cos = cos[positions].unsqueeze(-2)  # [..., 1, D/2]
+        sin = sin[positions].unsqueeze(-2)
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+class Attention(FusedLinears):
+    FUSED = {"qkv": ("q_proj", "k_proj", "v_proj")}
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.n_kv * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.n_kv * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, config.hidden_size, bias=False)
+        self.scale = self.head_dim**-0.5
+        self.fuse()
+
+    def qkv(self, x, positions, rotary):
+        """x [..., d] -> q [..., Hq, D], k and v [..., Hkv, D], with RoPE applied to q and k."""
+        q = self.q_proj(x).unflatten(-1, (self.n_heads, self.head_dim))
+        k = self.k_proj(x).unflatten(-1, (self.n_kv, self.head_dim))
+        v = self.v_proj(x).unflatten(-1, (self.n_kv, self.head_dim))
+        return rotary(q, positions), rotary(k, positions), v
+
+    def qkv_projection(self, x, early_tiles=1, norm=None):
+        """Triton path: q, k, v [N, H, D] of packed x [N, d] from one GEMV, views into its output
+        (unrotated). With `norm` (the block's input RMSNorm) x is the residual stream and the norm runs
+        inside the GEMV (`declab_kernels.gemv.rms_norm_linear`). `early_tiles`: see `declab_kernels.gemv.linear`."""
+        if norm is None:
+            qkv = gemv.linear(x, self.qkv_weight, self.qkv_bias, impl="triton", early_tiles=early_tiles)
+        else:
+            qkv = gemv.rms_norm_linear(x, norm.weight, norm.eps, self.qkv_weight, self.qkv_bias, impl="triton",
+                                       early_tiles=early_tiles)
+        qkv = qkv.unflatten(-1, (self.n_heads + 2 * self.n_kv, self.head_dim))
+        return qkv.split([self.n_heads, self.n_kv, self.n_kv], dim=-2)
+
+    def out_projection(self, out, early_tiles=1, residual=None):
+        """Triton path: o_proj of the attention output [N, H, D]; plus `residual` (the add inside the
+        GEMV, `declab_kernels.gemv.linear_residual`) when given."""
+        out = out.flatten(-2)
+        if residual is None:
+            return gemv.linear(out, self.o_proj.weight, impl="triton", early_tiles=early_tiles)
+        return gemv.linear_residual(out, self.o_proj.weight, residual, impl="triton", early_tiles=early_tiles)
+
+    def qkv_fused_write_kv(self, x, positions, rope: Rotary, k_cache, v_cache, slot_mapping, norm=None):
+        """Triton path of `qkv` + the cache write for packed x [N, d]: `qkv_projection` (with `norm`),
+        then one kernel that rotates q and k in place and writes the rotated k and v into the pages at
+        `slot_mapping`."""
+        q, k, v = self.qkv_projection(x, norm=norm)
+        cos, sin = rope.tables()
+        rotary.apply_rotary_write_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping, impl="triton")
+        return q, k, v
+
+    def forward(self, x, positions, rotary, causal: bool):
+        """Contiguous attention over x [B, T, d] at positions [B, T]."""
+        q, k, v = self.qkv(x, positions, rotary)
+        group = self.n_heads // self.n_kv
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=self.scale)
+        return self.o_proj(out.transpose(1, 2).flatten(-2))
+
+    def forward_paged(self, x, positions, rotary, batch: PagedBatch, layer: int, norm=None, residual=None):
+        """Packed tokens x [N, d]: write their K/V into the pages, attend through the block table.
+        Triton path only: with `norm` x is the residual stream, normalised inside the q/k/v GEMV; with
+        `residual` the result is residual + the attention output, added inside the o-projection GEMV."""
+        fused = batch.impl == "triton"
+        k_cache, v_cache = batch.k_cache[layer], batch.v_cache[layer]
+        if fused and batch.decode:
+            # The decode kernel rotates q and k and writes the K/V row itself. The projections on
+            # either side of it load two weight tiles before their PDL wait (measured faster at
+            # 4k..128k than one, the default elsewhere: declab_kernels/gemv/README.md, PDL)
+            q, k, v = self.qkv_projection(x, early_tiles=2, norm=norm)
+            out = paged_attention.paged_decode_attention(
+                q, k_cache, v_cache, batch.block_tables, batch.seq_lens, self.scale, impl="triton", workspace=batch.workspace,
+                rope=(k, v, *rotary.tables()),
+            )
+            return self.out_projection(out, early_tiles=2, residual=residual)
+        if fused:
+            q, _, _ = self.qkv_fused_write_kv(x, positions, rotary, k_cache, v_cache, batch.slot_mapping, norm=norm)
+        else:
+            q, k, v = self.qkv(x, positions, rotary)
+            paged_attention.write_kv(k, v, k_cache, v_cache, batch.slot_mapping, impl=batch.impl)
+        if batch.decode:
+            out = paged_attention.paged_decode_attention(
+                q, k_cache, v_cache, batch.block_tables, batch.seq_lens, self.scale, impl=batch.impl, workspace=batch.workspace
+            )
+        else:
+            out = paged_attention.paged_prefill_attention(
+                q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.cu_seqlens_q, self.scale,
+                causal=batch.causal, impl=batch.impl, max_seqlen_q=batch.max_seqlen_q,
+            )
+        if fused:
+            return self.out_projection(out, residual=residual)
+        return self.o_proj(out.flatten(-2))
+
+
+class MLP(FusedLinears):
+    FUSED = {"gate_up": ("gate_proj", "up_proj")}
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.fuse()
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def forward_fused(self, x, norm=None, residual=None):
+        """Triton path: one GEMV for gate and up with SwiGLU in its epilogue (or, where that measured
+        slower or for many rows, SwiGLU in its own kernel after it), then down. With `norm` (the block's
+        post-attention RMSNorm) x is the residual stream, normalised inside the gate/up GEMV; with
+        `residual` the result is residual + the MLP output, added inside the down GEMV."""
+        if norm is None:
+            act = gemv.swiglu_linear(x, self.gate_up_weight, impl="triton")
+        else:
+            act = gemv.rms_norm_linear(x, norm.weight, norm.eps, self.gate_up_weight, impl="triton", swiglu=True)
+        if residual is None:
+            return gemv.linear(act, self.down_proj.weight, impl="triton")
+        return gemv.linear_residual(act, self.down_proj.weight, residual, impl="triton")
+
+
+class Block(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, attend):
+        """`attend(normed_x) -> attention output`; the residual structure is shared by both paths."""
+        x = x + attend(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_fused(self, h, x, attend, next_norm: RMSNorm):
+        """Triton path of `forward` over packed rows: takes h = input_layernorm(x) and x [N, d];
+        returns (next_norm(x_out), x_out), each residual add run inside the norm kernel after it."""
+        post = self.post_attention_layernorm
+        h, x = rmsnorm.add_rms_norm(attend(h), x, post.weight, post.eps, impl="triton")
+        return rmsnorm.add_rms_norm(self.mlp.forward_fused(h), x, next_norm.weight, next_norm.eps, impl="triton")
+
+    def forward_fused_rows(self, x, attend):
+        """Triton path of `forward` for at most `FOLD_ROWS` packed rows (batch-1 decode steps):
+        x [N, d] is the residual stream; `attend(x)` returns x + attention(input_layernorm(x)) with the
+        norm inside the q/k/v GEMV and the add inside the o-projection's. Returns x_out, the MLP's
+        norm and add likewise inside its GEMVs: four launches of GEMVs, no norm kernel."""
+        x = attend(x)
+        return self.mlp.forward_fused(x, norm=self.post_attention_layernorm, residual=x)
+
+
+class Trunk(nn.Module):
+    """Embedding, blocks and final norm (HF's `model.` prefix)."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class Llama(nn.Module):
+    def __init__(self, config: LlamaConfig, *, causal: bool = True):
+        super().__init__()
+        self.config = config
+        self.causal = causal
+        self.model = Trunk(config)
+        self.rotary = Rotary(config)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @property
+    def head_weight(self):
+        return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+
+    def head(self, h):
+        return F.linear(self.model.norm(h), self.head_weight)
+
+    def hidden(self, tokens, positions=None):
+        """Final hidden states [B, T, d] before the norm, contiguous attention."""
+        B, T = tokens.shape
+        if positions is None:
+            positions = torch.arange(T, device=tokens.device).expand(B, T)
+        x = self.model.embed_tokens(tokens)
+        for block in self.model.layers:
+            x = block(x, lambda h, b=block: b.self_attn(h, positions, self.rotary, self.causal))
+        return x
+
+    def forward(self, tokens):
+        """Logits [B, T, V] of one parallel forward."""
+        return self.head(self.hidden(tokens))
+
+    def forward_paged(self, tokens, positions, batch: PagedBatch, logit_index=None):
+        """Packed tokens [N] at positions [N]; logits [len(logit_index), V] (all N if None)."""
+        if batch.impl == "triton":
+            return self.forward_paged_fused(tokens, positions, batch, logit_index)
+        x = self.model.embed_tokens(tokens)
+        for i, block in enumerate(self.model.layers):
+            x = block(x, lambda h, b=block, i=i: b.self_attn.forward_paged(h, positions, self.rotary, batch, i))
+        if logit_index is not None:
+            x = x[logit_index]
+        return self.head(x)
+
+    def forward_paged_fused(self, tokens, positions, batch: PagedBatch, logit_index=None):
+        """`forward_paged` on the fused Triton kernels. Up to `FOLD_ROWS` rows every norm runs inside
+        the GEMV after it and every residual add inside the GEMV before it (`Block.forward_fused_rows`);
+        more rows keep the norm kernels, each fused with the residual add before it. The head reads
+        only the rows in `logit_index`."""
+        layers = self.model.layers
+        x = self.model.embed_tokens(tokens)  # [N, d], the residual stream
+        if x.shape[0] <= FOLD_ROWS:
+            for i, block in enumerate(layers):
+                x = block.forward_fused_rows(x, lambda x, b=block, i=i: b.self_attn.forward_paged(
+                    x, positions, self.rotary, batch, i, norm=b.input_layernorm, residual=x))
+            if logit_index is not None:
+                x = x[logit_index]
+            final = self.model.norm
+            return gemv.rms_norm_linear(x, final.weight, final.eps, self.head_weight, impl="triton")
+        first = layers[0].input_layernorm
+        h = rmsnorm.rms_norm(x, first.weight, first.eps, impl="triton")
+        for i, block in enumerate(layers):
+            next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            h, x = block.forward_fused(h, x, lambda h, b=block, i=i: b.self_attn.forward_paged(h, positions, self.rotary, batch, i), next_norm)
+        if logit_index is not None:
+            h = h[logit_index]
+        return gemv.linear(h, self.head_weight, impl="triton")
+
+    def init_random(self, seed: int = 0):
+        """Random weights with the usual 0.02-std normal init (norms at 1), deterministic in `seed`."""
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                elif name.endswith("bias"):
+                    p.zero_()
+                else:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+        return self
+
+
+HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}
+
+
+def config_from_hf(hf: dict, source: str) -> LlamaConfig:
+    """Our LlamaConfig from an HF config.json (transformers 4.x `rope_scaling` or 5.x `rope_parameters`)."""
+    required = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"]
+    for key in required:
+        if key not in hf:
+            raise CheckpointError(f"{source}: config.json has no field {key}")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"{source}: hidden_act {hf['hidden_act']!r} is not supported (silu only)")
+    if hf.get("mlp_bias"):
+        raise CheckpointError(f"{source}: mlp_bias=true is not supported")
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    max_pos = hf.get("max_position_embeddings", 8192)
+    window = hf.get("sliding_window")
+    if window and hf.get("use_sliding_window", True) and window < max_pos:
+        # Sliding-window attention is not implemented: limit the context to the window, where it is exact.
+        max_pos = window
+    model_type = hf.get("model_type", "llama")
+    return LlamaConfig(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_hidden_layers=hf["num_hidden_layers"],
+        num_attention_heads=hf["num_attention_heads"],
+        num_key_value_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        head_dim=hf.get("head_dim"),
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_theta=float(theta),
+        rope_scaling=rope if kind != "default" else None,
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        # Qwen2 always has q/k/v biases; Llama and Mistral say so in attention_bias.
+        attention_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_id=hf.get("eos_token_id"),
+    )
+
+
+def is_hf_llama(hf: dict) -> bool:
+    # A Llama-shaped masked-diffusion model (LLaDA style) is bidirectional: not this family.
+    if hf.get("mask_token_id") is not None or hf.get("is_causal") is False:
+        return False
+    archs = hf.get("architectures") or []
+    return any(a in HF_ARCHITECTURES for a in archs) or hf.get("model_type") in ("llama", "qwen2", "mistral")
+
+
+def load_hf(folder: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+    """Config and state dict (HF names) of a Llama/Qwen2/Mistral checkpoint folder."""
+    folder = Path(folder)
+    hf = read_json(folder / "config.json")
+    if not is_hf_llama(hf):
+        raise CheckpointError(f"{folder}: unknown architecture {hf.get('architectures') or hf.get('model_type')}")
+    config = config_from_hf(hf, str(folder))
+    tensors = load_weights(folder)
+    if config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    # Buffers HF may save that the lab recomputes.
+    tensors = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
+    return config, tensors
+
+
+def save(model: Llama, folder: Path, *, family: str = "transformer") -> None:
+    """An HF-style Llama folder (config.json + model.safetensors) that also names the lab family, so
+    `decoders.load(folder)` and transformers both read it."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    values = {"declab_family": family, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", **asdict(model.config)}
+    (folder / "config.json").write_text(json.dumps(values, indent=2) + "\n")
+    save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"))
+
+
+def build(config: LlamaConfig, tensors: dict | None, source: str, *, causal: bool = True, seed: int = 0) -> Llama:
+    """A Llama on the CPU in float32, with `tensors` assigned (checked) or random weights."""
+    model = Llama(config, causal=causal)
+    if tensors is None:
+        return model.init_random(seed)
+    assign_weights(model, tensors, source)
+    return model
+
+
+def preset_config(values: dict, source: str) -> LlamaConfig:
+    return config_from_dict(LlamaConfig, values, source)

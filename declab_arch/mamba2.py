@@ -1,0 +1,520 @@
+"""Mamba-2 language model (Dao & Gu 2024, "Transformers are SSMs"): the block of mamba-ssm's `Mamba2`
+and HF's `Mamba2ForCausalLM`, and loaders for both checkpoint layouts plus the lab's own.
+
+One block, on the residual stream r (float32, as mamba-ssm's `residual_in_fp32`):
+
+    h = RMSNorm(r)
+    z, xBC, dt = in_proj(h)                      split [d_inner, conv_dim, H]
+    xBC = silu(causal depthwise conv(xBC))       width d_conv, window carried across calls
+    x, B, C = xBC                                split [d_inner, G*N, G*N]
+    y = SSD(x, dt, A = -exp(A_log), B, C) + D x  dt -> softplus(dt + dt_bias), clamped to dt_limit
+    y = RMSNormGated(y, z)                       rmsnorm(y * silu(z)) per group of d_inner / G channels
+    r = r + out_proj(y)
+
+then logits = lm_head(RMSNorm_f(r)), the head tied to the embedding or not.
+
+Parameter names follow HF (`backbone.embeddings.weight`, `backbone.layers.N.mixer.in_proj.weight`, ...)
+so an HF state dict loads unchanged; the state-spaces layout differs only in `backbone.embedding.`.
+The model runs three ways, all through `declab_kernels.ssd`:
+
+- `forward(tokens [B, T])`: one parallel forward from zero state, logits [B, T, V] (also the training
+  path: with impl="ref" it is autograd through the reference scan, in chunks of at most REF_CHUNK);
+- `forward_chunk(tokens [b, T], conv, ssm, rows, start)`: a prefill chunk at positions start.. that starts
+  from, and writes back, the rows `rows` of the batched state buffers; returns the last position's
+  hidden state;
+- `step(tokens [B], conv, ssm, positions=)`: one token per sequence, both states updated in place; its norms go
+  through `declab_kernels.mamba2_norm` (one launch each on the Triton path: embedding + pre-norm, residual add +
+  pre-norm). On the Triton path with one norm group and up to two sequences (`GATE_IN_STEP_ROWS`) the
+  decode step also applies the gate and gathers the gated norm's statistics (each head's sum of squares; it
+  returns the gated output times the norm weight), and out_proj applies the row's 1 / rms to its
+  products (`declab_kernels.gemv.rms_scaled_linear`); otherwise the gated norm goes with out_proj through
+  `declab_kernels.gemv.gated_norm_linear`. There the residual add and pre-norm after each block
+  go the same way: out_proj's epilogue adds the residual and writes the next norm's statistics, and the next
+  in-projection (or the head) applies 1 / rms (`declab_kernels.gemv.linear_residual_norm`).
+  The projections and the head go through `declab_kernels.gemv.linear` (the Triton GEMV where it measured
+  faster than cuBLAS for that shape).
+"""
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from declab_arch.checkpoint import CheckpointError, assign_weights, config_from_dict, load_weights, read_json
+from declab_arch.llama import RMSNorm
+from declab_kernels import gemv, mamba2_norm, ssd
+
+# Sequences up to which the Triton decode step applies the gate in the SSM step and the norms' statistics
+# come with the projections (`Mixer.step`, `Mamba2LM.step`). Graphed mamba2-1.3b steps at 4k
+# (results/step_ab.jsonl): with the plain RMSNorm kernel before out_proj, faster at one (1091 -> 1051 us),
+# slower at four and sixteen (1617 -> 1675, 2685 -> 3070); with the statistics from the SSM step and
+# out_proj's epilogue (`gate_rows`, e4d4587): 1394-1397 -> 1338 us at two, 1575 -> 1735-1737 at four,
+# 1930-1933 -> 2135 at eight.
+GATE_IN_STEP_ROWS = 2
+# Up to this many sequences out_proj's GEMV on that path loads two weight tiles before its PDL wait
+# (`gemv.linear`'s early_tiles), as llama's o-projection after its decode attention: the SSM step before
+# it leaves HBM idle. Graphed A/B (`results/step_ab.jsonl`, `out_proj_early_tiles`): one sequence
+# 921-922 -> 901-902 us a step; two 1347-1349 -> 1361-1363, so one.
+EARLY_TILES_ROWS = 1
+
+# Largest chunk of the reference SSD scan (impl="ref", the training path; the Triton path uses the config's
+# chunk_size). Its intermediates cost about H (L + P N / L) floats per token, the [L, L] decays against the
+# per-chunk states: least near L = sqrt(P N), 64 for mamba2-30m; the config's 128 costs ~6% more time.
+REF_CHUNK = 64
+
+
+@dataclass
+class Mamba2Config:
+    vocab_size: int  # rows of the embedding table (already padded to the checkpoint's multiple)
+    d_model: int
+    n_layer: int
+    d_state: int = 128
+    d_conv: int = 4
+    expand: int = 2
+    headdim: int = 64
+    ngroups: int = 1
+    chunk_size: int = 256
+    conv_bias: bool = True
+    bias: bool = False  # bias of in_proj and out_proj
+    dt_min_limit: float = 0.0
+    dt_max_limit: float | None = None  # None: no upper clamp on the step size
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    def __post_init__(self):
+        if self.d_inner % self.headdim:
+            raise CheckpointError(f"expand * d_model = {self.d_inner} is not a multiple of headdim {self.headdim}")
+        if self.nheads % self.ngroups:
+            raise CheckpointError(f"nheads {self.nheads} is not a multiple of ngroups {self.ngroups}")
+
+    @property
+    def d_inner(self) -> int:
+        return self.expand * self.d_model
+
+    @property
+    def nheads(self) -> int:
+        return self.d_inner // self.headdim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.d_inner + 2 * self.ngroups * self.d_state
+
+    @property
+    def dt_limit(self) -> tuple[float, float]:
+        return (self.dt_min_limit, math.inf if self.dt_max_limit is None else self.dt_max_limit)
+
+
+class RMSNormGated(nn.Module):
+    """rmsnorm(y * silu(z)) over groups of `group_size` channels (mamba-ssm norm_before_gate=False)."""
+
+    def __init__(self, dim: int, group_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.group_size = group_size
+        self.eps = eps
+
+    def forward(self, y, z):
+        # (y promotes to float32 inside the product: no float32 copy of it is made)
+        h = F.silu(z.float()) * y
+        # h * rsqrt(mean(h^2) + eps) per group, as one fused kernel forward and backward
+        h = F.rms_norm(h.unflatten(-1, (-1, self.group_size)), (self.group_size,), eps=self.eps)
+        return self.weight * h.flatten(-2).to(y.dtype)
+
+
+class Mixer(nn.Module):
+    """The Mamba-2 mixer (HF `Mamba2Mixer`, mamba-ssm `Mamba2`)."""
+
+    def __init__(self, config: Mamba2Config):
+        super().__init__()
+        self.config = config
+        c = config
+        self.in_proj = nn.Linear(c.d_model, 2 * c.d_inner + 2 * c.ngroups * c.d_state + c.nheads, bias=c.bias)
+        self.conv1d = nn.Conv1d(c.conv_dim, c.conv_dim, c.d_conv, groups=c.conv_dim, bias=c.conv_bias)
+        self.dt_bias = nn.Parameter(torch.zeros(c.nheads))
+        self.A_log = nn.Parameter(torch.zeros(c.nheads))
+        self.D = nn.Parameter(torch.ones(c.nheads))
+        self.norm = RMSNormGated(c.d_inner, c.d_inner // c.ngroups, c.norm_eps)
+        self.out_proj = nn.Linear(c.d_inner, c.d_model, bias=c.bias)
+        self._decay, self._decay_key = None, None
+
+    def split(self, zxbcdt):
+        """in_proj output [..., d_in_proj] -> z [..., d_inner], xBC [..., conv_dim], dt [..., H]."""
+        c = self.config
+        return zxbcdt.split([c.d_inner, c.conv_dim, c.nheads], dim=-1)
+
+    def forward(self, h, impl: str, conv_init=None, ssm_init=None):
+        """h [b, T, d] -> (out [b, T, d], conv window [b, conv_dim, W-1], SSM state [b, H, P, N] fp32)."""
+        c = self.config
+        b, T, _ = h.shape
+        z, xBC, dt = self.split(self.in_proj(h))
+        xBC, conv_final = ssd.causal_conv1d(
+            xBC, self.conv1d.weight.squeeze(1), self.conv1d.bias, initial_state=conv_init, activation="silu", impl=impl
+        )
+        x, B, C = xBC.split([c.d_inner, c.ngroups * c.d_state, c.ngroups * c.d_state], dim=-1)
+        y, ssm_final = ssd.ssd_chunk_scan(
+            x.reshape(b, T, c.nheads, c.headdim),
+            dt,
+            -torch.exp(self.A_log.float()),
+            B.reshape(b, T, c.ngroups, c.d_state),
+            C.reshape(b, T, c.ngroups, c.d_state),
+            chunk_size=min(c.chunk_size, REF_CHUNK) if impl == "ref" else c.chunk_size,
+            D=self.D,
+            dt_bias=self.dt_bias,
+            dt_softplus=True,
+            dt_limit=c.dt_limit,
+            initial_state=ssm_init,
+            impl=impl,
+        )
+        y = self.norm(y.reshape(b, T, c.d_inner), z)
+        return self.out_proj(y), conv_final, ssm_final
+
+    def decay_rates(self):
+        """A = -exp(A_log) [H] fp32 for decoding, recomputed only when A_log changes, so a decode step
+        launches no kernel for it (no autograd: training goes through `forward`)."""
+        # Inference tensors keep no version counter: for them only a new tensor (data_ptr) is noticed.
+        version = None if self.A_log.is_inference() else self.A_log._version
+        key = (self.A_log.data_ptr(), version, self.A_log.device)
+        if self._decay_key != key:
+            with torch.no_grad():
+                self._decay = -torch.exp(self.A_log.float())
+            self._decay_key = key
+        return self._decay
+
+    def gate_in_step(self, rows: int, impl: str) -> bool:
+        """Whether a decode step of `rows` sequences applies the gate in the SSM step (see `step`)."""
+        return impl == "triton" and self.norm.group_size == self.config.d_inner and rows <= GATE_IN_STEP_ROWS
+
+    def step(self, h, conv_state, ssm_state, impl: str, *, positions, state_ready: bool = False, h_scale=None,
+             residual=None, next_norm=None):
+        """One token h [B, d] at positions [B] -> out_proj's output [B, d]; conv_state [B, conv_dim, W] (a ring:
+        `ssd.conv_window_slots`) and ssm_state [B, H, P, N] updated in place.
+
+        z, xBC and dt stay strided views of the in-projection, read in place by the kernels.
+        `state_ready`: see `Mamba2LM.step`. Where `gate_in_step`, the norms around the block may come
+        with the projections (`Mamba2LM.step`): `h_scale=(sumsq, eps)`: h is the residual times the
+        pre-norm's weight, sumsq the residual's partial sums of squares (the in-projection applies
+        1 / rms); `residual` and `next_norm`: the result is (residual + out, h, sumsq) for the next
+        norm, from out_proj's epilogue (`gemv.linear_residual_norm`).
+        """
+        c = self.config
+        gate_in_step = self.gate_in_step(h.shape[0], impl)
+        if (residual is not None or h_scale is not None) and not gate_in_step:
+            raise ValueError("Mixer.step: h_scale / residual need the gate in the step (gate_in_step)")
+        if h_scale is None:
+            zxbcdt = gemv.linear(h, self.in_proj.weight, self.in_proj.bias, impl=impl)
+        else:
+            zxbcdt = gemv.rms_scaled_linear(h, *h_scale, self.in_proj.weight, self.in_proj.bias, impl=impl)
+        z, xBC, dt = self.split(zxbcdt)
+        # Triton path, one norm group, up to GATE_IN_STEP_ROWS sequences: the decode step applies the
+        # gate, g = y * silu(z) (rounded to the model dtype, the one rounding the module does not do),
+        # writes each head's sum of g^2 and returns g * norm_weight; out_proj scales its products by
+        # the row's 1 / rms (`gemv.rms_scaled_linear`), so the norm launches no kernel of its own.
+        # Otherwise the gate goes inside the gated norm, rmsnorm(y * silu(z)), with out_proj
+        # (`gemv.gated_norm_linear`: the pair on the reference path).
+        sumsq = torch.empty(h.shape[0], c.nheads, device=h.device, dtype=torch.float32) if gate_in_step else None
+        y = ssd.mamba2_decode_step(
+            xBC,
+            dt,
+            conv_state,
+            self.conv1d.weight.squeeze(1),
+            self.conv1d.bias,
+            ssm_state,
+            self.decay_rates(),
+            self.D,
+            self.dt_bias,
+            positions=positions,
+            ngroups=c.ngroups,
+            headdim=c.headdim,
+            dt_limit=c.dt_limit,
+            z=z.unflatten(-1, (c.nheads, c.headdim)) if gate_in_step else None,
+            impl=impl,
+            state_ready=state_ready,
+            norm=(self.norm.weight, sumsq) if gate_in_step else None,
+        ).reshape(h.shape[0], c.d_inner)
+        early_tiles = 2 if h.shape[0] <= EARLY_TILES_ROWS else 1
+        if gate_in_step and residual is not None:
+            return gemv.linear_residual_norm(y, self.out_proj.weight, residual, next_norm.weight, self.out_proj.bias,
+                                             impl=impl, rms_scale=(sumsq, self.norm.eps), early_tiles=early_tiles)
+        if gate_in_step:
+            return gemv.rms_scaled_linear(y, sumsq, self.norm.eps, self.out_proj.weight, self.out_proj.bias, impl=impl,
+                                          early_tiles=early_tiles)
+        return gemv.gated_norm_linear(
+            y, z, self.norm.weight, self.norm.eps, self.out_proj.weight,
+            self.out_proj.bias, group_size=self.norm.group_size, impl=impl,
+        )
+
+
+class Block(nn.Module):
+    """Pre-norm residual block, r + mixer(norm(r)); `Mamba2LM` applies it on each of its three paths."""
+
+    def __init__(self, config: Mamba2Config):
+        super().__init__()
+        self.norm = RMSNorm(config.d_model, config.norm_eps, weight_dtype_out=True)
+        self.mixer = Mixer(config)
+
+
+class Backbone(nn.Module):
+    """Embedding, blocks and final norm (HF's `backbone.` prefix)."""
+
+    def __init__(self, config: Mamba2Config):
+        super().__init__()
+        self.embeddings = nn.Embedding(config.vocab_size, config.d_model)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.norm_f = RMSNorm(config.d_model, config.norm_eps, weight_dtype_out=True)
+
+
+class Mamba2LM(nn.Module):
+    def __init__(self, config: Mamba2Config):
+        super().__init__()
+        self.config = config
+        self.backbone = Backbone(config)
+        if not config.tie_embeddings:
+            self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+
+    def head_weight(self):
+        """[V, d]: the embedding table when tied, else lm_head's."""
+        return self.backbone.embeddings.weight if self.config.tie_embeddings else self.lm_head.weight
+
+    def head(self, r):
+        """Residual r [..., d] (fp32) -> logits [..., V] in the model dtype."""
+        return F.linear(self.backbone.norm_f(r), self.head_weight())
+
+    def embed(self, tokens):
+        # The residual stream stays in float32 whatever the weights' dtype.
+        return self.backbone.embeddings(tokens).float()
+
+    def forward(self, tokens, impl: str = "ref"):
+        """Logits [B, T, V] of one parallel forward from zero state."""
+        r = self.embed(tokens)
+        for block in self.backbone.layers:
+            out, _, _ = block.mixer(block.norm(r), impl)
+            r = r + out
+        return self.head(r)
+
+    def forward_chunk(self, tokens, conv, ssm, rows, impl: str, start: int):
+        """Prefill chunk tokens [b, T], at positions start..start+T-1, of the sequences in rows [b] of the
+        state buffers.
+
+        conv [L, B, conv_dim, W] (the rings of the decode step: the input at position p in slot p % W,
+        `ssd.conv_window_slots`) and ssm [L, B, H, P, N] hold each sequence's state before the chunk and
+        receive the state after it. Returns the last position's residual [b, d] (fp32).
+        """
+        W = conv.shape[-1]
+        before = ssd.conv_window_slots(start, W)
+        after = ssd.conv_window_slots(start + tokens.shape[1], W)
+        r = self.embed(tokens)
+        for i, block in enumerate(self.backbone.layers):
+            ring = conv[i, rows]
+            out, conv_final, ssm_final = block.mixer(block.norm(r), impl, ring[..., before], ssm[i, rows])
+            ring[..., after] = conv_final.to(conv.dtype)
+            # The slot of the next position holds an input no window reads again: zero, so the state
+            # after a prompt is the same however it was cut into chunks.
+            ring[..., (start + tokens.shape[1]) % W] = 0
+            conv[i, rows] = ring
+            ssm[i, rows] = ssm_final
+            r = r + out
+        return r[:, -1]
+
+    def step(self, tokens, conv, ssm, impl: str, *, positions, state_ready: bool = False):
+        """One token per sequence, tokens [B] at positions [B]; conv and ssm ([L, B, ...]; conv the rings of
+        `forward_chunk`) updated in place. Logits [B, V].
+
+        The same blocks as `forward`, with each residual add fused into the norm that follows it (the
+        next block's pre-norm, or norm_f): r = embed(tokens); h = norm_0(r); then per layer
+        r = r + mixer(h), h = norm_{i+1}(r). Where the mixer gates in its SSM step (up to
+        `GATE_IN_STEP_ROWS` sequences on the Triton path) the norms after the first launch nothing of
+        their own: out_proj's epilogue writes r, r * weight and r's partial sums of squares, and the next
+        in-projection (or the head) applies 1 / rms (`gemv.linear_residual_norm`,
+        `gemv.rms_scaled_linear`): 3 launches a layer.
+
+        `state_ready=True` promises that `conv` and `ssm` were last written before a kernel launched
+        without PDL (such as the sampling kernels that end a decoder's step), so each layer's step
+        kernel may load its states before waiting on the in-projection (`ssd.mamba2_decode_step`).
+        Calling `step` back to back with only PDL-launched kernels in between breaks that promise.
+        """
+        layers = self.backbone.layers
+        norms = [block.norm for block in layers] + [self.backbone.norm_f]
+        table = self.backbone.embeddings.weight
+        h, r = mamba2_norm.embed_rmsnorm(tokens, table, norms[0].weight, norms[0].eps, impl=impl)
+        if layers[0].mixer.gate_in_step(tokens.shape[0], impl):
+            # Every norm after the first comes with the projections around it: out_proj writes the
+            # residual, h = residual * weight and its partial sums of squares; the in-projection
+            # (or the head) applies 1 / rms (`Mixer.step`).
+            h_scale = None
+            for i, block in enumerate(layers):
+                r, h, sumsq = block.mixer.step(h, conv[i], ssm[i], impl, positions=positions, state_ready=state_ready,
+                                               h_scale=h_scale, residual=r, next_norm=norms[i + 1])
+                h_scale = (sumsq, norms[i + 1].eps)
+            return gemv.rms_scaled_linear(h, *h_scale, self.head_weight(), impl=impl)
+        for i, block in enumerate(layers):
+            out = block.mixer.step(h, conv[i], ssm[i], impl, positions=positions, state_ready=state_ready)
+            h, r = mamba2_norm.add_rmsnorm(out, r, norms[i + 1].weight, norms[i + 1].eps, impl=impl)
+        return gemv.linear(h, self.head_weight(), impl=impl)
+
+    def init_random(self, seed: int = 0):
+        """Random weights as mamba-ssm initialises them (A in [1, 16], dt in [1e-3, 0.1]), deterministic in `seed`."""
+        g = torch.Generator().manual_seed(seed)
+        c = self.config
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.endswith("norm.weight") or name.endswith("norm_f.weight") or name.endswith(".D"):
+                    p.fill_(1.0)
+                elif name.endswith("A_log"):
+                    p.copy_(torch.log(torch.empty(c.nheads).uniform_(1, 16, generator=g)))
+                elif name.endswith("dt_bias"):
+                    dt = torch.exp(torch.rand(c.nheads, generator=g) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
+                    # softplus(dt_bias) = dt, so dt_bias is softplus's inverse at dt.
+                    p.copy_(dt + torch.log(-torch.expm1(-dt)))
+                elif name.endswith("conv1d.weight"):
+                    bound = 1 / math.sqrt(c.d_conv)
+                    p.copy_(torch.empty(p.shape).uniform_(-bound, bound, generator=g))
+                elif name.endswith("bias"):
+                    p.zero_()
+                else:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+        return self
+
+
+def build(config: Mamba2Config, tensors: dict | None, source: str, *, seed: int = 0) -> Mamba2LM:
+    """A Mamba2LM on the CPU in float32, with `tensors` assigned (checked) or random weights."""
+    model = Mamba2LM(config)
+    if tensors is None:
+        return model.init_random(seed)
+    assign_weights(model, tensors, source)
+    return model
+
+
+def preset_config(values: dict, source: str) -> Mamba2Config:
+    return config_from_dict(Mamba2Config, values, source)
+
+
+def _json_float(value, source: str) -> float:
+    """A float from config.json: a number, "Infinity", or transformers 5's {"__float__": "Infinity"}."""
+    if isinstance(value, dict) and "__float__" in value:
+        value = value["__float__"]
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise CheckpointError(f"{source}: {value!r} in config.json is not a number") from None
+
+
+def _dt_limit_fields(limit, source: str) -> dict:
+    lo, hi = (0.0, math.inf) if limit is None else (_json_float(limit[0], source), _json_float(limit[1], source))
+    if lo < 0 or hi < lo:
+        raise CheckpointError(f"{source}: dt limit {[lo, hi]} is not a range in [0, inf)")
+    return {"dt_min_limit": lo, "dt_max_limit": None if math.isinf(hi) else hi}
+
+
+def is_hf_mamba2(hf: dict) -> bool:
+    return "Mamba2ForCausalLM" in (hf.get("architectures") or []) or hf.get("model_type") == "mamba2"
+
+
+def is_state_spaces_mamba2(hf: dict) -> bool:
+    """mamba-ssm's `MambaConfig` of a pure Mamba-2 stack (`ssm_cfg.layer == "Mamba2"`)."""
+    ssm_cfg = hf.get("ssm_cfg")
+    return "d_model" in hf and "n_layer" in hf and isinstance(ssm_cfg, dict) and ssm_cfg.get("layer") == "Mamba2"
+
+
+def config_from_hf(hf: dict, source: str) -> Mamba2Config:
+    """Our config from an HF `Mamba2Config` config.json."""
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers"):
+        if key not in hf:
+            raise CheckpointError(f"{source}: config.json has no field {key}")
+    if hf.get("hidden_act", "silu") not in ("silu", "swish"):
+        raise CheckpointError(f"{source}: hidden_act {hf['hidden_act']!r} is not supported (silu only)")
+    if hf.get("residual_in_fp32") is False:
+        raise CheckpointError(f"{source}: residual_in_fp32=false is not supported")
+    config = Mamba2Config(
+        vocab_size=hf["vocab_size"],
+        d_model=hf["hidden_size"],
+        n_layer=hf["num_hidden_layers"],
+        d_state=hf.get("state_size", 128),
+        d_conv=hf.get("conv_kernel", 4),
+        expand=hf.get("expand", 2),
+        headdim=hf.get("head_dim", 64),
+        ngroups=hf.get("n_groups", 8),
+        chunk_size=hf.get("chunk_size", 256),
+        conv_bias=hf.get("use_conv_bias", True),
+        bias=hf.get("use_bias", False),
+        norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_id=hf.get("eos_token_id"),
+        **_dt_limit_fields(hf.get("time_step_limit"), source),
+    )
+    if "num_heads" in hf and hf["num_heads"] != config.nheads:
+        raise CheckpointError(f"{source}: num_heads {hf['num_heads']} != expand * hidden_size / head_dim = {config.nheads}")
+    return config
+
+
+# mamba-ssm `Mamba2` options the lab's block does not implement, with the value it requires.
+UNSUPPORTED_SSM_CFG = {"d_ssm": None, "D_has_hdim": False, "rmsnorm": True, "norm_before_gate": False, "activation": "silu"}
+
+
+def config_from_state_spaces(hf: dict, source: str) -> Mamba2Config:
+    """Our config from a mamba-ssm `MambaConfig` config.json (with `Mamba2`'s defaults)."""
+    ssm = dict(hf["ssm_cfg"])
+    for key, required in UNSUPPORTED_SSM_CFG.items():
+        if ssm.get(key, required) != required:
+            raise CheckpointError(f"{source}: ssm_cfg.{key}={ssm[key]!r} is not supported (only {required!r})")
+    if hf.get("d_intermediate", 0) or hf.get("attn_layer_idx"):
+        raise CheckpointError(f"{source}: MLP or attention layers (d_intermediate, attn_layer_idx) are not supported")
+    if hf.get("rms_norm", True) is False or hf.get("residual_in_fp32", True) is False:
+        raise CheckpointError(f"{source}: rms_norm=false or residual_in_fp32=false is not supported")
+    vocab, multiple = hf["vocab_size"], hf.get("pad_vocab_size_multiple", 8)
+    return Mamba2Config(
+        vocab_size=-(-vocab // multiple) * multiple,
+        d_model=hf["d_model"],
+        n_layer=hf["n_layer"],
+        d_state=ssm.get("d_state", 128),
+        d_conv=ssm.get("d_conv", 4),
+        expand=ssm.get("expand", 2),
+        headdim=ssm.get("headdim", 64),
+        ngroups=ssm.get("ngroups", 1),
+        chunk_size=ssm.get("chunk_size", 256),
+        conv_bias=ssm.get("conv_bias", True),
+        bias=ssm.get("bias", False),
+        norm_eps=hf.get("norm_epsilon", 1e-5),
+        tie_embeddings=bool(hf.get("tie_embeddings", True)),
+        **_dt_limit_fields(ssm.get("dt_limit"), source),
+    )
+
+
+def load(folder: Path) -> tuple[Mamba2Config, dict[str, torch.Tensor]]:
+    """Config and state dict (the lab's names) of a Mamba-2 folder: the lab's own format, HF
+    `Mamba2ForCausalLM`, or the state-spaces `mamba2-*` layout."""
+    folder = Path(folder)
+    source = str(folder)
+    hf = read_json(folder / "config.json")
+    if hf.get("declab_family") == "mamba2":
+        values = {k: v for k, v in hf.items() if k != "declab_family"}
+        config = config_from_dict(Mamba2Config, values, source)
+    elif is_hf_mamba2(hf):
+        config = config_from_hf(hf, source)
+    elif is_state_spaces_mamba2(hf):
+        config = config_from_state_spaces(hf, source)
+    else:
+        raise CheckpointError(f"{source}: unknown architecture {hf.get('architectures') or hf.get('model_type') or 'nothing'}")
+    tensors = load_weights(folder)
+    if "backbone.embedding.weight" in tensors:
+        tensors["backbone.embeddings.weight"] = tensors.pop("backbone.embedding.weight")
+    if config.tie_embeddings:
+        tensors.pop("lm_head.weight", None)
+    return config, tensors
+
+
+def save(model: Mamba2LM, folder: Path) -> None:
+    """The lab's own format: config.json (`declab_family` + the config fields) and model.safetensors."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    values = {"declab_family": "mamba2", **asdict(model.config)}
+    (folder / "config.json").write_text(json.dumps(values, indent=2) + "\n")
+    save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"))

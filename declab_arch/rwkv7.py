@@ -1,0 +1,563 @@
+"""RWKV-7 "Goose" language model as in flash-linear-attention's HF format (`model_type: rwkv7`), and
+its checkpoint loader.
+
+Parameter names follow fla's `RWKV7ForCausalLM` (`model.embeddings.weight`,
+`model.layers.N.attn.r_proj.weight`, `model.layers.N.attn.w_lora.lora.0.weight`,
+`model.layers.N.attn.x_r`, `model.layers.N.ffn.key.weight`, `model.norm.weight`,
+`lm_head.weight`), so an fla checkpoint loads without renaming. One block (layer i):
+
+    x = pre_norm(x)                                   (layer 0 only, when norm_first)
+    x = x + attn(attn_norm(x))                        time mixing, WKV-7 through declab_kernels.wkv7
+    x = x + ffn(ffn_norm(x))                          channel mixing, squared ReLU
+
+Time mixing of a token h with the previous token's h' (zeros before the first token):
+    d = h' - h; x_* = h + d * x_*                     token shift with learned mixes r, w, k, v, a, g
+    r, k, v = r_proj(x_r), k_proj(x_k), v_proj(x_v)
+    w = -exp(-0.5) * sigmoid(w_lora(x_w))             log-decay in (-0.61, 0)
+    v = lerp(v, v_first, sigmoid(v_lora(x_v)))        value residual toward layer 0's v (layers > 0)
+    a = sigmoid(a_lora(x_a)); g = g_lora(x_g)         in-context learning rate; output gate
+    kk = normalize(k * k_k) per head; k = k * (1 + (a - 1) * k_a)
+    o = WKV7(r, w, k, v, -kk, kk * a)                 state [H, K, V] float32 per sequence
+    o = (groupnorm_per_head(o) + sum(r * k * r_k) v) * g; out = o_proj(o)
+
+Three ways to run it, all on the same modules (impl="ref" runs WKV-7 as `wkv7_chunk_factored`, the
+differentiable, memory-light chunked form that training uses; impl="triton" as the Triton kernels):
+- `forward(tokens [B, T], impl=...)`: logits [B, T, V] from zero state (scoring, training: the parallel form);
+- `forward_chunk(tokens [B, T], lengths [B], shift, wkv)`: right-padded prompt chunks continuing
+  from a carried state, which they update; padded positions leave the state untouched;
+- `forward_step(tokens [B], shift, wkv)`: one token per sequence, state updated in place. With
+  impl="triton" it runs the fused step (`fused_step`): the same math in 11 kernels per layer
+  (declab_kernels.rwkv7_fused around 5 GEMVs and the WKV-7 step) instead of about 60; up to
+  `SELECT_ROWS` sequences the r/k/v + LoRA down-projections run as one `declab_kernels.gemv.select_linear`
+  (each weight row block times its own mixed input), the other GEMVs and the head go through
+  `declab_kernels.gemv.linear` (the Triton GEMV where it measured faster than cuBLAS), the FFN's value
+  projection through `declab_kernels.gemv.act_linear` with relu^2 in its prologue.
+
+The fused step reads the projections through packed weights: on its first call a layer's six mixes
+become rows of one `[6, C]` tensor, the r/k/v projections and the LoRA down-projections rows of one
+`[3C + sum(ranks), C]` matrix, and the LoRA up-projections column blocks of one `[C, sum(ranks)]`
+matrix; the parameters are re-pointed to views of them (no copy kept, names unchanged).
+
+The carried state of a batch: `shift [L, 2, B, C]` (the last normalised input of time mixing and of
+channel mixing, model dtype) and `wkv [L, B, H, K, V]` float32.
+"""
+
+import itertools
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from declab_arch.checkpoint import CheckpointError, assign_weights, config_from_dict, load_weights, read_json
+from declab_kernels import gemv
+from declab_kernels.rwkv7_fused import add_norm_shift, gate_output, lora_hidden, time_mix_inputs
+from declab_kernels.wkv7 import wkv7_chunk, wkv7_chunk_factored, wkv7_step
+
+FAMILY = "rwkv7"
+# Chunk length of the reference path's WKV-7 (`wkv7_chunk_factored`; the Triton kernel keeps its own
+# default): its exponents reach (REF_CHUNK / 2 + 1) * W_SCALE = 20.0, far inside its bound of 60.
+REF_CHUNK = 64
+# exp(-0.5): the largest per-token decay rate, so exp(w) stays in (0.545, 1).
+W_SCALE = 0.6065306597126334
+# Up to this many sequences the fused step runs the r/k/v and LoRA down-projections as one row-select
+# GEMV (`gemv.select_linear`: each weight row block times its own mixed input).
+SELECT_ROWS = gemv.MAX_ROWS
+# Above SELECT_ROWS it multiplies all six mixed inputs by every down-projection in one GEMM (6B rows)
+# while that is still bound by reading the weights; above this many rows it runs r/k/v as one batched
+# GEMM and the LoRA down-projections as another, so the wasted products do not become the cost.
+CROSS_ROWS = 96
+
+
+@dataclass
+class Packed:
+    """A layer's weights as the fused decode step reads them (the parameters are views of these)."""
+
+    mix: torch.Tensor  # [6, C] token-shift mixes in the order r, k, v, w, a, g
+    down: torch.Tensor  # [3C + R, C] rows: r_proj, k_proj, v_proj, then the LoRA down-projections
+    up: torch.Tensor  # [C, R] column blocks: the LoRA up-projections
+    ranks: tuple  # widths of the LoRA blocks, in the order (v,) w, a, g
+    # rows of `down` per mixed input, as `gemv.select_linear` takes them: input i (r, k, v, w, a, g)
+    # multiplies rows down_splits[i]:down_splits[i + 1] (v's LoRA goes with v_proj)
+    down_splits: tuple
+    key: tuple  # data pointers of the parameters when packed: a change means the model was moved
+
+
+@dataclass
+class RWKV7Config:
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    head_dim: int = 64
+    intermediate_size: int | None = None
+    decay_low_rank_dim: int = 64
+    a_low_rank_dim: int = 64
+    v_low_rank_dim: int = 16
+    gate_low_rank_dim: int = 128
+    norm_first: bool = True
+    norm_bias: bool = True
+    norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    def __post_init__(self):
+        if self.hidden_size % self.head_dim:
+            raise CheckpointError(f"hidden_size {self.hidden_size} is not a multiple of head_dim {self.head_dim}")
+        if self.intermediate_size is None:
+            # fla's rule: 4 * hidden rounded up to a multiple of 32.
+            self.intermediate_size = 32 * -(-4 * self.hidden_size // 32)
+
+    @property
+    def num_heads(self) -> int:
+        return self.hidden_size // self.head_dim
+
+
+class LoRA(nn.Module):
+    """Low-rank projection `lora.2(act(lora.0(x)))`, fla's module layout (names `lora.0`, `lora.2`)."""
+
+    def __init__(self, dim: int, out: int, rank: int, activation: str | None, bias: bool = True):
+        super().__init__()
+        act = {"tanh": nn.Tanh(), "sigmoid": nn.Sigmoid(), None: nn.Identity()}[activation]
+        self.lora = nn.Sequential(nn.Linear(dim, rank, bias=False), act, nn.Linear(rank, out, bias=bias))
+
+    def forward(self, x):
+        return self.lora(x)
+
+
+class TimeMix(nn.Module):
+    """RWKV-7 time mixing (fla's `RWKV7Attention`)."""
+
+    def __init__(self, config: RWKV7Config, layer: int):
+        super().__init__()
+        C, H, D = config.hidden_size, config.num_heads, config.head_dim
+        self.layer, self.n_heads, self.head_dim = layer, H, D
+        for name in ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g"):
+            setattr(self, name, nn.Parameter(torch.zeros(1, 1, C)))
+        self.k_k = nn.Parameter(torch.zeros(C))
+        self.k_a = nn.Parameter(torch.zeros(C))
+        self.r_k = nn.Parameter(torch.zeros(H, D))
+        self.r_proj = nn.Linear(C, C, bias=False)
+        self.k_proj = nn.Linear(C, C, bias=False)
+        self.v_proj = nn.Linear(C, C, bias=False)
+        self.o_proj = nn.Linear(C, C, bias=False)
+        self.w_lora = LoRA(C, C, config.decay_low_rank_dim, "tanh")
+        if layer != 0:
+            self.v_lora = LoRA(C, C, config.v_low_rank_dim, None)
+        self.a_lora = LoRA(C, C, config.a_low_rank_dim, None)
+        self.g_lora = LoRA(C, C, config.gate_low_rank_dim, "sigmoid", bias=False)
+        self.g_norm = nn.GroupNorm(H, C, eps=D * config.norm_eps)
+
+    def inputs(self, h, prev, v_first):
+        """h, prev (the previous token's h) `[..., C]` -> WKV inputs `[..., H, D]`, v_first, gate
+        terms. w is float32: the log-decay is summed over thousands of tokens."""
+        d = prev - h
+        r = self.r_proj(h + d * self.x_r[0, 0])
+        w = -W_SCALE * torch.sigmoid(self.w_lora(h + d * self.x_w[0, 0]).float())
+        k = self.k_proj(h + d * self.x_k[0, 0])
+        xv = h + d * self.x_v[0, 0]
+        v = self.v_proj(xv)
+        if self.layer == 0:
+            v_first = v
+        else:
+            v = torch.lerp(v, v_first, torch.sigmoid(self.v_lora(xv)))
+        a = torch.sigmoid(self.a_lora(h + d * self.x_a[0, 0]))
+        g = self.g_lora(h + d * self.x_g[0, 0])
+        kk = F.normalize(self.heads(k * self.k_k), dim=-1)
+        k = k.addcmul(k * (a - 1), self.k_a)
+        r, w, k, v, a = (self.heads(x) for x in (r, w, k, v, a))
+        return r, w, k, v, -kk, kk * a, v_first, g
+
+    def heads(self, x):
+        """`[..., C]` -> `[..., H, D]`."""
+        return x.unflatten(-1, (self.n_heads, self.head_dim))
+
+    def output(self, o, r, k, v, g):
+        """WKV output o `[..., H, D]` -> block output `[..., C]`: per-head norm, bonus r_k, gate."""
+        shape = o.shape[:-2]
+        o = self.g_norm(o.reshape(-1, self.n_heads * self.head_dim)).view(*shape, -1)
+        bonus = ((r * k * self.r_k).sum(-1, keepdim=True) * v).flatten(-2)
+        return self.o_proj((o + bonus) * g)
+
+    def forward(self, h, prev, v_first, state, *, impl, mask=None):
+        """h, prev `[B, T, C]`; state `[B, H, K, V]` float32 or None (zeros). mask `[B, T]` marks
+        real tokens: at padded positions w, k and b are zeroed, so the state passes unchanged.
+        Returns (out `[B, T, C]`, v_first, final state)."""
+        r, w, k, v, a, b, v_first, g = self.inputs(h, prev, v_first)
+        if mask is not None:
+            m = mask[..., None, None]
+            w, k, b = w * m, k * m.to(k.dtype), b * m.to(b.dtype)
+        if impl == "ref":
+            o, state = wkv7_chunk_factored(r, w, k, v, a, b, initial_state=state, chunk_size=REF_CHUNK)
+        else:
+            o, state = wkv7_chunk(r, w, k, v, a, b, initial_state=state, impl=impl)
+        return self.output(o, r, k, v, g), v_first, state
+
+    def step(self, h, prev, v_first, state, *, impl):
+        """One token: h, prev `[B, C]`; state `[B, H, K, V]` float32 updated in place."""
+        r, w, k, v, a, b, v_first, g = self.inputs(h, prev, v_first)
+        o = wkv7_step(r, w, k, v, a, b, state, impl=impl)
+        return self.output(o, r, k, v, g), v_first
+
+    def loras(self):
+        """(LoRA, activation) in the packed order: v (layers > 0), w, a, g."""
+        loras = [(self.w_lora, "tanh"), (self.a_lora, None), (self.g_lora, "sigmoid")]
+        return ([(self.v_lora, None)] if self.layer else []) + loras
+
+    def packed(self) -> Packed:
+        """The packed weights, (re)built when the parameters are not (or no longer) views of them."""
+        mixes = [getattr(self, n) for n in ("x_r", "x_k", "x_v", "x_w", "x_a", "x_g")]
+        downs = [self.r_proj.weight, self.k_proj.weight, self.v_proj.weight] + [m.lora[0].weight for m, _ in self.loras()]
+        ups = [m.lora[2].weight for m, _ in self.loras()]
+        params = mixes + downs + ups
+        key = tuple(p.data_ptr() for p in params)
+        pack = getattr(self, "_packed", None)
+        if pack is not None and pack.key == key:
+            return pack
+        # why: packing runs once, before any graph capture, usually inside a decoder's inference
+        # mode; the buffers must be inference tensors exactly when the parameters are (a model
+        # built under the caller's inference mode), else the parameters would change kind
+        with torch.inference_mode(mixes[0].is_inference()), torch.no_grad():
+            mix = torch.cat([p.reshape(1, -1) for p in mixes])
+            down = torch.cat(downs)
+            up = torch.cat(ups, dim=1)
+            for j, p in enumerate(mixes):
+                p.data = mix[j].view(p.shape)
+            row = 0
+            for p in downs:
+                p.data = down[row : row + p.shape[0]]
+                row += p.shape[0]
+            col = 0
+            for p in ups:
+                p.data = up[:, col : col + p.shape[1]]
+                col += p.shape[1]
+        # LoRA j takes input 6 - len(ups) + j: (v,) w, a, g
+        rows = [p.shape[0] for p in downs[:3]] + [0, 0, 0]
+        for j, p in enumerate(downs[3:]):
+            rows[6 - len(ups) + j] += p.shape[0]
+        splits = tuple(itertools.accumulate(rows, initial=0))
+        self._packed = Packed(mix, down, up, tuple(p.shape[1] for p in ups), splits, tuple(p.data_ptr() for p in params))
+        return self._packed
+
+    def fused_step(self, xs, v_first, state):
+        """One token on the fused kernels: xs `[6, B, C]` the mixed inputs (r, k, v, w, a, g); state
+        `[B, H, K, V]` float32 updated in place. Returns (out `[B, C]`, v_first `[B, C]`)."""
+        pack = self.packed()
+        _, B, C = xs.shape
+        nb = len(pack.ranks)
+        # the LoRA down-projections take the mixed inputs from group g0 on: (v,) w, a, g
+        g0 = 6 - nb
+        offs = [sum(pack.ranks[:j]) for j in range(nb + 1)]
+        if B <= SELECT_ROWS:
+            # [B, 3C + R]: each row block of the packed weight times its own mixed input, the weights
+            # read once (per shape the row-select GEMV or cuBLAS over all six inputs, whichever is faster)
+            y = gemv.select_linear(xs, pack.down, pack.down_splits, impl="triton")
+            r, k, v = (y[:, j * C : (j + 1) * C] for j in range(3))
+            lo = [y[:, 3 * C + offs[j] : 3 * C + offs[j + 1]] for j in range(nb)]
+        elif 6 * B <= CROSS_ROWS:
+            # [6B, 3C + R]: every mixed input times every down-projection; only the diagonal blocks
+            # are used, but the weights are read once, which is what the step costs
+            y = F.linear(xs.view(6 * B, C), pack.down)
+            r, k, v = (y[j * B : (j + 1) * B, j * C : (j + 1) * C] for j in range(3))
+            lo = [y[(g0 + j) * B : (g0 + j + 1) * B, 3 * C + offs[j] : 3 * C + offs[j + 1]] for j in range(nb)]
+        else:
+            # [3, B, C] and [nb * B, R]
+            rkv = torch.bmm(xs[:3], pack.down[: 3 * C].view(3, C, C).transpose(1, 2))
+            r, k, v = rkv.unbind(0)
+            d = xs[g0:].reshape(nb * B, C) @ pack.down[3 * C :].T
+            lo = [d[j * B : (j + 1) * B, offs[j] : offs[j + 1]] for j in range(nb)]
+        # [nb * B, R] block-diagonal activations, then [nb * B, C]: row block j is LoRA j's output
+        u = gemv.linear(lora_hidden(lo, [act for _, act in self.loras()], impl="triton"), pack.up, impl="triton")
+        bias_v = self.v_lora.lora[2].bias if self.layer else None
+        x, w = time_mix_inputs(
+            r, k, v, u, self.w_lora.lora[2].bias, self.a_lora.lora[2].bias, bias_v, self.k_k, self.k_a,
+            v_first if self.layer else None, head_dim=self.head_dim, impl="triton",
+        )
+        r, k, v, a, b = (self.heads(t) for t in x.unbind(0))
+        # The state was last written before the step's embedding lookup (a PyTorch kernel, no PDL;
+        # see `RWKV7ForCausalLM.fused_step`), so it may be loaded before the wait.
+        o = wkv7_step(r, self.heads(w), k, v, a, b, state, impl="triton", state_ready=True)
+        g = u[(nb - 1) * B :]
+        out = gate_output(o, r, k, v, g, self.r_k, self.g_norm.weight, self.g_norm.bias, eps=self.g_norm.eps, impl="triton")
+        return gemv.linear(out, self.o_proj.weight, impl="triton"), (x[2] if self.layer == 0 else v_first)
+
+
+class ChannelMix(nn.Module):
+    """RWKV-7 channel mixing (fla's `RWKV7FeedForward`): token shift, then value(relu(key(x))^2)."""
+
+    def __init__(self, config: RWKV7Config):
+        super().__init__()
+        self.x_k = nn.Parameter(torch.zeros(config.hidden_size))
+        self.key = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.value = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, h, prev):
+        return self.value(torch.relu(self.key(h + (prev - h) * self.x_k)).square())
+
+
+class Block(nn.Module):
+    def __init__(self, config: RWKV7Config, layer: int):
+        super().__init__()
+        C = config.hidden_size
+
+        def norm():
+            return nn.LayerNorm(C, eps=config.norm_eps, bias=config.norm_bias)
+
+        if config.norm_first and layer == 0:
+            self.pre_norm = norm()
+        self.attn_norm = norm()
+        self.attn = TimeMix(config, layer)
+        self.ffn_norm = norm()
+        self.ffn = ChannelMix(config)
+
+    def enter(self, x):
+        return self.pre_norm(x) if hasattr(self, "pre_norm") else x
+
+
+class Trunk(nn.Module):
+    """Embedding, blocks and final norm (fla's `model.` prefix)."""
+
+    def __init__(self, config: RWKV7Config):
+        super().__init__()
+        self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers))
+        self.norm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps, bias=config.norm_bias)
+
+
+def shifted(h, first):
+    """The previous token's h for every position of h `[B, T, C]`, `first` `[B, C]` before t=0."""
+    return torch.cat([first.unsqueeze(1), h[:, :-1]], dim=1)
+
+
+class RWKV7(nn.Module):
+    def __init__(self, config: RWKV7Config):
+        super().__init__()
+        self.config = config
+        self.model = Trunk(config)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def head(self, x):
+        w = self.model.embeddings.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        return F.linear(self.model.norm(x), w)
+
+    def new_state(self, batch: int, *, device=None, dtype=None):
+        """Zero state for `batch` sequences: shift `[L, 2, B, C]` (model dtype), wkv `[L, B, H, K, V]` float32."""
+        c = self.config
+        p = self.model.embeddings.weight
+        device, dtype = device or p.device, dtype or p.dtype
+        shift = torch.zeros(c.num_hidden_layers, 2, batch, c.hidden_size, device=device, dtype=dtype)
+        wkv = torch.zeros(c.num_hidden_layers, batch, c.num_heads, c.head_dim, c.head_dim, device=device, dtype=torch.float32)
+        return shift, wkv
+
+    def forward(self, tokens, *, impl):
+        """Logits [B, T, V] of one parallel forward from zero state."""
+        x = self.model.embeddings(tokens)
+        zeros = x.new_zeros(x.shape[0], x.shape[-1])
+        v_first = None
+        for block in self.model.layers:
+            x = block.enter(x)
+            h = block.attn_norm(x)
+            out, v_first, _ = block.attn(h, shifted(h, zeros), v_first, None, impl=impl)
+            x = x + out
+            h = block.ffn_norm(x)
+            x = x + block.ffn(h, shifted(h, zeros))
+        return self.head(x)
+
+    def forward_chunk(self, tokens, lengths, shift, wkv, *, impl):
+        """Continue B sequences by a chunk each. tokens `[B, T]` right-padded, lengths (host ints,
+        each >= 1) real tokens per row; shift `[L, 2, B, C]` and wkv `[L, B, H, K, V]` are read and
+        updated in place. Returns logits `[B, V]` of each row's last real token."""
+        B, T = tokens.shape
+        lens = torch.tensor(lengths, device=tokens.device)
+        mask = None
+        if min(lengths) < T:
+            mask = torch.arange(T, device=tokens.device) < lens[:, None]
+        last = (lens - 1).view(B, 1, 1)
+        x = self.model.embeddings(tokens)
+        v_first = None
+        for i, block in enumerate(self.model.layers):
+            x = block.enter(x)
+            h = block.attn_norm(x)
+            out, v_first, state = block.attn(h, shifted(h, shift[i, 0]), v_first, wkv[i], impl=impl, mask=mask)
+            wkv[i].copy_(state)
+            shift[i, 0].copy_(h.gather(1, last.expand(B, 1, h.shape[-1])).squeeze(1))
+            x = x + out
+            h = block.ffn_norm(x)
+            prev = shifted(h, shift[i, 1])
+            shift[i, 1].copy_(h.gather(1, last.expand(B, 1, h.shape[-1])).squeeze(1))
+            x = x + block.ffn(h, prev)
+        return self.head(x.gather(1, last.expand(B, 1, x.shape[-1])).squeeze(1))
+
+    def forward_step(self, tokens, shift, wkv, *, impl):
+        """One token per sequence: tokens `[B]`; shift and wkv updated in place. Logits `[B, V]`."""
+        if impl == "triton":
+            return self.fused_step(tokens, shift, wkv)
+        x = self.model.embeddings(tokens)
+        v_first = None
+        for i, block in enumerate(self.model.layers):
+            x = block.enter(x)
+            h = block.attn_norm(x)
+            out, v_first = block.attn.step(h, shift[i, 0], v_first, wkv[i], impl=impl)
+            shift[i, 0].copy_(h)
+            x = x + out
+            h = block.ffn_norm(x)
+            out = block.ffn(h, shift[i, 1])
+            shift[i, 1].copy_(h)
+            x = x + out
+        return self.head(x)
+
+    def fused_step(self, tokens, shift, wkv):
+        """`forward_step` on the fused Triton kernels. Each norm is fused with the residual add before
+        it and the token shift after it; the residual x `[B, C]` is updated in place.
+
+        The embedding lookup comes first and is a PyTorch kernel (launched without PDL): every write
+        to `wkv` and `shift` before this call has finished when it starts, which lets each layer's WKV
+        step and token-shift norms load their state before waiting on the kernels before them
+        (`wkv7_step(state_ready=True)`, `add_norm_shift(state_ready=True)`)."""
+        x = self.model.embeddings(tokens)
+        layers = self.model.layers
+        if hasattr(layers[0], "pre_norm"):
+            n = layers[0].pre_norm
+            x = add_norm_shift(x, None, n.weight, n.bias, eps=n.eps, impl="triton")
+        delta, v_first = None, None
+        for i, block in enumerate(layers):
+            n = block.attn_norm
+            # [6, B, C]
+            xs = add_norm_shift(x, delta, n.weight, n.bias, shift[i, 0], block.attn.packed().mix, eps=n.eps, impl="triton",
+                                state_ready=True)
+            out, v_first = block.attn.fused_step(xs, v_first, wkv[i])
+            n, ffn = block.ffn_norm, block.ffn
+            # [1, B, C]
+            xk = add_norm_shift(x, out, n.weight, n.bias, shift[i, 1], ffn.x_k.view(1, -1), eps=n.eps, impl="triton",
+                                state_ready=True)
+            delta = gemv.act_linear(gemv.linear(xk[0], ffn.key.weight, impl="triton"), "sqrelu", ffn.value.weight,
+                                    impl="triton", x_is_scratch=True)
+        n = self.model.norm
+        h = add_norm_shift(x, delta, n.weight, n.bias, eps=n.eps, impl="triton")
+        w = self.model.embeddings.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        return gemv.linear(h, w, impl="triton")
+
+    def init_random(self, seed: int = 0):
+        """Random weights in the ranges a trained RWKV-7 has, deterministic in `seed`.
+
+        Plain 0.02-std noise would leave the token-shift mixes and decays meaningless; these keep
+        the decay spread over heads, the mixes in [0, 1], and norms at 1.
+        """
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                leaf = name.rsplit(".", 1)[-1]
+                if "norm" in name:
+                    p.fill_(1.0 if leaf == "weight" else 0.0)
+                elif leaf.startswith("x_"):
+                    p.copy_(torch.rand(p.shape, generator=g))
+                elif leaf == "k_k":
+                    p.copy_(0.7 + 0.1 * torch.rand(p.shape, generator=g))
+                elif leaf == "k_a":
+                    p.fill_(1.0)
+                elif leaf == "r_k":
+                    p.copy_(-0.04 + 0.1 * torch.randn(p.shape, generator=g))
+                elif name.endswith("w_lora.lora.2.bias"):
+                    p.copy_(torch.linspace(-6, 0, p.numel()) + 0.5 * torch.randn(p.shape, generator=g))
+                elif leaf == "bias":
+                    p.copy_(0.3 * torch.randn(p.shape, generator=g))
+                elif name.endswith("embeddings.weight"):
+                    p.copy_(torch.randn(p.shape, generator=g))
+                else:
+                    p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
+        return self
+
+
+def is_fla_rwkv7(hf: dict) -> bool:
+    return hf.get("model_type") == "rwkv7" or "RWKV7ForCausalLM" in (hf.get("architectures") or [])
+
+
+def config_from_hf(hf: dict, source: str) -> RWKV7Config:
+    """Our RWKV7Config from an fla `config.json` (`model_type: rwkv7`)."""
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers"):
+        if key not in hf:
+            raise CheckpointError(f"{source}: config.json has no field {key}")
+    C, L = hf["hidden_size"], hf["num_hidden_layers"]
+    if hf.get("hidden_act", "sqrelu") != "sqrelu":
+        raise CheckpointError(f"{source}: hidden_act {hf['hidden_act']!r} is not supported (sqrelu only)")
+    if hf.get("attn"):
+        raise CheckpointError(f"{source}: hybrid attention layers (config field attn) are not supported")
+    value_dim = hf.get("value_dim")
+    if value_dim is not None and set(value_dim if isinstance(value_dim, list) else [value_dim]) != {C}:
+        raise CheckpointError(f"{source}: value_dim {value_dim} is not supported (only value_dim == hidden_size)")
+    head_dim = hf.get("head_dim")
+    if head_dim is None:
+        head_dim = C // hf["num_heads"] if hf.get("num_heads") else 64
+    intermediate = hf.get("intermediate_size")
+    if intermediate is None:
+        intermediate = 32 * -(-int(C * (hf.get("hidden_ratio") or 4)) // 32)
+    # fla's own defaults, for configs that leave a field out.
+    return RWKV7Config(
+        vocab_size=hf["vocab_size"],
+        hidden_size=C,
+        num_hidden_layers=L,
+        head_dim=head_dim,
+        intermediate_size=intermediate,
+        decay_low_rank_dim=hf.get("decay_low_rank_dim", 64),
+        a_low_rank_dim=hf.get("a_low_rank_dim", 64),
+        v_low_rank_dim=hf.get("v_low_rank_dim", 16),
+        gate_low_rank_dim=hf.get("gate_low_rank_dim", 128),
+        norm_first=bool(hf.get("norm_first", True)),
+        norm_bias=bool(hf.get("norm_bias", True)),
+        norm_eps=float(hf.get("norm_eps", 1e-5)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_id=hf.get("eos_token_id"),
+    )
+
+
+def load(folder: Path) -> tuple[RWKV7Config, dict[str, torch.Tensor]]:
+    """Config and state dict of an fla RWKV-7 folder or one in the lab's own format."""
+    folder = Path(folder)
+    hf = read_json(folder / "config.json")
+    if hf.get("declab_family") == FAMILY:
+        values = {k: v for k, v in hf.items() if k != "declab_family"}
+        config = config_from_dict(RWKV7Config, values, str(folder))
+    elif is_fla_rwkv7(hf):
+        config = config_from_hf(hf, str(folder))
+    else:
+        raise CheckpointError(f"{folder}: unknown architecture {hf.get('architectures') or hf.get('model_type')}")
+    tensors = load_weights(folder)
+    if config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    # Early fla checkpoints stack the six token-shift mixes as attn.x_x [6, C]; fla splits them on load.
+    for name in [n for n in tensors if n.endswith(".attn.x_x")]:
+        stacked = tensors.pop(name)
+        for j, mix in enumerate(("x_r", "x_w", "x_k", "x_v", "x_a", "x_g")):
+            tensors[name[: -len("x_x")] + mix] = stacked[j].reshape(1, 1, -1)
+    return config, tensors
+
+
+def save(model: RWKV7, folder: Path) -> None:
+    """Write `model` in the lab's format: config.json (declab_family + fields) and model.safetensors."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    values = {"declab_family": FAMILY, **asdict(model.config)}
+    (folder / "config.json").write_text(json.dumps(values, indent=2) + "\n")
+    # why: a copy each, since after a fused step the weights are views of shared packed buffers
+    tensors = {k: v.detach().cpu().clone(memory_format=torch.contiguous_format) for k, v in model.state_dict().items()}
+    save_file(tensors, str(folder / "model.safetensors"))
+
+
+def build(config: RWKV7Config, tensors: dict | None, source: str, *, seed: int = 0) -> RWKV7:
+    """An RWKV7 on the CPU in float32, with `tensors` assigned (checked) or random weights."""
+    model = RWKV7(config)
+    if tensors is None:
+        return model.init_random(seed)
+    assign_weights(model, tensors, source)
+    return model
+
+
+def preset_config(values: dict, source: str) -> RWKV7Config:
+    return config_from_dict(RWKV7Config, values, source)
