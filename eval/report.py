@@ -45,7 +45,8 @@ FAMILY_STYLE = {
     "maskpredict": ("#d62728", "D"),
 }
 OTHER_STYLE = ("#7f7f7f", "x")
-LINESTYLES = ("-", "--", "-.", ":")
+# Line styles of the models and settings within one family (dotted is for peers).
+LINESTYLES = ("-", "--", "-.")
 COPY_TASK = re.compile(r"declab_copy_(\d+)$")
 MQAR_TASK = re.compile(r"declab_mqar_(\d+)$")
 GB = 1e9
@@ -55,10 +56,38 @@ def style(family: str) -> tuple[str, str]:
     return FAMILY_STYLE.get(family, OTHER_STYLE)
 
 
-def family_handles():
+def family_handles(families):
+    """Legend entries of the families drawn, in the fixed order."""
     from matplotlib.lines import Line2D
 
-    return [Line2D([], [], color=c, marker=m, linestyle="-", label=f) for f, (c, m) in FAMILY_STYLE.items()]
+    known = [f for f in FAMILY_STYLE if f in families] + sorted(set(families) - set(FAMILY_STYLE))
+    return [Line2D([], [], color=style(f)[0], marker=style(f)[1], linestyle="", label=f) for f in known]
+
+
+def number(v, _pos=None) -> str:
+    """Tick label of a count: 4096 -> '4096', 20000 -> '20,000', 0.5 -> '0.5'."""
+    return f"{v:,.0f}" if abs(v) >= 100 else f"{v:g}"
+
+
+def tokens(v, _pos=None) -> str:
+    """Tick label of a context: 4096 -> '4k', 131072 -> '128k'."""
+    return f"{v / 1024:g}k" if v >= 1024 else f"{v:g}"
+
+
+def scale(ax, which: str, values, formatter=number, base=10) -> None:
+    """Log scale on axis `which` ('x' or 'y') when the values span more than a factor of 4, plain
+    tick labels either way."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    values = [v for v in values if v and v > 0]
+    axis = ax.xaxis if which == "x" else ax.yaxis
+    if values and max(values) / min(values) > 4:
+        (ax.set_xscale if which == "x" else ax.set_yscale)("log", base=base)
+        if base == 10:
+            # 1-2-5 steps, so a span of one decade still has several labelled ticks.
+            axis.set_major_locator(LogLocator(base=10, subs=(1, 2, 5)))
+        axis.set_minor_formatter(NullFormatter())
+    axis.set_major_formatter(FuncFormatter(formatter))
 
 
 def speed_label(r: dict) -> str:
@@ -103,6 +132,8 @@ class Figure:
                 self.records.append(r)
 
     def save(self, fig, out: Path) -> None:
+        # Room at the bottom for the provenance line, below the axes' labels.
+        fig.get_layout_engine().set(rect=(0, 0.03, 1, 0.97))
         fig.text(0.005, 0.003, provenance_line(self.records), fontsize=7, color="#444444", ha="left", va="bottom")
         self.path = out / f"{self.name}.png"
         fig.savefig(self.path, dpi=110)
@@ -159,7 +190,7 @@ def frontier_figure(j: Join, sel: Selection, out: Path, bpb_task: str, acc_task:
                f"bits-per-byte row.")
     fig, axes = plt.subplots(2, 2, figsize=(12, 8.5), layout="constrained")
     columns = (("batch 1", sel.batch1, "decode tokens/s per sequence, batch 1"),
-               ("load", sel.load, "aggregate decode tokens/s at the serving load"))
+               ("load", sel.load, f"aggregate tokens/s at the serving load (batch {sel.load_batch} or a serving benchmark)"))
     for row, (metric, ylabel, higher) in enumerate(QUALITY_AXES):
         task, name = (bpb_task, "bits_per_byte") if metric == "bpb" else (acc_task, "acc")
         for col, (column, pick, xlabel) in enumerate(columns):
@@ -172,7 +203,8 @@ def frontier_figure(j: Join, sel: Selection, out: Path, bpb_task: str, acc_task:
                 x = s.data["decode_tok_s_per_seq"] if column == "batch 1" else throughput(s.data)
                 colour, marker = style(run.family)
                 ax.scatter([x], [q], color=colour, marker=marker, s=50, zorder=3)
-                ax.annotate(run.label, (x, q), textcoords="offset points", xytext=(5, 4), fontsize=7)
+                where = "" if column == "batch 1" else (f" (serving, rate {s.data.get('rate')})" if "output_tok_s" in s.data else f" (b={s.data.get('batch')})")
+                ax.annotate(run.label + where, (x, q), textcoords="offset points", xytext=(5, 4), fontsize=7)
                 pts.append((x, q))
                 f.use(s, run.tasks[task])
                 f.rows.append({"point": run.label, "family": run.family, "panel": f"{metric} / {column}", "tok/s": x, "quality": q,
@@ -183,12 +215,12 @@ def frontier_figure(j: Join, sel: Selection, out: Path, bpb_task: str, acc_task:
                 front = pareto(pts, higher)
                 if len(front) > 1:
                     ax.plot(*zip(*front), linestyle="--", color="#333333", alpha=0.6, zorder=2)
-                ax.set_xscale("log")
+                scale(ax, "x", [p[0] for p in pts])
                 ax.margins(0.15)
                 ax.grid(True, which="both", alpha=0.3)
             ax.set_xlabel(xlabel)
             ax.set_ylabel(ylabel)
-    fig.legend(handles=family_handles(), loc="outside right upper", title="family", fontsize=8)
+    fig.legend(handles=family_handles({run.family for run in j.quality}), loc="outside right upper", title="family", fontsize=8)
     fig.suptitle("Quality against decode tokens/s (dashed: Pareto front)")
     f.save(fig, out)
     return f
@@ -225,7 +257,8 @@ def context_figure(j: Join, out: Path) -> Figure:
         r0 = points[0].data
         colour, marker = style(r0.get("family", "?"))
         peer = bool(r0.get("peer"))
-        ls = ":" if peer else LINESTYLES[dash.setdefault((r0.get("family"), r0.get("model")), sum(1 for k in dash if k[0] == r0.get("family"))) % len(LINESTYLES)]
+        # Within a family, each model and setting gets its own line style; peers are dotted.
+        ls = ":" if peer else LINESTYLES[dash.setdefault((r0.get("family"), label), sum(1 for k in dash if k[0] == r0.get("family"))) % len(LINESTYLES)]
         ctx = [s.data["ctx"] for s in points]
         axes[0][0].plot(ctx, [s.data["decode_tok_s_per_seq"] for s in points], color=colour, marker=marker, linestyle=ls, label=label, alpha=0.7 if peer else 1)
         mem = [(s.data["ctx"], s.data["peak_memory_bytes"] / GB) for s in points if s.data.get("peak_memory_bytes")]
@@ -237,8 +270,8 @@ def context_figure(j: Join, out: Path) -> Figure:
                            "tok/s": s.data["decode_tok_s_per_seq"], "memory GB": (s.data.get("peak_memory_bytes") or 0) / GB, "records": [s]})
     for ax, ylabel in ((axes[0][0], "decode tokens/s per sequence, batch 1"), (axes[0][1], "peak GPU memory (GB)")):
         if ax.lines:
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
+            scale(ax, "x", [x for line in ax.lines for x in line.get_xdata()], tokens, base=2)
+            scale(ax, "y", [y for line in ax.lines for y in line.get_ydata()])
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
         else:
@@ -246,19 +279,22 @@ def context_figure(j: Join, out: Path) -> Figure:
         ax.set_xlabel("context (tokens)")
         ax.set_ylabel(ylabel)
     for ax, pattern, xlabel in ((axes[1][0], COPY_TASK, "tokens copied (distance from the copy)"), (axes[1][1], MQAR_TASK, "key-value pairs to recall (MQAR)")):
+        styles = {}
         for run in j.quality:
             pts = distance_curves(run, pattern)
             if not pts:
                 continue
             colour, marker = style(run.family)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], color=colour, marker=marker, label=run.label,
-                    linestyle=LINESTYLES[(run.iterations or 0).bit_length() % len(LINESTYLES)])
+            n = styles[run.family] = styles.get(run.family, -1) + 1
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], color=colour, marker=marker, label=run.label, linestyle=LINESTYLES[n % len(LINESTYLES)])
             f.use(*(p[2] for p in pts))
             f.rows.append({"point": run.label, "family": run.family, "panel": xlabel.split(" (")[0],
                            "accuracy": ", ".join(f"{n}: {a:.2f}" for n, a, _ in pts), "records": [p[2] for p in pts]})
         if ax.lines:
-            ax.set_xscale("log", base=2)
+            scale(ax, "x", [x for line in ax.lines for x in line.get_xdata()], base=2)
             ax.set_ylim(-0.05, 1.05)
+            if all(y == 0 for line in ax.lines for y in line.get_ydata()):
+                ax.text(0.5, 0.5, "every run scores 0 at every point (the lines overlap)", ha="center", transform=ax.transAxes, fontsize=9, color="#555555")
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
         else:
@@ -291,7 +327,7 @@ def maskpredict_figure(j: Join, sel: Selection, out: Path, bpb_task: str) -> Fig
         for i, runs in enumerate(by_ckpt.values()):
             pts = [(run.iterations, run.metric(task, name), run) for run in runs if run.metric(task, name) is not None]
             if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], color=colour, marker=marker, linestyle=LINESTYLES[i % 4], label=runs[0].name)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], color=colour, marker=marker, linestyle=LINESTYLES[i % len(LINESTYLES)], label=runs[0].name)
                 drawn = True
                 for t, q, run in pts:
                     f.use(run.tasks[task])
@@ -302,7 +338,7 @@ def maskpredict_figure(j: Join, sel: Selection, out: Path, bpb_task: str) -> Fig
                     ax.axhline(q, color=style(run.family)[0], linestyle="--", alpha=0.8, label=run.label)
                     f.use(run.tasks[task])
                     f.rows.append({"point": run.label, "family": run.family, "panel": task, "T": "-", "quality": q, "records": [run.tasks[task]]})
-            ax.set_xscale("log", base=2)
+            scale(ax, "x", [x for line in ax.lines for x in line.get_xdata()], base=2)
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=7, loc="best")
         else:
@@ -312,9 +348,11 @@ def maskpredict_figure(j: Join, sel: Selection, out: Path, bpb_task: str) -> Fig
     ax = axes[2]
     speed_mp = [(run, s) for run in mp if (s := sel.batch1(run)) is not None]
     if speed_mp:
+        for i, runs in enumerate(by_ckpt.values()):
+            line = [(run.iterations, s.data["decode_tok_s_per_seq"]) for run, s in speed_mp if run in runs]
+            ax.plot(*zip(*line), color=colour, marker=marker, linestyle=LINESTYLES[i % len(LINESTYLES)], label=runs[0].name)
         for run, s in speed_mp:
             x, y = run.iterations, s.data["decode_tok_s_per_seq"]
-            ax.scatter([x], [y], color=colour, marker=marker, s=50, zorder=3)
             if s.data.get("tokens_per_pass") is not None:
                 ax.annotate(f"{s.data['tokens_per_pass']:g} tok/pass", (x, y), textcoords="offset points", xytext=(5, 4), fontsize=7)
             f.use(s)
@@ -326,11 +364,11 @@ def maskpredict_figure(j: Join, sel: Selection, out: Path, bpb_task: str) -> Fig
                 f.use(s)
                 f.rows.append({"point": run.label, "family": run.family, "panel": "speed", "T": "-", "tok/s": s.data["decode_tok_s_per_seq"],
                                "tokens/pass": 1, "join key": sel.key(run, s), "records": [s]})
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
+        scale(ax, "x", [run.iterations for run, _ in speed_mp], base=2)
+        scale(ax, "y", [s.data["decode_tok_s_per_seq"] for _, s in speed_mp] + [y for line in ax.lines for y in line.get_ydata()])
         ax.grid(True, which="both", alpha=0.3)
-        if ax.lines:
-            ax.legend(fontsize=7, loc="best")
+        ax.margins(x=0.15)
+        ax.legend(fontsize=7, loc="best")
     else:
         no_data(ax, f"no joined batch-1 speed record at context {sel.ctx} for a Mask-Predict run")
     ax.set_xlabel("iterations T (passes per block)")
@@ -366,7 +404,7 @@ def cost_figure(j: Join, out: Path) -> Figure | None:
         f.use(s)
         f.rows.append({"point": lab, "family": s.data.get("family"), "panel": "cost", "USD / 1k tokens": s.data.get("cost_per_1k_tokens"),
                        "J / token": s.data.get("energy_per_token_j"), "records": [s]})
-    fig.legend(handles=family_handles(), loc="outside right upper", title="family", fontsize=8)
+    fig.legend(handles=family_handles({s.data.get("family", "?") for s in recs}), loc="outside right upper", title="family", fontsize=8)
     fig.suptitle("Cost and energy per token")
     f.save(fig, out)
     return f
@@ -418,12 +456,17 @@ def html_table(head: list[str], rows: list[list[str]]) -> str:
     return f"<table><thead><tr>{th}</tr></thead><tbody>{body}</tbody></table>"
 
 
+def prose(text: str) -> str:
+    """Escaped text with `code` spans marked up."""
+    return re.sub(r"`([^`]+)`", r"<code>\1</code>", html.escape(text))
+
+
 def figure_html(f: Figure) -> str:
     png = base64.b64encode(f.path.read_bytes()).decode()
     cols = [c for c in dict.fromkeys(k for row in f.rows for k in row) if c != "records"]
     rows = [[html.escape(fmt(row.get(c))) for c in cols] + [" ".join(link(r) for r in row["records"])] for row in f.rows]
     commands = sorted({str(r.data.get("command")) for r in f.records})
-    return (f'<section id="{f.name}"><h2>{html.escape(f.title)}</h2><p>{html.escape(f.text)}</p>'
+    return (f'<section id="{f.name}"><h2>{html.escape(f.title)}</h2><p>{prose(f.text)}</p>'
             f'<img src="data:image/png;base64,{png}" alt="{html.escape(f.title)}">'
             f'<p class="prov">{html.escape(provenance_line(f.records))}</p>'
             f'<details><summary>commands of these records ({len(commands)})</summary><ul>'
@@ -436,6 +479,14 @@ img{max-width:100%;border:1px solid #ddd}table{border-collapse:collapse;font-siz
 td,th{border:1px solid #ccc;padding:2px 6px;text-align:left;vertical-align:top}th{background:#f2f2f2}
 .prov{font-size:12px;color:#555}code{font-size:12px}pre{font-size:11px;white-space:pre-wrap;background:#f7f7f7;padding:4px}
 .missing{color:#a00}details{margin:.3em 0}:target{background:#fff3c4}"""
+
+
+def no_pairs(j: Join) -> str:
+    """Why nothing joined: the presets the quality runs come from against those the speed records ran."""
+    quality = sorted({str(q.preset) for q in j.quality})
+    speed = sorted({str(s.data.get("model")) for s in j.speed if not s.data.get("peer")})
+    return (f'<p class="missing">No quality run has a speed record of the same network and decoding. The quality runs are of '
+            f'{html.escape(", ".join(quality) or "nothing")}; the speed records ran {html.escape(", ".join(speed) or "nothing")}.</p>')
 
 
 def build_html(j: Join, sel: Selection, figures: list[Figure], files: list[str], bpb_task: str, acc_task: str) -> str:
@@ -471,7 +522,7 @@ speed record of the same network and decoding: key <b>checkpoint</b> when the sp
 <b>preset</b> when it ran random weights of the preset the checkpoint was trained from. Either way the family, the whole model config,
 dtype, kernel implementation, device, Mask-Predict decoding (T, block, threshold; without blocks, the canvas length), quantisation and
 speculative settings must be equal; a pair that differs in any of them is refused and listed below. Each point's key is in its table.</p>
-{html_table(["quality run", "family", "key", "speed record", "ctx", "batch", "tok/s", f"bits/byte ({bpb_task})", f"acc ({acc_task})"], joined) if joined else '<p class="missing">No quality run has a speed record of the same network and decoding.</p>'}
+{html_table(["quality run", "family", "key", "speed record", "ctx", "batch", "tok/s", f"bits/byte ({bpb_task})", f"acc ({acc_task})"], joined) if joined else no_pairs(j)}
 {"".join(figure_html(f) for f in figures)}
 <h2>Quality without speed</h2>{html_table(["quality run", "family", "preset", "records"], qonly) if qonly else "<p>none</p>"}
 <h2>Speed without quality</h2>{html_table(["model and setting", "records", "contexts", "batches", "newest"], sonly) if sonly else "<p>none</p>"}
