@@ -387,13 +387,16 @@ def cost_figure(j: Join, out: Path) -> Figure | None:
                "Cost per 1,000 output tokens (from the GPU-hour price the benchmark was given) and energy per token "
                "(from the GPU's power readings), one bar per speed record that has them, labelled with its load; "
                "lower is better.")
+    from matplotlib.ticker import MaxNLocator
+
     fig, axes = plt.subplots(1, 2, figsize=(13, 0.6 + 0.35 * len(recs) + 2), layout="constrained")
     labels = [speed_label(s.data) + (f" rate={s.data['rate']}" if s.data.get("rate") is not None else "") +
               (f" b={s.data['batch']}" if s.data.get("batch") is not None else "") + (f" ctx={s.data['ctx']}" if s.data.get("ctx") else "") for s in recs]
     for ax, key, xlabel in ((axes[0], "cost_per_1k_tokens", "cost per 1,000 output tokens (USD)"), (axes[1], "energy_per_token_j", "energy per output token (J)")):
         rows = [(lab, s) for lab, s in zip(labels, recs) if s.data.get(key) is not None]
         if rows:
-            ax.barh(range(len(rows)), [s.data[key] for _, s in rows], color=[style(s.data.get("family", "?"))[0] for _, s in rows])
+            ax.barh(range(len(rows)), [s.data[key] for _, s in rows], height=0.6, color=[style(s.data.get("family", "?"))[0] for _, s in rows])
+            ax.xaxis.set_major_locator(MaxNLocator(nbins=5))
             ax.set_yticks(range(len(rows)), [lab for lab, _ in rows], fontsize=7)
             ax.invert_yaxis()
             ax.grid(True, axis="x", alpha=0.3)
@@ -478,7 +481,19 @@ CSS = """body{font-family:sans-serif;max-width:1200px;margin:1em auto;padding:0 
 img{max-width:100%;border:1px solid #ddd}table{border-collapse:collapse;font-size:12px;margin:.5em 0}
 td,th{border:1px solid #ccc;padding:2px 6px;text-align:left;vertical-align:top}th{background:#f2f2f2}
 .prov{font-size:12px;color:#555}code{font-size:12px}pre{font-size:11px;white-space:pre-wrap;background:#f7f7f7;padding:4px}
-.missing{color:#a00}details{margin:.3em 0}:target{background:#fff3c4}"""
+.missing{color:#a00}details{margin:.3em 0}:target{background:#fff3c4}.records{font-size:13px}.records details{margin:0}"""
+# Opens the record a link points to (the page works without it: the record is highlighted).
+OPEN_TARGET = """function openTarget(){var e=document.getElementById(location.hash.slice(1));if(e&&e.tagName=="DETAILS"){e.open=true;}}
+window.addEventListener("hashchange",openTarget);openTarget();"""
+
+
+def describe(rec: Record) -> str:
+    """One line naming what a record is."""
+    r = rec.data
+    if "task" in r:
+        return f"quality, {Path(r['checkpoint']).name}" + (f" T={r['iterations']}" if r.get("iterations") is not None else "") + f", {r['task']}"
+    load = ", ".join(f"{k} {r[k]}" for k in ("ctx", "batch", "rate") if r.get(k) is not None)
+    return f"speed, {speed_label(r)}" + (f", {load}" if load else "") + (f", {r['status']}" if r.get("status", "ok") != "ok" else "")
 
 
 def no_pairs(j: Join) -> str:
@@ -509,7 +524,7 @@ def build_html(j: Join, sel: Selection, figures: list[Figure], files: list[str],
     for q in j.quality:
         for r in q.records:
             shown[id(r)] = r
-    appendix = "".join(f'<details id="{r.anchor}"><summary>{html.escape(r.ref)}</summary><pre>{html.escape(json.dumps(r.data, indent=1))}</pre></details>'
+    appendix = "".join(f'<details id="{r.anchor}"><summary>{html.escape(r.ref)}: {html.escape(describe(r))}</summary><pre>{html.escape(json.dumps(r.data, indent=1))}</pre></details>'
                        for r in sorted(shown.values(), key=lambda r: (r.file, r.line)))
     nav = " · ".join(f'<a href="#{f.name}">{html.escape(f.title)}</a>' for f in figures)
     return f"""<!DOCTYPE html><html><head><meta charset="utf-8"><title>declab: quality against speed</title><style>{CSS}</style></head><body>
@@ -528,7 +543,8 @@ speculative settings must be equal; a pair that differs in any of them is refuse
 <h2>Speed without quality</h2>{html_table(["model and setting", "records", "contexts", "batches", "newest"], sonly) if sonly else "<p>none</p>"}
 <h2>Refused joins</h2>{html_table(["quality run", "speed record", "what differs"], refused) if refused else "<p>none</p>"}
 <h2>Speed points not measured</h2>{html_table(["record", "model", "status", "reason"], absent) if absent else "<p>none</p>"}
-<h2>Records</h2>{appendix}
+<h2>Records</h2><div class="records">{appendix}</div>
+<script>{OPEN_TARGET}</script>
 </body></html>"""
 
 
