@@ -26,6 +26,7 @@ import html
 import json
 import re
 import sys
+import textwrap
 from pathlib import Path
 
 import matplotlib
@@ -101,7 +102,8 @@ def speed_label(r: dict) -> str:
 
 
 def no_data(ax, text: str) -> None:
-    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, fontsize=9, color="#555555", wrap=True)
+    """An empty panel that says what it lacks."""
+    ax.text(0.5, 0.5, textwrap.fill(text, 38), ha="center", va="center", transform=ax.transAxes, fontsize=9, color="#555555")
     ax.set_xticks([])
     ax.set_yticks([])
 
@@ -311,8 +313,9 @@ def maskpredict_figure(j: Join, sel: Selection, out: Path, bpb_task: str) -> Fig
                "Mask-Predict fills a block of masked tokens in T refinement passes, so it commits block/T tokens per "
                "pass where an autoregressive model commits one: at the same compute (one pass each) it produces more "
                "tokens, and fewer passes cost quality. Left: held-out bits per byte against T (horizontal lines: the "
-               "autoregressive families, which have no T). Middle: the generative perplexity of its samples under the "
-               "autoregressive scorer. Right: decode tokens/s at batch 1 against T from the joined speed records, "
+               "autoregressive families, which have no T); it scores one parallel pass, so it need not move with T. "
+               "Middle: the generative perplexity of its samples under the autoregressive scorer, the quality T changes. "
+               "Right: decode tokens/s at batch 1 against T from the joined speed records, "
                "labelled with tokens committed per pass, beside the autoregressive families (horizontal lines).")
     fig, axes = plt.subplots(1, 3, figsize=(14, 4.8), layout="constrained")
     mp = sorted((r for r in j.quality if r.family == "maskpredict" and r.iterations is not None), key=lambda r: r.iterations)
@@ -593,6 +596,9 @@ def main(argv=None) -> int:
     figures = [frontier_figure(j, sel, out, a.bpb_task, a.acc_task), context_figure(j, out), maskpredict_figure(j, sel, out, a.bpb_task)]
     if (cost := cost_figure(j, out)) is not None:
         figures.append(cost)
+    else:
+        # A figure an earlier report wrote here must not outlive the records it came from.
+        (out / "cost.png").unlink(missing_ok=True)
     (out / "report.html").write_text(build_html(j, sel, figures, a.files, a.bpb_task, a.acc_task))
     summary = build_summary(j, sel, figures, a.bpb_task, a.acc_task)
     (out / "summary.md").write_text(summary)

@@ -174,3 +174,24 @@ def test_a_line_that_is_not_json_is_named(tmp_path, capsys):
     with pytest.raises(SystemExit):
         report.main([str(path), "--out", str(tmp_path / "o")])
     assert "broken.jsonl:2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("preset, options", [("llama-tiny", {}), ("maskpredict-tiny", {"iterations": 4})])
+def test_join_reads_the_descriptions_the_lab_writes(tmp_path, preset, options):
+    """A speed record as decoders.compare writes it (random weights of a preset) joins a quality record
+    as eval.quality writes it (the checkpoint trained from that preset), and only with the same T."""
+    import decoders
+
+    described = decoders.load(preset, device="cpu", impl="ref", **options).describe()
+    ckpt = f"runs/{preset}"
+    speed_rec = {"model": preset, "iterations": options.get("iterations"), **described, **ENV, "status": "ok", "ctx": 256, "batch": 1,
+                 "new_tokens": 64, "decode_tok_s": 10.0, "decode_tok_s_per_seq": 10.0}
+    base = {"checkpoint": ckpt, "family": described["family"], **ENV, "decoder": {**described, "model": ckpt}}
+    recs = [speed_rec, {**base, "iterations": options.get("iterations"), "task": "declab_ppl", "metrics": {"bits_per_byte,none": 2.0}},
+            {"kind": "trained", "preset": preset, "checkpoint": ckpt, **ENV}]
+    if options:
+        other = {**described, "model": ckpt, "decoding": {**described["decoding"], "iterations": 8}}
+        recs.append({**base, "decoder": other, "iterations": 8, "task": "declab_ppl", "metrics": {"bits_per_byte,none": 1.9}})
+    j = join(read_records([write(tmp_path / "a.jsonl", recs)]))
+    assert [(q.label, key) for q, _, key in j.pairs] == [(preset + (" T=4" if options else ""), "preset")]
+    assert [q.label for q, _, _ in j.refused] == ([preset + " T=8"] if options else [])
