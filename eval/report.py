@@ -36,7 +36,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 import decoders  # noqa: E402
 from decoders.compare import parse_size  # noqa: E402
-from eval.report_join import GENPPL_TASK, SETTINGS, Join, QualityRun, Record, join, read_records, throughput  # noqa: E402
+from eval.report_join import GENPPL_TASK, Join, QualityRun, Record, join, read_records, settings_label, throughput  # noqa: E402
 
 # One colour (and marker) per family in every figure.
 FAMILY_STYLE = {
@@ -66,8 +66,11 @@ def family_handles(families):
 
 
 def number(v, _pos=None) -> str:
-    """Tick label of a count: 4096 -> '4096', 20000 -> '20,000', 0.5 -> '0.5'."""
-    return f"{v:,.0f}" if abs(v) >= 100 else f"{v:g}"
+    """Tick label of a quantity: 0.5 -> '0.5', 500 -> '500', 20000 -> '20k', 2e6 -> '2M'."""
+    for size, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(v) >= size:
+            return f"{v / size:g}{suffix}"
+    return f"{v:g}"
 
 
 def tokens(v, _pos=None) -> str:
@@ -84,21 +87,29 @@ def scale(ax, which: str, values, formatter=number, base=10) -> None:
     axis = ax.xaxis if which == "x" else ax.yaxis
     if values and max(values) / min(values) > 4:
         (ax.set_xscale if which == "x" else ax.set_yscale)("log", base=base)
-        if base == 10:
-            # 1-2-5 steps, so a span of one decade still has several labelled ticks.
+        if base == 10 and max(values) / min(values) < 300:
+            # 1-2-5 steps, so a span of one or two decades still has several labelled ticks.
             axis.set_major_locator(LogLocator(base=10, subs=(1, 2, 5)))
         axis.set_minor_formatter(NullFormatter())
     axis.set_major_formatter(FuncFormatter(formatter))
 
 
 def speed_label(r: dict) -> str:
-    name = r.get("model", "?")
-    if r.get("iterations") is not None:
-        name += f" T={r['iterations']}"
-    for k in SETTINGS:
-        if r.get(k):
-            name += f" {k}"
-    return name
+    return str(r.get("model", "?")) + settings_label(r.get("iterations"), r)
+
+
+class SeriesStyles:
+    """Within one family, the n-th series gets its own line style, then the same styles with open
+    markers, so series of one colour stay apart."""
+
+    def __init__(self):
+        self.seen: dict[tuple, int] = {}
+
+    def __call__(self, family: str, label: str) -> dict:
+        n = self.seen.setdefault((family, label), sum(1 for k in self.seen if k[0] == family))
+        colour, marker = style(family)
+        face = "white" if (n // len(LINESTYLES)) % 2 else colour
+        return {"color": colour, "marker": marker, "linestyle": LINESTYLES[n % len(LINESTYLES)], "markerfacecolor": face}
 
 
 def no_data(ax, text: str) -> None:
@@ -197,16 +208,19 @@ def frontier_figure(j: Join, sel: Selection, out: Path, bpb_task: str, acc_task:
         task, name = (bpb_task, "bits_per_byte") if metric == "bpb" else (acc_task, "acc")
         for col, (column, pick, xlabel) in enumerate(columns):
             ax = axes[row][col]
-            pts = []
+            drawn = []
             for run in j.quality:
                 q, s = run.metric(task, name), pick(run)
-                if q is None or s is None:
-                    continue
-                x = s.data["decode_tok_s_per_seq"] if column == "batch 1" else throughput(s.data)
+                if q is not None and s is not None:
+                    drawn.append((s.data["decode_tok_s_per_seq"] if column == "batch 1" else throughput(s.data), q, run, s))
+            drawn.sort(key=lambda p: p[0])
+            pts = []
+            for i, (x, q, run, s) in enumerate(drawn):
                 colour, marker = style(run.family)
                 ax.scatter([x], [q], color=colour, marker=marker, s=50, zorder=3)
-                where = "" if column == "batch 1" else (f" (serving, rate {s.data.get('rate')})" if "output_tok_s" in s.data else f" (b={s.data.get('batch')})")
-                ax.annotate(run.label + where, (x, q), textcoords="offset points", xytext=(5, 4), fontsize=7)
+                where = f" (serving, rate {s.data.get('rate')})" if "output_tok_s" in s.data else ""
+                # Neighbours along x label above and below in turn, so labels of close points do not overlap.
+                ax.annotate(run.label + where, (x, q), textcoords="offset points", xytext=(5, 5 if i % 2 == 0 else -11), fontsize=7)
                 pts.append((x, q))
                 f.use(s, run.tasks[task])
                 f.rows.append({"point": run.label, "family": run.family, "panel": f"{metric} / {column}", "tok/s": x, "quality": q,
@@ -254,18 +268,19 @@ def context_figure(j: Join, out: Path) -> Figure:
                "associative recall (MQAR) accuracy against the number of key-value pairs to recall.")
     fig, axes = plt.subplots(2, 2, figsize=(12, 8.5), layout="constrained")
     series = latest_batch1(j)
-    dash = {}
+    lab_styles, peer_styles = SeriesStyles(), SeriesStyles()
     for label, points in sorted(series.items()):
         r0 = points[0].data
-        colour, marker = style(r0.get("family", "?"))
-        peer = bool(r0.get("peer"))
-        # Within a family, each model and setting gets its own line style; peers are dotted.
-        ls = ":" if peer else LINESTYLES[dash.setdefault((r0.get("family"), label), sum(1 for k in dash if k[0] == r0.get("family"))) % len(LINESTYLES)]
+        family = r0.get("family", "?")
+        if r0.get("peer"):
+            look = {**peer_styles(family, label), "linestyle": ":", "alpha": 0.7}
+        else:
+            look = lab_styles(family, label)
         ctx = [s.data["ctx"] for s in points]
-        axes[0][0].plot(ctx, [s.data["decode_tok_s_per_seq"] for s in points], color=colour, marker=marker, linestyle=ls, label=label, alpha=0.7 if peer else 1)
+        axes[0][0].plot(ctx, [s.data["decode_tok_s_per_seq"] for s in points], label=label, **look)
         mem = [(s.data["ctx"], s.data["peak_memory_bytes"] / GB) for s in points if s.data.get("peak_memory_bytes")]
         if mem:
-            axes[0][1].plot(*zip(*mem), color=colour, marker=marker, linestyle=ls, label=label, alpha=0.7 if peer else 1)
+            axes[0][1].plot(*zip(*mem), label=label, **look)
         f.use(*points)
         for s in points:
             f.rows.append({"point": label, "family": r0.get("family"), "panel": "tokens/s, memory", "ctx": s.data["ctx"],
@@ -281,14 +296,12 @@ def context_figure(j: Join, out: Path) -> Figure:
         ax.set_xlabel("context (tokens)")
         ax.set_ylabel(ylabel)
     for ax, pattern, xlabel in ((axes[1][0], COPY_TASK, "tokens copied (distance from the copy)"), (axes[1][1], MQAR_TASK, "key-value pairs to recall (MQAR)")):
-        styles = {}
+        styles = SeriesStyles()
         for run in j.quality:
             pts = distance_curves(run, pattern)
             if not pts:
                 continue
-            colour, marker = style(run.family)
-            n = styles[run.family] = styles.get(run.family, -1) + 1
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], color=colour, marker=marker, label=run.label, linestyle=LINESTYLES[n % len(LINESTYLES)])
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=run.label, **styles(run.family, run.label))
             f.use(*(p[2] for p in pts))
             f.rows.append({"point": run.label, "family": run.family, "panel": xlabel.split(" (")[0],
                            "accuracy": ", ".join(f"{n}: {a:.2f}" for n, a, _ in pts), "records": [p[2] for p in pts]})

@@ -81,7 +81,7 @@ class QualityRun:
 
     @property
     def label(self) -> str:
-        return self.name + (f" T={self.iterations}" if self.iterations is not None else "")
+        return self.name + settings_label(self.iterations, self.decoder)
 
     def metric(self, task: str, name: str):
         rec = self.tasks.get(task)
@@ -108,6 +108,16 @@ class Join:
 
     def quality_of(self, rec: Record) -> list[tuple[QualityRun, str]]:
         return [(q, key) for q, s, key in self.pairs if s is rec]
+
+
+def settings_label(iterations, r: dict) -> str:
+    """' T=4', ' quantization=int4' ...: what sets a run or point apart from others of its model."""
+    out = f" T={iterations}" if iterations is not None else ""
+    for k in SETTINGS:
+        if r.get(k):
+            value = r[k] if not isinstance(r[k], dict) else ",".join(str(v) for v in r[k].values())
+            out += f" {k}={value}"[:40]
+    return out
 
 
 def read_records(paths: list[str]) -> list[Record]:
