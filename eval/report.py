@@ -33,6 +33,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
+from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter  # noqa: E402
 
 import decoders  # noqa: E402
 from decoders.compare import parse_size  # noqa: E402
@@ -59,8 +61,6 @@ def style(family: str) -> tuple[str, str]:
 
 def family_handles(families):
     """Legend entries of the families drawn, in the fixed order."""
-    from matplotlib.lines import Line2D
-
     known = [f for f in FAMILY_STYLE if f in families] + sorted(set(families) - set(FAMILY_STYLE))
     return [Line2D([], [], color=style(f)[0], marker=style(f)[1], linestyle="", label=f) for f in known]
 
@@ -81,8 +81,6 @@ def tokens(v, _pos=None) -> str:
 def scale(ax, which: str, values, formatter=number, base=10) -> None:
     """Log scale on axis `which` ('x' or 'y') when the values span more than a factor of 4, plain
     tick labels either way."""
-    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
-
     values = [v for v in values if v and v > 0]
     axis = ax.xaxis if which == "x" else ax.yaxis
     if values and max(values) / min(values) > 4:
@@ -243,15 +241,19 @@ def frontier_figure(j: Join, sel: Selection, out: Path, bpb_task: str, acc_task:
 
 
 def latest_batch1(j: Join) -> dict[str, list[Record]]:
-    """Batch-1 decode records with a context, one series per model and setting."""
+    """Batch-1 decode records with a context, one series per model and setting; a model measured
+    with several kernels, dtypes or devices gets one series of each, named so."""
     series = {}
     for s in j.speed:
         r = s.data
         if r.get("batch") == 1 and r.get("ctx") and r.get("decode_tok_s_per_seq"):
-            series.setdefault(speed_label(r), []).append(s)
-    for points in series.values():
+            series.setdefault((speed_label(r), r.get("impl"), r.get("dtype"), r.get("device")), []).append(s)
+    labels = [key[0] for key in series]
+    named = {}
+    for key, points in series.items():
         points.sort(key=lambda s: s.data["ctx"])
-    return series
+        named[key[0] if labels.count(key[0]) == 1 else f"{key[0]} ({', '.join(map(str, key[1:]))})"] = points
+    return named
 
 
 def distance_curves(run: QualityRun, pattern) -> list[tuple[int, float, Record]]:
@@ -354,7 +356,7 @@ def maskpredict_figure(j: Join, sel: Selection, out: Path, bpb_task: str) -> Fig
                     ax.axhline(q, color=style(run.family)[0], linestyle="--", alpha=0.8, label=run.label)
                     f.use(run.tasks[task])
                     f.rows.append({"point": run.label, "family": run.family, "panel": task, "T": "-", "quality": q, "records": [run.tasks[task]]})
-            scale(ax, "x", [x for line in ax.lines for x in line.get_xdata()], base=2)
+            scale(ax, "x", [run.iterations for run in mp], base=2)
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=7, loc="best")
         else:
@@ -365,8 +367,9 @@ def maskpredict_figure(j: Join, sel: Selection, out: Path, bpb_task: str) -> Fig
     speed_mp = [(run, s) for run in mp if (s := sel.batch1(run)) is not None]
     if speed_mp:
         for i, runs in enumerate(by_ckpt.values()):
-            line = [(run.iterations, s.data["decode_tok_s_per_seq"]) for run, s in speed_mp if run in runs]
-            ax.plot(*zip(*line), color=colour, marker=marker, linestyle=LINESTYLES[i % len(LINESTYLES)], label=runs[0].name)
+            line = [(run.iterations, s.data["decode_tok_s_per_seq"]) for run, s in speed_mp if run.checkpoint == runs[0].checkpoint]
+            if line:
+                ax.plot(*zip(*line), color=colour, marker=marker, linestyle=LINESTYLES[i % len(LINESTYLES)], label=runs[0].name)
         for run, s in speed_mp:
             x, y = run.iterations, s.data["decode_tok_s_per_seq"]
             if s.data.get("tokens_per_pass") is not None:
@@ -403,8 +406,6 @@ def cost_figure(j: Join, out: Path) -> Figure | None:
                "Cost per 1,000 output tokens (from the GPU-hour price the benchmark was given) and energy per token "
                "(from the GPU's power readings), one bar per speed record that has them, labelled with its load; "
                "lower is better.")
-    from matplotlib.ticker import MaxNLocator
-
     fig, axes = plt.subplots(1, 2, figsize=(13, 0.6 + 0.35 * len(recs) + 2), layout="constrained")
     labels = [speed_label(s.data) + (f" rate={s.data['rate']}" if s.data.get("rate") is not None else "") +
               (f" b={s.data['batch']}" if s.data.get("batch") is not None else "") + (f" ctx={s.data['ctx']}" if s.data.get("ctx") else "") for s in recs]

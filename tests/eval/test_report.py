@@ -195,3 +195,18 @@ def test_join_reads_the_descriptions_the_lab_writes(tmp_path, preset, options):
     j = join(read_records([write(tmp_path / "a.jsonl", recs)]))
     assert [(q.label, key) for q, _, key in j.pairs] == [(preset + (" T=4" if options else ""), "preset")]
     assert [q.label for q, _, _ in j.refused] == ([preset + " T=8"] if options else [])
+
+
+def test_pareto_front():
+    points = [(100.0, 1.5), (200.0, 1.6), (150.0, 1.7), (50.0, 1.4), (300.0, 2.0)]
+    assert report.pareto(points, higher_is_better=False) == [(50.0, 1.4), (100.0, 1.5), (200.0, 1.6), (300.0, 2.0)]
+    assert report.pareto(points, higher_is_better=True) == [(300.0, 2.0)]
+    accuracy = [(100.0, 0.3), (200.0, 0.2), (150.0, 0.1), (50.0, 0.4)]
+    assert report.pareto(accuracy, higher_is_better=True) == [(50.0, 0.4), (100.0, 0.3), (200.0, 0.2)]
+
+
+def test_a_model_measured_two_ways_draws_two_series(tmp_path):
+    recs = [speed("transformer"), speed("transformer", ctx=8192), speed("transformer", impl="ref")]
+    series = report.latest_batch1(join(read_records([write(tmp_path / "a.jsonl", recs)])))
+    assert sorted((label, len(points)) for label, points in series.items()) == [
+        ("llama-30m (ref, bfloat16, NVIDIA H200)", 1), ("llama-30m (triton, bfloat16, NVIDIA H200)", 2)]
