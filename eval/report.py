@@ -16,8 +16,9 @@ Joins the speed records (`decoders.compare`, a serving benchmark) and the qualit
   cost or energy);
 - summary.md: the joined points, what is missing, the refused joins.
 
-Records without quality (or without speed) are listed as such. Bad input is one line on stderr and
-exit code 2; the last stdout line is one JSON document.
+Records without quality (or without speed) are listed as such. A point measured more than once is
+drawn from its last record (files in the order given). Bad input is one line on stderr and exit
+code 2; the last stdout line is one JSON document.
 """
 
 import argparse
@@ -513,6 +514,13 @@ def describe(rec: Record) -> str:
     return f"speed, {speed_label(r)}" + (f", {load}" if load else "") + (f", {r['status']}" if r.get("status", "ok") != "ok" else "")
 
 
+def left_out(j: Join) -> str:
+    """The records of other kinds (kernel benchmarks, training logs ...), counted per file."""
+    if not j.ignored:
+        return "Every record is a speed or a quality record."
+    return "Left out, neither speed nor quality: " + ", ".join(f"{n} in {name}" for name, n in sorted(j.ignored.items())) + "."
+
+
 def no_pairs(j: Join) -> str:
     """Why nothing joined: the presets the quality runs come from against those the speed records ran."""
     quality = sorted({str(q.preset) for q in j.quality})
@@ -521,18 +529,22 @@ def no_pairs(j: Join) -> str:
             f'{html.escape(", ".join(quality) or "nothing")}; the speed records ran {html.escape(", ".join(speed) or "nothing")}.</p>')
 
 
+JOINED_HEAD = ["quality run", "family", "key", "speed record", "ctx", "batch", "tok/s"]
+
+
 def build_html(j: Join, sel: Selection, figures: list[Figure], files: list[str], bpb_task: str, acc_task: str) -> str:
     quality_only, speed_only = unjoined(j)
     kind_rows = [[html.escape(k), str(n) if n else '<span class="missing">missing</span>'] for k, n in kinds(j, sel)]
     joined = [[html.escape(q.label), html.escape(q.family), key, link(s), html.escape(fmt(s.data.get("ctx"))), html.escape(fmt(s.data.get("batch"))),
                html.escape(fmt(throughput(s.data))), html.escape(fmt(q.metric(bpb_task, "bits_per_byte"))), html.escape(fmt(q.metric(acc_task, "acc")))]
               for q, s, key in j.pairs]
-    qonly = [[html.escape(q.label), html.escape(q.family), html.escape(str(q.preset)), " ".join(link(r) for r in q.records[:3]) + (" ..." if len(q.tasks) > 3 else "")]
-             for q in quality_only]
+    qonly = [[html.escape(q.label), html.escape(q.family), html.escape(str(q.preset)),
+              " ".join(link(r) for r in q.records[:3]) + (" ..." if len(q.tasks) > 3 else "")] for q in quality_only]
     sonly = [[html.escape(label), str(len(recs)), html.escape(", ".join(sorted({fmt(r.data.get("ctx")) for r in recs}))),
               html.escape(", ".join(sorted({fmt(r.data.get("batch")) for r in recs}))), link(recs[-1])] for label, recs in sorted(speed_only.items())]
     refused = [[html.escape(q.label), link(s), html.escape("; ".join(why))] for q, s, why in j.refused]
-    absent = [[link(r), html.escape(speed_label(r.data)), html.escape(str(r.data.get("status"))), html.escape(str(r.data.get("reason", ""))[:160])] for r in j.not_measured]
+    absent = [[link(r), html.escape(speed_label(r.data)), html.escape(str(r.data.get("status"))), html.escape(str(r.data.get("reason", ""))[:160])]
+              for r in j.not_measured]
     shown = {id(r): r for f in figures for r in f.records}
     for q, s, *_ in j.pairs + j.refused:
         shown[id(s)] = s
@@ -541,20 +553,20 @@ def build_html(j: Join, sel: Selection, figures: list[Figure], files: list[str],
     for q in j.quality:
         for r in q.records:
             shown[id(r)] = r
-    appendix = "".join(f'<details id="{r.anchor}"><summary>{html.escape(r.ref)}: {html.escape(describe(r))}</summary><pre>{html.escape(json.dumps(r.data, indent=1))}</pre></details>'
-                       for r in sorted(shown.values(), key=lambda r: (r.file, r.line)))
+    appendix = "".join(f'<details id="{r.anchor}"><summary>{html.escape(r.ref)}: {html.escape(describe(r))}</summary>'
+                       f'<pre>{html.escape(json.dumps(r.data, indent=1))}</pre></details>' for r in sorted(shown.values(), key=lambda r: (r.file, r.line)))
     nav = " · ".join(f'<a href="#{f.name}">{html.escape(f.title)}</a>' for f in figures)
     return f"""<!DOCTYPE html><html><head><meta charset="utf-8"><title>declab: quality against speed</title><style>{CSS}</style></head><body>
 <h1>declab: what each architecture and setting buys in tokens/s and costs in quality</h1>
 <p>From {len(files)} result files: {html.escape(", ".join(Path(p).name for p in files))}. {nav}</p>
-<h2>What the records hold</h2>{html_table(["kind", "records"], kind_rows)}
+<h2>What the records hold</h2>{html_table(["kind", "records"], kind_rows)}<p>{html.escape(left_out(j))}</p>
 <h2>How speed and quality are joined</h2>
 <p>Decode speed does not depend on the values of the weights, so a quality run (a trained checkpoint, one decoding) is joined with a
 speed record of the same network and decoding: key <b>checkpoint</b> when the speed record measured the checkpoint itself, key
 <b>preset</b> when it ran random weights of the preset the checkpoint was trained from. Either way the family, the whole model config,
 dtype, kernel implementation, device, Mask-Predict decoding (T, block, threshold; without blocks, the canvas length), quantisation and
 speculative settings must be equal; a pair that differs in any of them is refused and listed below. Each point's key is in its table.</p>
-{html_table(["quality run", "family", "key", "speed record", "ctx", "batch", "tok/s", f"bits/byte ({bpb_task})", f"acc ({acc_task})"], joined) if joined else no_pairs(j)}
+{html_table(JOINED_HEAD + [f"bits/byte ({bpb_task})", f"acc ({acc_task})"], joined) if joined else no_pairs(j)}
 {"".join(figure_html(f) for f in figures)}
 <h2>Quality without speed</h2>{html_table(["quality run", "family", "preset", "records"], qonly) if qonly else "<p>none</p>"}
 <h2>Speed without quality</h2>{html_table(["model and setting", "records", "contexts", "batches", "newest"], sonly) if sonly else "<p>none</p>"}
@@ -579,6 +591,7 @@ def build_summary(j: Join, sel: Selection, figures: list[Figure], bpb_task: str,
                      f"{fmt(run.metric(bpb_task, 'bits_per_byte'))} | {fmt(run.metric(acc_task, 'acc'))} | {refs} |")
     lines += ["", "## Missing", ""]
     lines += [f"- {k}" for k, n in kinds(j, sel) if not n] or ["- nothing"]
+    lines += ["", left_out(j)]
     lines += ["", "## Quality without speed", ""] + ([f"- {q.label} ({q.family})" for q in quality_only] or ["- none"])
     lines += ["", "## Speed without quality", ""] + ([f"- {label}: {len(recs)} records" for label, recs in sorted(speed_only.items())] or ["- none"])
     lines += ["", "## Refused joins", ""] + ([f"- {q.label} with {s.ref}: {'; '.join(why)}" for q, s, why in j.refused] or ["- none"])

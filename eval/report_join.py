@@ -106,9 +106,6 @@ class Join:
     def speed_of(self, run: QualityRun) -> list[tuple[Record, str]]:
         return [(s, key) for q, s, key in self.pairs if q is run]
 
-    def quality_of(self, rec: Record) -> list[tuple[QualityRun, str]]:
-        return [(q, key) for q, s, key in self.pairs if s is rec]
-
 
 def settings_label(iterations, r: dict) -> str:
     """' T=4', ' quantization=int4' ...: what sets a run or point apart from others of its model."""

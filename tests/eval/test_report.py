@@ -26,7 +26,8 @@ def speed(family, *, ctx=4096, batch=1, tok_s=1000.0, iterations=None, new_token
     r = {"model": PRESETS[family], "iterations": iterations, **decoder(family, iterations), **ENV, "status": status, "ctx": ctx, "batch": batch,
          "new_tokens": new_tokens}
     if status == "ok":
-        r.update(decode_tok_s=tok_s * batch, decode_tok_s_per_seq=tok_s, peak_memory_bytes=ctx * 1e5, tokens_per_pass=(new_tokens / iterations) if iterations else 1.0)
+        r.update(decode_tok_s=tok_s * batch, decode_tok_s_per_seq=tok_s, peak_memory_bytes=ctx * 1e5,
+                 tokens_per_pass=(new_tokens / iterations) if iterations else 1.0)
     else:
         r["reason"] = "out of memory"
     r.update(extra)
