@@ -225,7 +225,7 @@ def frontier_figure(j: Join, sel: Selection, out: Path, bpb_task: str, acc_task:
                 f.rows.append({"point": run.label, "family": run.family, "panel": f"{metric} / {column}", "tok/s": x, "quality": q,
                                "join key": sel.key(run, s), "records": [s, run.tasks[task]]})
             if not pts:
-                no_data(ax, f"no model has both {task} and a joined speed record ({column})")
+                no_data(ax, f"no model has both {task} and a joined speed record at context {sel.ctx} ({column})")
             else:
                 front = pareto(pts, higher)
                 if len(front) > 1:
@@ -333,7 +333,7 @@ def maskpredict_figure(j: Join, sel: Selection, out: Path, bpb_task: str) -> Fig
                "Middle: the generative perplexity of its samples under the autoregressive scorer, the quality T changes. "
                "Right: decode tokens/s at batch 1 against T from the joined speed records, "
                "labelled with tokens committed per pass, beside the autoregressive families (horizontal lines).")
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4.8), layout="constrained")
+    fig, axes = plt.subplots(1, 3, figsize=(14, 5.6), layout="constrained")
     mp = sorted((r for r in j.quality if r.family == "maskpredict" and r.iterations is not None), key=lambda r: r.iterations)
     ar = [r for r in j.quality if r.family != "maskpredict"]
     by_ckpt = {}
@@ -359,7 +359,7 @@ def maskpredict_figure(j: Join, sel: Selection, out: Path, bpb_task: str) -> Fig
                     f.rows.append({"point": run.label, "family": run.family, "panel": task, "T": "-", "quality": q, "records": [run.tasks[task]]})
             scale(ax, "x", [run.iterations for run in mp], base=2)
             ax.grid(True, which="both", alpha=0.3)
-            ax.legend(fontsize=7, loc="best")
+            ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)
         else:
             no_data(ax, f"no Mask-Predict record of {task}")
         ax.set_xlabel("iterations T (passes per block)")
@@ -374,7 +374,7 @@ def maskpredict_figure(j: Join, sel: Selection, out: Path, bpb_task: str) -> Fig
         for run, s in speed_mp:
             x, y = run.iterations, s.data["decode_tok_s_per_seq"]
             if s.data.get("tokens_per_pass") is not None:
-                ax.annotate(f"{s.data['tokens_per_pass']:g} tok/pass", (x, y), textcoords="offset points", xytext=(5, 4), fontsize=7)
+                ax.annotate(f"{s.data['tokens_per_pass']:g} tok/pass", (x, y), textcoords="offset points", xytext=(0, 7), ha="center", fontsize=7)
             f.use(s)
             f.rows.append({"point": run.label, "family": run.family, "panel": "speed", "T": x, "tok/s": y,
                            "tokens/pass": s.data.get("tokens_per_pass"), "join key": sel.key(run, s), "records": [s]})
@@ -388,7 +388,7 @@ def maskpredict_figure(j: Join, sel: Selection, out: Path, bpb_task: str) -> Fig
         scale(ax, "y", [s.data["decode_tok_s_per_seq"] for _, s in speed_mp] + [y for line in ax.lines for y in line.get_ydata()])
         ax.grid(True, which="both", alpha=0.3)
         ax.margins(x=0.15)
-        ax.legend(fontsize=7, loc="best")
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)
     else:
         no_data(ax, f"no joined batch-1 speed record at context {sel.ctx} for a Mask-Predict run")
     ax.set_xlabel("iterations T (passes per block)")
@@ -446,7 +446,7 @@ def kinds(j: Join, sel: Selection) -> list[tuple[str, int]]:
         (f"decode speed at a serving load (compare at batch {sel.load_batch} or a serving benchmark)",
          sum(1 for r in s if "output_tok_s" in r or (r.get("batch") == sel.load_batch and sel.load_batch))),
         ("serving benchmark (output_tok_s)", sum(1 for r in s if "output_tok_s" in r)),
-        ("Mask-Predict speed at several T", len({r.get("iterations") for r in s if r.get("family") == "maskpredict"})),
+        ("Mask-Predict speed (distinct T)", len({r.get("iterations") for r in s if r.get("family") == "maskpredict"})),
         ("speculative decoding", sum(1 for r in s if r.get("speculative"))),
         ("quantised decoding", sum(1 for r in s if r.get("quantization"))),
         ("cost per 1,000 tokens", sum(1 for r in s if r.get("cost_per_1k_tokens") is not None)),
@@ -529,7 +529,7 @@ def no_pairs(j: Join) -> str:
             f'{html.escape(", ".join(quality) or "nothing")}; the speed records ran {html.escape(", ".join(speed) or "nothing")}.</p>')
 
 
-JOINED_HEAD = ["quality run", "family", "key", "speed record", "ctx", "batch", "tok/s"]
+JOINED_HEAD = ["quality run", "family", "key", "speed record", "ctx", "batch", "tok/s (all sequences)"]
 
 
 def build_html(j: Join, sel: Selection, figures: list[Figure], files: list[str], bpb_task: str, acc_task: str) -> str:
