@@ -119,12 +119,15 @@ def settings_label(iterations, r: dict) -> str:
 
 def read_records(paths: list[str]) -> list[Record]:
     """Every JSON object in the files, in order; a missing file or a line that is not JSON is a
-    usage error naming it."""
+    usage error naming it. A record is named by its file's name, or by the path as given where two
+    files share a name."""
     records = []
+    names = [Path(path).name for path in paths]
     for path in paths:
         p = Path(path)
         if not p.is_file():
             raise UsageError(f"no such result file: {path}")
+        name = p.name if names.count(p.name) == 1 else str(path)
         with open(p) as f:
             for n, line in enumerate(f, 1):
                 if not line.strip():
@@ -135,7 +138,7 @@ def read_records(paths: list[str]) -> list[Record]:
                     raise UsageError(f"{path}:{n}: not a JSON line ({e.msg})") from None
                 if not isinstance(data, dict):
                     raise UsageError(f"{path}:{n}: a JSON line must be an object")
-                records.append(Record(data, p.name, n))
+                records.append(Record(data, name, n))
     return records
 
 

@@ -211,3 +211,10 @@ def test_a_model_measured_two_ways_draws_two_series(tmp_path):
     series = report.latest_batch1(join(read_records([write(tmp_path / "a.jsonl", recs)])))
     assert sorted((label, len(points)) for label, points in series.items()) == [
         ("llama-30m (ref, bfloat16, NVIDIA H200)", 1), ("llama-30m (triton, bfloat16, NVIDIA H200)", 2)]
+
+
+def test_files_of_one_name_keep_their_records_apart(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    recs = read_records([write(tmp_path / "a" / "r.jsonl", [speed("transformer")]), write(tmp_path / "b" / "r.jsonl", [speed("mamba2")])])
+    assert len({r.anchor for r in recs}) == 2 and all(r.ref.endswith("r.jsonl:1") for r in recs)
