@@ -618,7 +618,10 @@ def main(argv=None) -> int:
         j = join(read_records(a.files))
         if not j.speed and not j.quality:
             raise decoders.UsageError("the files hold no speed record and no quality record")
-    out.mkdir(parents=True, exist_ok=True)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise decoders.UsageError(f"cannot create --out {a.out}: {e.strerror}") from None
     sel = Selection(j, ctx, a.load_batch)
     figures = [frontier_figure(j, sel, out, a.bpb_task, a.acc_task), context_figure(j, out), maskpredict_figure(j, sel, out, a.bpb_task)]
     if (cost := cost_figure(j, out)) is not None:

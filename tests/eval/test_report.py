@@ -218,3 +218,11 @@ def test_files_of_one_name_keep_their_records_apart(tmp_path):
     (tmp_path / "b").mkdir()
     recs = read_records([write(tmp_path / "a" / "r.jsonl", [speed("transformer")]), write(tmp_path / "b" / "r.jsonl", [speed("mamba2")])])
     assert len({r.anchor for r in recs}) == 2 and all(r.ref.endswith("r.jsonl:1") for r in recs)
+
+
+def test_files_without_speed_or_quality_are_refused(tmp_path, capsys):
+    path = write(tmp_path / "kernels.jsonl", [{"op": "gemv", "us": 3.0}])
+    with pytest.raises(SystemExit) as e:
+        report.main([path, "--out", str(tmp_path / "o")])
+    assert e.value.code == 2 and "no speed record and no quality record" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
