@@ -32,12 +32,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from decoders import UsageError
+from eval.quality import GENPPL_TASK
 
 # Fields of a decoder description that do not change what is measured.
 NEUTRAL = ("model", "cuda_graphs")
 # Settings a speed record may carry beyond the decoder description; refused unless equal.
 SETTINGS = ("quantization", "speculative")
-GENPPL_TASK = "declab_genppl"
 
 
 @dataclass
