@@ -54,6 +54,8 @@ LINESTYLES = ("-", "--", "-.")
 COPY_TASK = re.compile(r"declab_copy_(\d+)$")
 MQAR_TASK = re.compile(r"declab_mqar_(\d+)$")
 GB = 1e9
+# The serving benchmark's cost (USD, from its GPU-hour price) and energy (J, from the GPU's power readings).
+COST, ENERGY = "cost_per_1k_output_tokens", "energy_j_per_output_token"
 
 
 def style(family: str) -> tuple[str, str]:
@@ -95,6 +97,16 @@ def scale(ax, which: str, values, formatter=number, base=10) -> None:
 
 def speed_label(r: dict) -> str:
     return str(r.get("model", "?")) + settings_label(r.get("iterations"), r)
+
+
+def load_of(r: dict) -> str:
+    """The load a speed record ran at: 'ctx 4096, batch 64' (compare), 'poisson rate 8/s' or '16 users'
+    (a serving benchmark)."""
+    if r.get("users") is not None:
+        return f"{r['users']} users"
+    if r.get("rate") is not None:
+        return f"{r.get('arrivals') or ''} rate {r['rate']}/s".strip()
+    return ", ".join(f"{k} {r[k]}" for k in ("ctx", "batch") if r.get(k) is not None)
 
 
 class SeriesStyles:
@@ -217,7 +229,7 @@ def frontier_figure(j: Join, sel: Selection, out: Path, bpb_task: str, acc_task:
             for i, (x, q, run, s) in enumerate(drawn):
                 colour, marker = style(run.family)
                 ax.scatter([x], [q], color=colour, marker=marker, s=50, zorder=3)
-                where = f" (serving, rate {s.data.get('rate')})" if "output_tok_s" in s.data else ""
+                where = f" (serving, {load_of(s.data)})" if "output_tok_s" in s.data else ""
                 # Neighbours along x label above and below in turn, so labels of close points do not overlap.
                 ax.annotate(run.label + where, (x, q), textcoords="offset points", xytext=(5, 5 if i % 2 == 0 else -11), fontsize=7)
                 pts.append((x, q))
@@ -400,7 +412,7 @@ def maskpredict_figure(j: Join, sel: Selection, out: Path, bpb_task: str) -> Fig
 
 def cost_figure(j: Join, out: Path) -> Figure | None:
     """Cost per 1,000 tokens and energy per token of every speed record that has them, or None."""
-    recs = [s for s in j.speed if s.data.get("cost_per_1k_tokens") is not None or s.data.get("energy_per_token_j") is not None]
+    recs = [s for s in j.speed if s.data.get(COST) is not None or s.data.get(ENERGY) is not None]
     if not recs:
         return None
     f = Figure("cost", "Cost and energy per token",
@@ -408,9 +420,8 @@ def cost_figure(j: Join, out: Path) -> Figure | None:
                "(from the GPU's power readings), one bar per speed record that has them, labelled with its load; "
                "lower is better.")
     fig, axes = plt.subplots(1, 2, figsize=(13, 0.6 + 0.35 * len(recs) + 2), layout="constrained")
-    labels = [speed_label(s.data) + (f" rate={s.data['rate']}" if s.data.get("rate") is not None else "") +
-              (f" b={s.data['batch']}" if s.data.get("batch") is not None else "") + (f" ctx={s.data['ctx']}" if s.data.get("ctx") else "") for s in recs]
-    for ax, key, xlabel in ((axes[0], "cost_per_1k_tokens", "cost per 1,000 output tokens (USD)"), (axes[1], "energy_per_token_j", "energy per output token (J)")):
+    labels = [f"{speed_label(s.data)}, {load_of(s.data)}" for s in recs]
+    for ax, key, xlabel in ((axes[0], COST, "cost per 1,000 output tokens (USD)"), (axes[1], ENERGY, "energy per output token (J)")):
         rows = [(lab, s) for lab, s in zip(labels, recs) if s.data.get(key) is not None]
         if rows:
             ax.barh(range(len(rows)), [s.data[key] for _, s in rows], height=0.6, color=[style(s.data.get("family", "?"))[0] for _, s in rows])
@@ -423,8 +434,8 @@ def cost_figure(j: Join, out: Path) -> Figure | None:
         ax.set_xlabel(xlabel)
     for lab, s in zip(labels, recs):
         f.use(s)
-        f.rows.append({"point": lab, "family": s.data.get("family"), "panel": "cost", "USD / 1k tokens": s.data.get("cost_per_1k_tokens"),
-                       "J / token": s.data.get("energy_per_token_j"), "records": [s]})
+        f.rows.append({"point": lab, "family": s.data.get("family"), "panel": "cost", "USD / 1k tokens": s.data.get(COST),
+                       "J / token": s.data.get(ENERGY), "records": [s]})
     fig.legend(handles=family_handles({s.data.get("family", "?") for s in recs}), loc="outside right upper", title="family", fontsize=8)
     fig.suptitle("Cost and energy per token")
     f.save(fig, out)
@@ -449,8 +460,8 @@ def kinds(j: Join, sel: Selection) -> list[tuple[str, int]]:
         ("Mask-Predict speed (distinct T)", len({r.get("iterations") for r in s if r.get("family") == "maskpredict"})),
         ("speculative decoding", sum(1 for r in s if r.get("speculative"))),
         ("quantised decoding", sum(1 for r in s if r.get("quantization"))),
-        ("cost per 1,000 tokens", sum(1 for r in s if r.get("cost_per_1k_tokens") is not None)),
-        ("energy per token", sum(1 for r in s if r.get("energy_per_token_j") is not None)),
+        (f"cost per 1,000 tokens ({COST})", sum(1 for r in s if r.get(COST) is not None)),
+        (f"energy per token ({ENERGY})", sum(1 for r in s if r.get(ENERGY) is not None)),
         ("recall at distance (declab_copy_N, declab_mqar_N)", sum(1 for q in j.quality for t in q.tasks if COPY_TASK.match(t) or MQAR_TASK.match(t))),
         ("joined quality-speed pairs", len(j.pairs)),
     ]
@@ -510,7 +521,7 @@ def describe(rec: Record) -> str:
     r = rec.data
     if "task" in r:
         return f"quality, {Path(r['checkpoint']).name}" + (f" T={r['iterations']}" if r.get("iterations") is not None else "") + f", {r['task']}"
-    load = ", ".join(f"{k} {r[k]}" for k in ("ctx", "batch", "rate") if r.get(k) is not None)
+    load = load_of(r)
     return f"speed, {speed_label(r)}" + (f", {load}" if load else "") + (f", {r['status']}" if r.get("status", "ok") != "ok" else "")
 
 

@@ -4,9 +4,10 @@ pair each quality run with the speed records of the same network and decoding.
 Records (JSON lines, each remembered with its file and line):
 
 - speed: a record with `status: ok` and a throughput, `decode_tok_s` (`decoders.compare`, one per
-  model, context, batch) or `output_tok_s` (a serving benchmark, one per model and load); optional
-  fields read where present: `cost_per_1k_tokens`, `energy_per_token_j`, `peak_memory_bytes`,
-  `tokens_per_pass`, `rate`. Any other status (skipped, error, timeout) is kept as "not measured".
+  model, context, batch) or `output_tok_s` (`decoders.serve_bench`, one per model and load:
+  `arrivals` with `rate`, or `users`); optional fields read where present:
+  `cost_per_1k_output_tokens`, `energy_j_per_output_token`, `peak_memory_bytes`, `tokens_per_pass`.
+  Any other status (skipped, error, timeout, unfinished) is kept as "not measured".
 - quality: a record with `task` and `metrics` (`eval.quality`), grouped into one run per
   (checkpoint, Mask-Predict T, decoder description), the newest record of each task kept.
 - `kind: trained` records (`eval.ablation`) say which preset a checkpoint was trained from.
@@ -112,7 +113,7 @@ def settings_label(iterations, r: dict) -> str:
     out = f" T={iterations}" if iterations is not None else ""
     for k in SETTINGS:
         if r.get(k):
-            value = r[k] if not isinstance(r[k], dict) else ",".join(str(v) for v in r[k].values())
+            value = r[k] if not isinstance(r[k], dict) else ",".join(f"{n}={v}" for n, v in r[k].items() if not isinstance(v, (dict, list)))
             out += f" {k}={value}"[:40]
     return out
 
@@ -158,7 +159,8 @@ def is_quality(r: dict) -> bool:
 def speed_identity(r: dict) -> tuple:
     """What makes two speed records the same point (the newest one is kept)."""
     settings = {k: r.get(k) for k in ("family", "dtype", "impl", "decoding", "device", "peer", *SETTINGS)}
-    load = (r.get("ctx"), r.get("batch"), r.get("rate"), r.get("new_tokens") if r.get("family") == "maskpredict" else None)
+    load = (r.get("ctx"), r.get("batch"), r.get("arrivals"), r.get("rate"), r.get("users"), json.dumps(r.get("workload"), sort_keys=True),
+            r.get("new_tokens") if r.get("family") == "maskpredict" else None)
     return (r.get("model"), r.get("iterations"), json.dumps(settings, sort_keys=True), load)
 
 
