@@ -76,6 +76,11 @@ def number(v, _pos=None) -> str:
     return f"{v:g}"
 
 
+def count(v, _pos=None) -> str:
+    """Tick label of a small count: 1024 -> '1024'."""
+    return f"{v:g}"
+
+
 def tokens(v, _pos=None) -> str:
     """Tick label of a context: 4096 -> '4k', 131072 -> '128k'."""
     return f"{v / 1024:g}k" if v >= 1024 else f"{v:g}"
@@ -321,7 +326,7 @@ def context_figure(j: Join, out: Path) -> Figure:
             f.rows.append({"point": run.label, "family": run.family, "panel": xlabel.split(" (")[0],
                            "accuracy": ", ".join(f"{n}: {a:.2f}" for n, a, _ in pts), "records": [p[2] for p in pts]})
         if ax.lines:
-            scale(ax, "x", [x for line in ax.lines for x in line.get_xdata()], base=2)
+            scale(ax, "x", [x for line in ax.lines for x in line.get_xdata()], count, base=2)
             ax.set_ylim(-0.05, 1.05)
             if all(y == 0 for line in ax.lines for y in line.get_ydata()):
                 ax.text(0.5, 0.5, "every run scores 0 at every point (the lines overlap)", ha="center", transform=ax.transAxes, fontsize=9, color="#555555")
@@ -369,7 +374,7 @@ def maskpredict_figure(j: Join, sel: Selection, out: Path, bpb_task: str) -> Fig
                     ax.axhline(q, color=style(run.family)[0], linestyle="--", alpha=0.8, label=run.label)
                     f.use(run.tasks[task])
                     f.rows.append({"point": run.label, "family": run.family, "panel": task, "T": "-", "quality": q, "records": [run.tasks[task]]})
-            scale(ax, "x", [run.iterations for run in mp], base=2)
+            scale(ax, "x", [run.iterations for run in mp], count, base=2)
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)
         else:
@@ -396,7 +401,7 @@ def maskpredict_figure(j: Join, sel: Selection, out: Path, bpb_task: str) -> Fig
                 f.use(s)
                 f.rows.append({"point": run.label, "family": run.family, "panel": "speed", "T": "-", "tok/s": s.data["decode_tok_s_per_seq"],
                                "tokens/pass": 1, "join key": sel.key(run, s), "records": [s]})
-        scale(ax, "x", [run.iterations for run, _ in speed_mp], base=2)
+        scale(ax, "x", [run.iterations for run, _ in speed_mp], count, base=2)
         scale(ax, "y", [s.data["decode_tok_s_per_seq"] for _, s in speed_mp] + [y for line in ax.lines for y in line.get_ydata()])
         ax.grid(True, which="both", alpha=0.3)
         ax.margins(x=0.15)
