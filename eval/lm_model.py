@@ -19,9 +19,17 @@ Importing this module registers the model. Requests are answered as lm-eval's ow
   stop string, after `max_gen_toks` tokens or at end-of-sequence; the autoregressive families stop
   stepping once every sequence in the batch has hit one.
 
+Beginning of sequence, as lm-eval's `hf` model: text is encoded with the tokenizer's own special
+tokens (a Llama tokenizer prepends BOS, a GPT-2 one does not) unless `add_bos_token` says otherwise,
+and a string that already starts with the BOS text gets no second one. Rolling windows encode the
+document that way too, so with a BOS-adding tokenizer the first scored token is that BOS, predicted
+from the prefix token, exactly as `hf` scores it. The prefix token is `prefix_token_id`, else the
+tokenizer's BOS, else its EOS.
+
 Requests are batched longest first (`Collator`). Model arguments: pretrained (preset or folder),
 dtype, device, impl, max_length, batch_size, family, seed, samples (Mask-Predict Monte-Carlo
-samples); any other argument goes to the family (`decoders.load(..., **options)`, e.g. page_size).
+samples), add_bos_token, prefix_token_id; any other argument goes to the family
+(`decoders.load(..., **options)`, e.g. page_size).
 """
 
 import logging
@@ -64,6 +72,8 @@ class DecLabLM(TemplateLM):
         family: str | None = None,
         seed: int = 0,
         samples: int = 16,
+        add_bos_token: bool | str | None = None,
+        prefix_token_id: int | None = None,
         **options,
     ):
         super().__init__()
@@ -77,6 +87,8 @@ class DecLabLM(TemplateLM):
         self.batch_size = parse_batch_size(batch_size, max_batch_size)
         self.samples = int(samples)
         self.autoregressive = isinstance(self.decoder, AutoregressiveDecoder)
+        self.add_bos_token = parse_optional_bool(add_bos_token)
+        self.custom_prefix_token_id = None if prefix_token_id is None else int(prefix_token_id)
 
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None):
@@ -102,6 +114,8 @@ class DecLabLM(TemplateLM):
 
     @property
     def prefix_token_id(self) -> int:
+        if self.custom_prefix_token_id is not None:
+            return self.custom_prefix_token_id
         bos = self.tokenizer.bos_token_id
         return bos if bos is not None else self.eot_token_id
 
@@ -113,8 +127,26 @@ class DecLabLM(TemplateLM):
         return {"declab": self.decoder.describe(), "max_length": self.max_length}
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
-        """Token ids; the tokenizer's own special tokens (the lab's tokenizers: <bos>) unless told otherwise."""
-        return self.tokenizer.encode(string, add_special_tokens=True if add_special_tokens is None else add_special_tokens)
+        """Token ids as `hf` encodes them: an explicit add_special_tokens wins, then add_bos_token, then the
+        tokenizer's own default; with neither given, a string starting with the prefix token's text gets
+        no special tokens added."""
+        special = add_special_tokens if add_special_tokens is not None else self.add_bos_token
+        if add_special_tokens is None and string.startswith(self.tokenizer.decode(self.prefix_token_id)):
+            special = False
+        if special is None:
+            return self.tokenizer.encode(string)
+        return self.tokenizer.encode(string, add_special_tokens=special)
+
+    def encode_context(self, string: str) -> list[int]:
+        """A generation prompt as `hf`'s batch encoding writes it (its BOS check reads the BOS text, not
+        the prefix token's)."""
+        special = self.add_bos_token
+        bos = self.tokenizer.bos_token
+        if bos is not None and string.startswith(bos):
+            special = False
+        if special is None:
+            return self.tokenizer.encode(string)
+        return self.tokenizer.encode(string, add_special_tokens=special)
 
     def tok_decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
@@ -182,7 +214,7 @@ class DecLabLM(TemplateLM):
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         windows, owners = [], []
         for i, (string,) in enumerate(req.args for req in requests):
-            tokens = self.tok_encode(string, add_special_tokens=False)
+            tokens = self.tok_encode(string)
             for ctx, cont in map(utils.make_disjoint_window, rolling_windows(tokens, self.prefix_token_id, self.max_length)):
                 windows.append((None, ctx, cont))
                 owners.append(i)
@@ -197,7 +229,7 @@ class DecLabLM(TemplateLM):
         args = [req.args for req in requests]
         encoded = {}
         for ctx, _ in args:
-            encoded.setdefault(ctx, self.tok_encode(ctx) or [self.prefix_token_id])
+            encoded.setdefault(ctx, self.encode_context(ctx) or [self.prefix_token_id])
         order = Collator(args, sort_fn=lambda a: (-len(encoded[a[0]]), a[0]), group_by="gen_kwargs", group_fn=lambda a: a[1])
         out = []
         bar = tqdm(total=len(args), disable=disable_tqdm, desc="declab generate_until")
@@ -248,6 +280,16 @@ class DecLabLM(TemplateLM):
 def rolling_windows(tokens: list[int], prefix: int, max_length: int):
     """lm-eval's rolling windows with context 1: (input, predicted) pairs covering each token once."""
     return utils.get_rolling_token_windows(token_list=tokens, prefix_token=prefix, max_seq_len=max_length, context_len=1)
+
+
+def parse_optional_bool(value) -> bool | None:
+    """None, or a bool from a bool or lm-eval's model_args text ("True", "false", ...)."""
+    if value is None or isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text not in ("true", "false"):
+        raise decoders.UsageError(f"add_bos_token={value!r}: expected True or False")
+    return text == "true"
 
 
 def parse_batch_size(batch_size, max_batch_size) -> int:

@@ -82,8 +82,8 @@ def test_rolling_windows_cover_each_token_once():
 def test_ref_rolling_equals_windowed_logits(lm):
     text = "the quick brown fox jumps over the lazy dog, " * 3
     got, = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0)], disable_tqdm=True)
-    tokens = lm.tok_encode(text, add_special_tokens=False)
-    assert len(tokens) > 2 * lm.max_length
+    tokens = lm.tok_encode(text)
+    assert tokens[0] == lm.prefix_token_id and len(tokens) > 2 * lm.max_length
     want = sum(reference_loglik(lm, ctx, cont) for ctx, cont in map(make_disjoint_window, rolling_windows(tokens, lm.prefix_token_id, lm.max_length)))
     assert math.isclose(got, want, rel_tol=1e-4)
 
