@@ -11,7 +11,9 @@ The blocks are `declab_arch.llama`'s, run with `causal=False`. What is added:
   segments[j] <= segments[i]. With segment 0 for the prompt and k+1 for the k-th canvas block this is
   exactly what the cached decoder computes (the prompt and finished blocks never see later tokens,
   so their K/V is computed once); without segments attention is fully bidirectional (LLaDA);
-- the model's distribution over tokens never includes the mask token (`token_log_probs`).
+- the model's distribution over tokens never includes the mask token (`token_log_probs`);
+- two training objectives: `masked_diffusion_loss` (LLaDA's, over whole sequences) and `block_loss`
+  (what decoding sees: a clean prompt, then a masked block that ends the sequence).
 
 Checkpoints: the lab's own format (`config.json` with `"declab_family": "maskpredict"` plus the
 `MaskPredictConfig` fields, and `model.safetensors`), and LLaDA-style bidirectional Llama weights
@@ -145,6 +147,47 @@ def masked_diffusion_loss(model: MaskPredictLM, tokens: torch.Tensor, prompt_len
         target = (T - prompt).clamp(max=model.config.max_predicted_length)
         loss = loss + F.cross_entropy(logits, target)
     return loss
+
+
+def draw_blocks(B: int, T: int, max_block: int | None, generator=None, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompt lengths p [B] ~ U{1..T-1} and block lengths L [B] ~ U{1..min(max_block, T-p)} of `block_loss`."""
+    prompt = torch.randint(1, T, (B,), generator=generator, device=device)
+    room = (T - prompt).clamp(max=max_block or T)
+    length = 1 + (torch.rand(B, generator=generator, device=device) * room).long().clamp(max=room - 1)
+    return prompt, length
+
+
+def block_loss(model: MaskPredictLM, tokens: torch.Tensor, *, max_block: int | None = None, bidirectional: float = 0.0,
+               generator=None, eps: float = 1e-3):
+    """Masked-diffusion loss of `tokens` [B, T] as decoding sees them: a clean prompt, then one masked
+    block that ends the visible sequence (the canvas).
+
+    1. per sequence draw a prompt length p and a block length L (`draw_blocks`) and a mask ratio
+       t ~ U(eps, 1); mask each block token with probability t;
+    2. the tokens after the block are hidden: nothing before them sees them and they are not scored,
+       so the block is the end of the sequence, as the canvas is at inference (a packed window
+       almost never shows that otherwise);
+    3. the prompt sees only itself, as the prefix cache computes it (segments 0 prompt, 1 block, 2
+       hidden); in a `bidirectional` share of the sequences the prompt also sees the block
+       (decoding and scoring with prefix_cache=False);
+    4. cross-entropy on the masked tokens, weighted by 1/t, averaged over each block and the batch:
+       an estimate of the negative ELBO per block token. No length head is trained here.
+    """
+    B, T = tokens.shape
+    dev = tokens.device
+    pos = torch.arange(T, device=dev).expand(B, T)
+    prompt, length = draw_blocks(B, T, max_block, generator, dev)
+    in_block = (pos >= prompt[:, None]) & (pos < (prompt + length)[:, None])
+    t = eps + (1 - eps) * torch.rand(B, generator=generator, device=dev)
+    masked = in_block & (torch.rand(B, T, generator=generator, device=dev) < t[:, None])
+    open_prompt = torch.rand(B, generator=generator, device=dev) < bidirectional
+    # [B, T] 0 prompt, 1 block, 2 hidden tail; an open prompt shares the block's segment.
+    segments = (pos >= prompt[:, None]).long() + (pos >= (prompt + length)[:, None]).long()
+    segments = torch.where(open_prompt[:, None] & (segments == 0), 1, segments)
+    noisy = torch.where(masked, model.mask_token_id, tokens)
+    logp = token_log_probs(model(noisy, segments=segments), model.mask_token_id)
+    nll = -logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return ((nll * masked).sum(1) / t / length).mean()
 
 
 def is_masked_diffusion(hf: dict) -> bool:

@@ -31,6 +31,12 @@ has one among its final tokens). With `length_beam=l` the length head proposes t
 lengths (<= N); the l candidate canvases share the prompt's K/V blocks (fork) and are decoded
 together, and each sequence keeps the candidate with the best mean log-probability.
 
+Scoring (`loglikelihood`, lm-eval's loglikelihood) is a Monte-Carlo ELBO, a lower bound, of one of
+two models: `score_bound="prefix"` (default with the prefix cache) scores with the context blind to
+the continuation, as prefix-cached decoding runs the model; `score_bound="bidirectional"` (default
+without it) lets the context see the masked continuation, as LLaDA scores. `describe()["scoring"]`
+says which one a result used.
+
 `StepOut.committed` [B] counts the tokens each sequence's canvas gained in the pass (unmasked after
 minus before; with a length beam, those of the most likely length's candidate), so tokens per pass
 read like the autoregressive families' one token per step.
@@ -49,6 +55,9 @@ from decoders.kv_cache import PagedKVCache
 from decoders.sampling import GREEDY, Sampling, sample
 
 RULES = ("mask-predict", "low-confidence")
+# What `loglikelihood` bounds: "prefix", the context blind to the continuation (what prefix-cached
+# decoding computes); "bidirectional", the context seeing the masked continuation (LLaDA's scoring).
+BOUNDS = ("prefix", "bidirectional")
 
 
 @dataclass
@@ -113,7 +122,7 @@ class MaskPredictDecoder(Decoder):
     family = "maskpredict"
 
     def __init__(self, model, config, *, iterations: int | None = None, rule: str | None = None, block_length: int | None = None,
-                 threshold: float | None = None, length_beam: int | None = None, prefix_cache: bool = True, page_size: int = 16, **kwargs):
+                 threshold: float | None = None, length_beam: int | None = None, prefix_cache: bool = True, page_size: int = 16, score_bound: str | None = None, **kwargs):
         super().__init__(model, config, max_context=config.max_position_embeddings, **kwargs)
         # A threshold decides on the host after every pass whether the block is done: no graph replay.
         self.cuda_graphs = self.cuda_graphs and threshold is None
@@ -137,6 +146,9 @@ class MaskPredictDecoder(Decoder):
             if self.block_length is not None:
                 raise UsageError("length_beam decodes each candidate length as one block: drop block_length")
         self.prefix_cache = bool(prefix_cache)
+        self.score_bound = score_bound or ("prefix" if self.prefix_cache else "bidirectional")
+        if self.score_bound not in BOUNDS:
+            raise UsageError(f"unknown score_bound {score_bound!r} (known: {', '.join(BOUNDS)})")
         self.page_size = page_size
         self.mask_token_id = config.mask_token_id
 
@@ -164,6 +176,7 @@ class MaskPredictDecoder(Decoder):
             "rule": self.rule, "iterations": self.iterations, "block_length": self.block_length, "threshold": self.threshold,
             "length_beam": self.length_beam, "prefix_cache": self.prefix_cache,
         }
+        out["scoring"] = {"bound": self.score_bound}
         return out
 
     @torch.inference_mode()
@@ -409,15 +422,21 @@ class MaskPredictDecoder(Decoder):
             state.kv.free(s)
 
     @torch.inference_mode()
-    def loglikelihood(self, context_tokens, continuation_tokens, samples: int = 32, *, seed: int = 0, batch_size: int = 16) -> float:
+    def loglikelihood(self, context_tokens, continuation_tokens, samples: int = 32, *, seed: int = 0, batch_size: int = 16,
+                      bound: str | None = None) -> float:
         """Monte-Carlo estimate of a lower bound on log p(continuation | context) (LLaDA's estimator).
 
         Each sample draws l ~ U{1..L} (L = continuation length), masks l continuation positions chosen
         uniformly, and adds L/l times the log-probabilities of the true tokens there; the mean over
         samples is an unbiased estimate of the masked-diffusion ELBO, which is <= the log-likelihood.
-        For a one-token continuation it is the exact log-probability (one forward suffices). The
-        attention is the decoder's: the context does not see the continuation with `prefix_cache`.
+        For a one-token continuation it is the exact log-probability (one forward suffices). `bound`
+        (default the decoder's `score_bound`) chooses the attention: "prefix", the context does not
+        see the continuation (the model as prefix-cached decoding runs it); "bidirectional", it does.
+        The continuation ends the sequence, as the canvas does when decoding.
         """
+        bound = bound or self.score_bound
+        if bound not in BOUNDS:
+            raise UsageError(f"unknown bound {bound!r} (known: {', '.join(BOUNDS)})")
         context, cont = [int(t) for t in context_tokens], [int(t) for t in continuation_tokens]
         if not cont:
             raise UsageError("the continuation to score is empty")
@@ -434,7 +453,7 @@ class MaskPredictDecoder(Decoder):
         target = torch.tensor(cont)
         noisy = torch.where(masked, self.mask_token_id, target)
         tokens = torch.cat([torch.tensor(context, dtype=torch.int64).expand(samples, P), noisy], dim=1).to(self.device)
-        segments = (torch.arange(P + L) >= P).long().expand(samples, P + L).to(self.device) if self.prefix_cache else None
+        segments = (torch.arange(P + L) >= P).long().expand(samples, P + L).to(self.device) if bound == "prefix" else None
         total = 0.0
         for i in range(0, samples, batch_size):
             part = slice(i, i + batch_size)

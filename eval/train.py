@@ -16,8 +16,11 @@ counts agree within 10% (`configs/<family>-30m.json`, checked by `check_matched`
   r * (stream / batch) + s * seq_len, so a batch mixes distant parts of the corpus and the data
   position is the step alone.
 - Objective: next-token cross-entropy through the model's parallel forward `Decoder.model(tokens)`
-  (impl="ref": the families' differentiable PyTorch paths) for the autoregressive families; the
-  masked-diffusion loss (`declab_arch.maskpredict.masked_diffusion_loss`) for Mask-Predict.
+  (impl="ref": the families' differentiable PyTorch paths) for the autoregressive families; for
+  Mask-Predict the block loss (`declab_arch.maskpredict.block_loss`): per window a clean prompt and
+  one masked block that ends the visible sequence, the prompt blind to the block as the prefix cache
+  computes it (in a quarter of the windows it sees the block, as prefix_cache=False decodes), so
+  training sees what decoding and scoring see.
 - Optimisation: AdamW (weight decay on matrices only), linear warmup then cosine decay to 10% of the
   peak, gradient clipping, bf16 autocast on a GPU, fp32 weights.
 - Validation every --val-every steps on the first --val-tokens of valid.bin: loss (nats per token;
@@ -49,6 +52,8 @@ from eval.tokenizer import make_tokenizer, save_tokenizer
 from declab_kernels.benchtools import append_jsonl, environment
 
 BPE_SAMPLE_DOCS = 20000
+# Share of Mask-Predict's training windows whose prompt sees the block (the bidirectional bound's attention).
+MASKPREDICT_BIDIRECTIONAL = 0.25
 
 
 def preset_values(name: str) -> tuple[str, dict]:
@@ -178,12 +183,13 @@ def batch_at(stream: np.ndarray, step: int, batch: int, seq_len: int) -> torch.T
 def loss_fn(dec):
     """The family's training loss of tokens x [B, T+1]: next-token cross-entropy through the model's
     parallel forward (its reference path: impl="ref" where the forward takes an impl), or for
-    Mask-Predict the masked-diffusion loss of the first T tokens."""
+    Mask-Predict the block loss of the first T tokens (a clean prompt, then a masked block that ends
+    the sequence: what its decoding and scoring see)."""
     model = dec.model
     if dec.family == "maskpredict":
-        from declab_arch.maskpredict import masked_diffusion_loss
+        from declab_arch.maskpredict import block_loss
 
-        return lambda x, generator=None: masked_diffusion_loss(model, x[:, :-1], generator=generator)
+        return lambda x, generator=None: block_loss(model, x[:, :-1], bidirectional=MASKPREDICT_BIDIRECTIONAL, generator=generator)
     kwargs = {"impl": "ref"} if "impl" in inspect.signature(model.forward).parameters else {}
 
     def next_token(x, generator=None):
