@@ -9,7 +9,7 @@ Warm-up (compilation, autotuning: the timed generation once, untimed) runs befor
 generation and is reported separately.
 
 `check_against_reference` is the correctness gate: a decoder whose kernels disagree with the
-reference path on a short sequence is not timed.
+reference path after a short or a long prompt is not timed.
 """
 
 import copy
@@ -67,30 +67,40 @@ def gate_logits(decoder: Decoder, prompt: torch.Tensor, forced: torch.Tensor, ne
     return torch.cat([t.float().reshape(-1) for t in logits])
 
 
-def check_against_reference(decoder: Decoder, *, new_tokens: int, tokens: int = 48, seed: int = 0) -> dict:
-    """The correctness gate: `decoder`'s logits against the reference path run in float32.
+def check_against_reference(decoder: Decoder, *, new_tokens: int, tokens: int = 48, long_tokens: int = 2048, seed: int = 0) -> dict:
+    """The correctness gate: `decoder`'s logits against the reference path run in float32, after a
+    prompt of `tokens` and after one of `long_tokens` (clipped to the decoder's context), so a kernel
+    wrong only beyond the first few hundred positions is refused too.
 
     In float32 the kernels must agree with the reference to 1e-3 (relative RMS). In bf16/fp16 the
     reference path in the same dtype has rounding error of its own; the kernels pass when their error
     against the float32 reference is at most 1.5x the reference path's own (plus 1e-3), so a kernel
     bug cannot hide behind a loose fixed tolerance and random-weight rounding cannot fail a good one.
+    `ok` needs every length to pass; rel_rms and tolerance are those of the length closest to failing,
+    `lengths` has each one's.
     """
     if decoder.impl == "ref":
         return {"ok": True, "rel_rms": 0.0, "tolerance": 0.0}
+    room = decoder.max_context - new_tokens if decoder.max_context else long_tokens
+    lengths = sorted({tokens, max(tokens, min(long_tokens, room))})
     g = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(0, decoder.vocab_size, (1, tokens), generator=g)
     forced = torch.randint(0, decoder.vocab_size, (1, min(4, new_tokens - 1)), generator=g).to(decoder.device)
-    with torch.inference_mode():
-        ours = gate_logits(decoder, prompt, forced, new_tokens)
-        truth_decoder = with_impl(decoder, "ref", torch.float32)
-        truth = gate_logits(truth_decoder, prompt, forced, new_tokens)
-        del truth_decoder
-        err = relative_rms(ours, truth)
-        if decoder.dtype == torch.float32:
-            tolerance = 1e-3
-        else:
-            tolerance = 1.5 * relative_rms(gate_logits(with_impl(decoder, "ref"), prompt, forced, new_tokens), truth) + 1e-3
-    return {"ok": err <= tolerance, "rel_rms": err, "tolerance": tolerance}
+    checks = {}
+    for length in lengths:
+        prompt = torch.randint(0, decoder.vocab_size, (1, length), generator=g)
+        with torch.inference_mode():
+            ours = gate_logits(decoder, prompt, forced, new_tokens)
+            truth_decoder = with_impl(decoder, "ref", torch.float32)
+            truth = gate_logits(truth_decoder, prompt, forced, new_tokens)
+            del truth_decoder
+            err = relative_rms(ours, truth)
+            if decoder.dtype == torch.float32:
+                tolerance = 1e-3
+            else:
+                tolerance = 1.5 * relative_rms(gate_logits(with_impl(decoder, "ref"), prompt, forced, new_tokens), truth) + 1e-3
+        checks[length] = {"ok": err <= tolerance, "rel_rms": err, "tolerance": tolerance}
+    worst = max(checks.values(), key=lambda c: c["rel_rms"] / c["tolerance"])
+    return {"ok": all(c["ok"] for c in checks.values()), "rel_rms": worst["rel_rms"], "tolerance": worst["tolerance"], "lengths": checks}
 
 
 def fits(decoder: Decoder, batch: int, ctx: int, new_tokens: int) -> str | None:

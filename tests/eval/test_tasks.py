@@ -59,7 +59,16 @@ def test_simple_evaluate_declab_offline(tmp_path, monkeypatch, write_corpus):
         model="declab", model_args="pretrained=llama-tiny,dtype=float32,device=cpu,impl=ref,max_length=128,batch_size=4",
         tasks=["declab_mqar_4", "declab_ppl"], task_manager=TaskManager(include_path=str(out)), limit=2,
     )
-    assert 0 <= res["results"]["declab_mqar_4"]["acc,none"] <= 1
+    # acc is whether the decoder's own greedy decoding (prefill/step, not the scored logits) writes the
+    # target after the context as the model sees it (the last max_length + 1 tokens of context + target).
+    lm = eval.lm_model.DecLabLM(pretrained="llama-tiny", dtype="float32", device="cpu", impl="ref", max_length=128)
+    docs = list(TaskManager(include_path=str(out)).load(["declab_mqar_4"])["tasks"]["declab_mqar_4"].test_docs())[:2]
+    hits = []
+    for doc in docs:
+        ctx, cont = lm._encode_pair(doc["context"], doc["target"])
+        seen = ctx[-(lm.max_length + 1 - len(cont)) :]
+        hits.append(lm.decoder.generate([seen], max_new_tokens=len(cont)).tokens[0] == cont)
+    assert res["results"]["declab_mqar_4"]["acc,none"] == sum(hits) / len(hits)
     # A random model over 512 tokens: about log2(512) = 9 bits per byte-level token.
     assert 7 < res["results"]["declab_ppl"]["bits_per_byte,none"] < 11
     json.dumps(res["results"])

@@ -1,0 +1,341 @@
+"""Recall as Zoology measures it: every family trained directly on multi-query associative recall (MQAR)
+over a grid of model widths and (key-value pairs, sequence length), accuracy against width and
+against the recurrent state size.
+
+    python -m eval.mqar_sweep --out results/quality/mqar            # the default grid (one GPU: ~30 min)
+    python -m eval.mqar_sweep --quick --out /tmp/mqar               # a small grid, a few minutes
+    python -m eval.mqar_sweep --families transformer,mamba2 --widths 64,128 --points 16:128,64:512
+
+A sequence (seeded, synthetic) is n key-value pairs `k1 v1 ... kn vn`, filler up to the end of the
+sequence less 2n tokens, then every key again in a random order, each followed by its value:
+`... q1 a1 q2 a2 ... qn an` (keys from ids 1..255, values from 256..510, all keys of a sequence
+distinct). The autoregressive families learn next-token prediction on the answers only (the loss
+and the accuracy read the position before each answer, teacher-forced, as Zoology does);
+Mask-Predict gets the sequence with every answer masked and predicts them all in one bidirectional
+pass (the query keys are not masked). Models: two blocks (--layers) of each family at each width,
+head dimension 32, vocabulary 512, built from the family's tiny preset with the width overridden.
+Training: `eval.train`'s optimiser and schedule (AdamW, weight decay on matrices, warmup then
+cosine), fresh data every step, each learning rate of --lrs; a point's accuracy is that of its best
+learning rate, measured on --eval-sequences held-out sequences of another seed.
+
+Every trained (family, width, pairs, seq_len, lr) is one JSON line in <out>/mqar.jsonl as soon as it
+finishes; a rerun skips what is there, so an interrupted sweep resumes and a finished one only
+redraws. With several visible GPUs the runs are dealt round-robin to one worker process per GPU
+(--gpus). Writes mqar_width.png (accuracy against width, one panel per point, one line per family)
+and mqar_state.png (accuracy against the bytes of state decoding carries at seq_len, i.e.
+`Decoder.memory(1, seq_len).state_bytes`: the KV cache for attention, the fixed state for the
+recurrences), prints a table (best accuracy per family, width and point), and its last stdout line
+is one JSON document.
+"""
+
+import argparse
+import inspect
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import decoders
+from declab_arch.checkpoint import CONFIG_DIR, read_json
+from declab_kernels.benchtools import append_jsonl, environment
+from eval.train import lr_at
+
+FAMILIES = ["transformer", "mamba2", "rwkv7", "maskpredict"]
+TINY = {"transformer": "llama-tiny", "mamba2": "mamba2-tiny", "rwkv7": "rwkv7-tiny", "maskpredict": "maskpredict-tiny"}
+VOCAB = 512
+FILLER = 0
+KEYS = range(1, 256)
+VALUES = range(256, 511)
+MASK = 511
+HEAD_DIM = 32
+DEFAULT = {"widths": "64,128,256", "points": "8:64,16:128,32:256,64:512", "lrs": "1e-3,3e-3", "steps": 1500}
+QUICK = {"widths": "64,128", "points": "8:64,32:256", "lrs": "3e-3", "steps": 400}
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose refusals are one line on stderr and exit code 2."""
+
+    def error(self, message):
+        print(f"error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def model_values(family: str, width: int, layers: int) -> dict:
+    """Config values of `family` at model width `width` with `layers` blocks: the tiny preset, resized."""
+    values = read_json(CONFIG_DIR / f"{TINY[family]}.json")
+    heads = width // HEAD_DIM
+    if family in ("transformer", "maskpredict"):
+        values.update(hidden_size=width, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+                      head_dim=HEAD_DIM, intermediate_size=16 * math.ceil(8 * width / 3 / 16))
+        if family == "maskpredict":
+            values.update(mask_token_id=MASK, max_predicted_length=0)
+    elif family == "mamba2":
+        values.update(d_model=width, n_layer=layers, headdim=HEAD_DIM)
+    else:
+        values.update(hidden_size=width, num_hidden_layers=layers, head_dim=HEAD_DIM, intermediate_size=4 * width)
+    values["vocab_size"] = VOCAB
+    return values
+
+
+def build(family: str, width: int, layers: int, *, device, seed: int):
+    name = f"{family}-mqar-w{width}"
+    return decoders.family_class(family).from_preset(model_values(family, width, layers), name, seed=seed, device=device,
+                                                     dtype=torch.float32, impl="ref")
+
+
+def mqar_batch(batch: int, pairs: int, seq_len: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequences [batch, seq_len] and the bool [batch, seq_len] positions of the answers (on the CPU)."""
+    keys = torch.rand(batch, len(KEYS), generator=generator).argsort(-1)[:, :pairs] + KEYS.start
+    values = torch.randint(VALUES.start, VALUES.stop, (batch, pairs), generator=generator)
+    order = torch.rand(batch, pairs, generator=generator).argsort(-1)
+    context = torch.stack([keys, values], -1).flatten(1)  # [B, 2n]
+    queries = torch.stack([keys.gather(1, order), values.gather(1, order)], -1).flatten(1)  # [B, 2n]
+    filler = torch.full((batch, seq_len - 4 * pairs), FILLER, dtype=torch.long)
+    tokens = torch.cat([context, filler, queries], 1)
+    answers = torch.zeros(batch, seq_len, dtype=torch.bool)
+    answers[:, seq_len - 2 * pairs + 1 :: 2] = True
+    return tokens, answers
+
+
+def answer_logits(dec, tokens: torch.Tensor, answers: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits [A, V] the model gives each answer position and the answers [A]: the autoregressive
+    families read the position before it, Mask-Predict the masked position itself."""
+    model = dec.model
+    if dec.family == "maskpredict":
+        logits = model(torch.where(answers, MASK, tokens))
+        return logits[answers], tokens[answers]
+    kwargs = {"impl": "ref"} if "impl" in inspect.signature(model.forward).parameters else {}
+    logits = model(tokens[:, :-1], **kwargs)
+    return logits[answers[:, 1:]], tokens[answers]
+
+
+def accuracy(dec, pairs: int, seq_len: int, *, sequences: int, batch: int, seed: int) -> float:
+    """Fraction of the answers of `sequences` held-out sequences whose argmax is right."""
+    gen = torch.Generator().manual_seed(1_000_003 + seed)
+    right = total = 0
+    dec.model.eval()
+    with torch.no_grad():
+        for start in range(0, sequences, batch):
+            tokens, answers = mqar_batch(min(batch, sequences - start), pairs, seq_len, gen)
+            logits, target = answer_logits(dec, tokens.to(dec.device), answers.to(dec.device))
+            right += (logits.argmax(-1) == target).sum().item()
+            total += target.numel()
+    return right / total
+
+
+def train_point(family: str, width: int, pairs: int, seq_len: int, lr: float, a, device) -> dict:
+    """Train one model on MQAR and measure it: the JSON record of the run."""
+    torch.manual_seed(a.seed)
+    dec = build(family, width, a.layers, device=device, seed=a.seed)
+    model = dec.model
+    model.train()
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95),
+                            fused=device.type == "cuda")
+    gen = torch.Generator().manual_seed(a.seed)
+    warmup = max(1, a.steps // 20)
+    t0 = time.perf_counter()
+    loss = torch.zeros(())
+    for step in range(a.steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, a.steps, lr, warmup)
+        tokens, answers = mqar_batch(a.batch, pairs, seq_len, gen)
+        with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            logits, target = answer_logits(dec, tokens.to(device, non_blocking=True), answers.to(device, non_blocking=True))
+            loss = F.cross_entropy(logits.float(), target)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    train_s = time.perf_counter() - t0
+    acc = accuracy(dec, pairs, seq_len, sequences=a.eval_sequences, batch=a.batch, seed=a.seed)
+    return {"kind": "mqar", "family": family, "width": width, "layers": a.layers, "pairs": pairs, "seq_len": seq_len, "lr": lr,
+            "steps": a.steps, "batch": a.batch, "seed": a.seed, "acc": acc, "final_loss": loss.item(),
+            "params": sum(p.numel() for p in model.parameters()), "state_bytes": dec.memory(1, seq_len).state_bytes,
+            "train_s": train_s, "config": model_values(family, width, a.layers), **environment(device)}
+
+
+def key(r: dict) -> tuple:
+    return r["family"], r["width"], r["layers"], r["pairs"], r["seq_len"], r["lr"], r["steps"], r["batch"], r["seed"]
+
+
+def read_records(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def grid(a) -> list[dict]:
+    """Every run of the sweep, as the identifying fields of its record."""
+    return [{"family": f, "width": w, "layers": a.layers, "pairs": n, "seq_len": t, "lr": lr, "steps": a.steps, "batch": a.batch, "seed": a.seed}
+            for (n, t) in a.points for w in a.widths for f in a.families for lr in a.lrs]
+
+
+def run_worker(a, index: int, count: int) -> None:
+    """Train this worker's share (every count-th run from index) of the runs not yet recorded."""
+    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    path = Path(a.out) / "mqar.jsonl"
+    done = {key(r) for r in read_records(path)}
+    todo = [g for g in grid(a) if key(g) not in done]
+    for run in todo[index::count]:
+        record = train_point(run["family"], run["width"], run["pairs"], run["seq_len"], run["lr"], a, device)
+        append_jsonl(path, record)
+        print(f"{run['family']:<12} width {run['width']:>4}  pairs {run['pairs']:>3}  seq {run['seq_len']:>4}  lr {run['lr']:.0e}: "
+              f"acc {record['acc']:.3f} ({record['train_s']:.0f} s)", flush=True)
+
+
+def best(records: list[dict]) -> dict[tuple, dict]:
+    """The best-learning-rate record of each (family, width, pairs, seq_len)."""
+    out = {}
+    for r in records:
+        k = (r["family"], r["width"], r["pairs"], r["seq_len"])
+        if k not in out or r["acc"] > out[k]["acc"]:
+            out[k] = r
+    return out
+
+
+def plot(points: dict[tuple, dict], out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    cells = sorted({(n, t) for _, _, n, t in points})
+    families = [f for f in FAMILIES if any(k[0] == f for k in points)]
+    fig, axes = plt.subplots(1, len(cells), figsize=(4 * len(cells), 3.6), squeeze=False, sharey=True)
+    for ax, (n, t) in zip(axes[0], cells):
+        for family in families:
+            xs = sorted(w for f, w, n2, t2 in points if (f, n2, t2) == (family, n, t))
+            ax.plot(xs, [points[(family, w, n, t)]["acc"] for w in xs], marker="o", label=family)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{n} pairs, seq {t}", fontsize=9)
+        ax.set_xlabel("model width")
+        ax.set_ylim(-0.02, 1.02)
+    axes[0][0].set_ylabel("MQAR accuracy")
+    axes[0][-1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "mqar_width.png", dpi=120)
+    plt.close(fig)
+    written.append(str(out / "mqar_width.png"))
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    markers = "osD^vP*X"
+    for i, family in enumerate(families):
+        for j, (n, t) in enumerate(cells):
+            rows = sorted((r["state_bytes"], r["acc"]) for k, r in points.items() if k[0] == family and (k[2], k[3]) == (n, t))
+            if rows:
+                ax.plot(*zip(*rows), marker=markers[j % len(markers)], color=f"C{i}", label=f"{family}, {n} pairs")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("state bytes at seq_len (fp32 state; KV cache for attention)")
+    ax.set_ylabel("MQAR accuracy")
+    ax.set_ylim(-0.02, 1.02)
+    ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(out / "mqar_state.png", dpi=120)
+    plt.close(fig)
+    written.append(str(out / "mqar_state.png"))
+    return written
+
+
+def table(points: dict[tuple, dict]) -> str:
+    cells = sorted({(n, t) for _, _, n, t in points})
+    lines = ["| family | width | state bytes (longest) | " + " | ".join(f"{n} pairs / {t}" for n, t in cells) + " |",
+             "|" + "---|" * (3 + len(cells))]
+    for family in FAMILIES:
+        for width in sorted({w for f, w, _, _ in points if f == family}):
+            row = [points.get((family, width, n, t)) for n, t in cells]
+            state = max(r["state_bytes"] for r in row if r)
+            lines.append(f"| {family} | {width} | {state:,} | " + " | ".join("" if r is None else f"{r['acc']:.3f}" for r in row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def parse_args(argv=None):
+    p = Parser(prog="python -m eval.mqar_sweep", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="results/quality/mqar", help="folder of mqar.jsonl and the plots (default results/quality/mqar)")
+    p.add_argument("--families", default=",".join(FAMILIES))
+    p.add_argument("--widths", help=f"model widths, multiples of {HEAD_DIM} (default {DEFAULT['widths']})")
+    p.add_argument("--points", help=f"pairs:seq_len list, 4 * pairs <= seq_len (default {DEFAULT['points']})")
+    p.add_argument("--lrs", help=f"learning rates, the best one counts (default {DEFAULT['lrs']})")
+    p.add_argument("--steps", type=int, help=f"training steps per run (default {DEFAULT['steps']})")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--eval-sequences", type=int, default=1000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help=f"the small grid: widths {QUICK['widths']}, points {QUICK['points']}, "
+                                                        f"lr {QUICK['lrs']}, {QUICK['steps']} steps (explicit options still win)")
+    p.add_argument("--gpus", type=int, help="worker processes, one per GPU (default: every visible GPU; 1 on the CPU)")
+    p.add_argument("--device", help="device of a single worker (default cuda when present, else cpu)")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    preset = QUICK if a.quick else DEFAULT
+    try:
+        a.families = [f for f in a.families.split(",") if f]
+        unknown = [f for f in a.families if f not in FAMILIES]
+        if unknown or not a.families:
+            p.error(f"--families: unknown {', '.join(unknown) or '(none given)'} (known: {', '.join(FAMILIES)})")
+        a.widths = int_list(a.widths or preset["widths"])
+        a.points = [tuple(int(x) for x in item.split(":")) for item in (a.points or preset["points"]).split(",") if item]
+        a.lrs = [float(x) for x in (a.lrs or preset["lrs"]).split(",") if x]
+    except ValueError as e:
+        p.error(f"a number list could not be read ({e})")
+    a.steps = preset["steps"] if a.steps is None else a.steps
+    if not a.widths or any(w < HEAD_DIM or w % HEAD_DIM for w in a.widths):
+        p.error(f"--widths must be multiples of {HEAD_DIM}, got {a.widths}")
+    for point in a.points:
+        if len(point) != 2 or point[0] < 1 or point[0] > len(KEYS) or 4 * point[0] > point[1]:
+            p.error(f"--points: {':'.join(map(str, point))} is not pairs:seq_len with 1 <= pairs <= {len(KEYS)} and 4 * pairs <= seq_len")
+    if not a.points or not a.lrs or any(lr <= 0 for lr in a.lrs):
+        p.error("--points and --lrs need at least one entry, learning rates positive")
+    for name in ("steps", "batch", "layers", "eval_sequences"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if a.worker is None and a.gpus is not None and (a.gpus < 1 or a.gpus > max(1, torch.cuda.device_count())):
+        p.error(f"--gpus {a.gpus}: {torch.cuda.device_count()} visible")
+    return a
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    a = parse_args(argv)
+    out = Path(a.out)
+    with decoders.user_errors():
+        if a.worker:
+            index, count = (int(x) for x in a.worker.split("/"))
+            run_worker(a, index, count)
+            return
+        out.mkdir(parents=True, exist_ok=True)
+        workers = a.gpus or max(1, torch.cuda.device_count())
+        if workers == 1:
+            run_worker(a, 0, 1)
+        else:
+            # One process per GPU, each on its own device, all appending to the same mqar.jsonl.
+            procs = [subprocess.Popen([sys.executable, "-m", "eval.mqar_sweep", *argv, "--worker", f"{i}/{workers}"],
+                                      env={**os.environ, "CUDA_VISIBLE_DEVICES": str(i)}) for i in range(workers)]
+            codes = [proc.wait() for proc in procs]
+            if any(codes):
+                print(f"error: a worker failed (exit codes {codes}); finished runs are in {out / 'mqar.jsonl'}, rerun to resume", file=sys.stderr)
+                raise SystemExit(1)
+    wanted = {key(g) for g in grid(a)}
+    points = best([r for r in read_records(out / "mqar.jsonl") if key(r) in wanted])
+    text = table(points)
+    (out / "mqar.md").write_text(text)
+    print(text)
+    plots = plot(points, out)
+    summary = {f"{f}/w{w}/n{n}/t{t}": r["acc"] for (f, w, n, t), r in sorted(points.items())}
+    print(json.dumps({"jsonl": str(out / "mqar.jsonl"), "table": str(out / "mqar.md"), "plots": plots, "acc": summary}))
+
+
+if __name__ == "__main__":
+    main()

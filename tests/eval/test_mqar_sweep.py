@@ -1,0 +1,91 @@
+"""eval.mqar_sweep: the synthetic MQAR sequences, the accuracy read at the right positions (an oracle
+scores 1, a shifted oracle 0), a tiny grid end to end with resumption, and one-line refusals."""
+
+import json
+
+import pytest
+import torch
+
+from eval import mqar_sweep
+
+
+def test_answers_are_the_values_paired_with_their_query_keys():
+    tokens, answers = mqar_sweep.mqar_batch(16, 5, 32, torch.Generator().manual_seed(0))
+    assert tokens.shape == answers.shape == (16, 32) and answers.sum(1).tolist() == [5] * 16
+    for row, mask in zip(tokens.tolist(), answers.tolist()):
+        pairs = dict(zip(row[0:10:2], row[1:10:2]))
+        assert len(pairs) == 5 and all(k in mqar_sweep.KEYS and v in mqar_sweep.VALUES for k, v in pairs.items())
+        queries = [(row[i - 1], row[i]) for i, m in enumerate(mask) if m]
+        assert sorted(k for k, _ in queries) == sorted(pairs) and all(pairs[k] == v for k, v in queries)
+        assert set(row[10:22]) == {mqar_sweep.FILLER}
+
+
+class Oracle(torch.nn.Module):
+    """Logits that put all mass on the answer: the value paired with the key just read (or, for
+    Mask-Predict, with the key before the masked position); `shift` offsets every answer."""
+
+    def __init__(self, masked: bool, shift: int = 0):
+        super().__init__()
+        self.masked, self.shift = masked, shift
+
+    def forward(self, tokens):
+        B, T = tokens.shape
+        out = torch.zeros(B, T, mqar_sweep.VOCAB)
+        for b, row in enumerate(tokens.tolist()):
+            pairs = {}
+            for i in range(0, T - 1):
+                if row[i] in mqar_sweep.KEYS and row[i + 1] in mqar_sweep.VALUES and row[i] not in pairs:
+                    pairs[row[i]] = row[i + 1]
+            for i in range(T):
+                key = row[i - 1] if self.masked else row[i]
+                if (row[i] == mqar_sweep.MASK or not self.masked) and key in pairs:
+                    out[b, i, (pairs[key] + self.shift - 256) % 255 + 256] = 1.0
+        return out
+
+
+@pytest.mark.parametrize("family", ["transformer", "maskpredict"])
+def test_accuracy_reads_the_answer_positions(family):
+    class Dec:
+        device = torch.device("cpu")
+
+    dec = Dec()
+    dec.family = family
+    dec.model = Oracle(masked=family == "maskpredict")
+    assert mqar_sweep.accuracy(dec, 6, 40, sequences=10, batch=4, seed=0) == 1.0
+    dec.model = Oracle(masked=family == "maskpredict", shift=1)
+    assert mqar_sweep.accuracy(dec, 6, 40, sequences=10, batch=4, seed=0) == 0.0
+
+
+def test_tiny_grid_records_every_run_and_resumes(tmp_path, capsys):
+    args = ["--out", str(tmp_path), "--widths", "32", "--points", "2:16", "--steps", "2", "--lrs", "1e-3", "--eval-sequences", "4", "--batch", "2", "--device", "cpu"]
+    mqar_sweep.main(args)
+    records = [json.loads(line) for line in (tmp_path / "mqar.jsonl").read_text().splitlines()]
+    assert sorted(r["family"] for r in records) == sorted(mqar_sweep.FAMILIES)
+    assert all(r["state_bytes"] > 0 and r["params"] > 0 and r["steps"] == 2 for r in records)
+    # Attention's state is the KV cache at seq_len: 2 layers x K and V x 32 dims x 16 positions x fp32.
+    assert next(r for r in records if r["family"] == "transformer")["state_bytes"] == 2 * 2 * 32 * 16 * 4
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(summary["acc"]) == {f"{f}/w32/n2/t16" for f in mqar_sweep.FAMILIES}
+    assert (tmp_path / "mqar_width.png").stat().st_size > 0 and (tmp_path / "mqar_state.png").stat().st_size > 0
+    # A rerun trains nothing new, and one more width trains only its runs.
+    mqar_sweep.main(args)
+    assert len((tmp_path / "mqar.jsonl").read_text().splitlines()) == 4
+    mqar_sweep.main([*args[:3], "32,64", *args[4:], "--families", "mamba2"])
+    lines = [json.loads(line) for line in (tmp_path / "mqar.jsonl").read_text().splitlines()]
+    assert len(lines) == 5 and lines[-1]["family"] == "mamba2" and lines[-1]["width"] == 64
+
+
+@pytest.mark.parametrize("bad, message", [
+    (["--points", "8:16"], "4 \\* pairs <= seq_len"),
+    (["--widths", "48"], "multiples of 32"),
+    (["--families", "gpt"], "unknown gpt"),
+    (["--lrs", "x"], "could not be read"),
+    (["--steps", "0"], "--steps must be >= 1"),
+])
+def test_bad_options_are_one_line_and_exit_2(bad, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        mqar_sweep.main(["--out", str(tmp_path), *bad])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.strip().splitlines()) == 1
+    assert __import__("re").search(message, err)
+    assert not (tmp_path / "mqar.jsonl").exists()
