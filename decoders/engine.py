@@ -66,8 +66,6 @@ from decoders.kv_cache import PagedKVCache
 from decoders.sampling import GREEDY, Sampling
 from declab_kernels.argmax import argmax
 
-AUTOREGRESSIVE = ("transformer", "mamba2", "rwkv7")
-
 
 class EngineFull(RuntimeError):
     """The waiting queue already holds `max_waiting` requests."""
