@@ -443,9 +443,12 @@ class ARRunner:
             return
         row, last = self.rows.index(seq), len(self.rows) - 1
         if row != last:
+            self.move_row(last, row)
+            # After the state copy: PyTorch kernels (launched without PDL) follow every state write
+            # before the next decode step, whose Mamba-2 kernels load their states before their PDL
+            # wait (`state_ready`; `enter` is followed by `write_rows` the same way).
             for buf in self.params.tensors:
                 buf[row] = buf[last]
-            self.move_row(last, row)
             self.rows[row] = self.rows[last]
         self.rows.pop()
         self.clear_row(last)
