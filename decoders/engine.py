@@ -194,7 +194,10 @@ class Scheduler:
         pool is short; False if `seq` itself had to go."""
         if self.kv is None:
             return True
-        missing = self.kv.blocks_needed(length) - len(self.kv.blocks[seq.kv_seq])
+        have = len(self.kv.blocks[seq.kv_seq])
+        if length <= have * self.kv.block_size:
+            return True
+        missing = self.kv.blocks_needed(length) - have
         while missing > self.kv.pool.num_free:
             victim = self.running[-1]
             self.preempt(victim)
