@@ -280,3 +280,16 @@ def test_the_measuring_command_appends_a_record_and_ends_with_json(tmp_path, cap
     with pytest.raises(SystemExit) as e:
         main(["--model", "llama-tiny", "--device", "cpu", "--ctx", "8", "--new-tokens", "8", "--out", str(out)])
     assert e.value.code == 2
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("preset", ["llama-tiny", "rwkv7-tiny"])
+def test_the_triton_path_under_the_interpreter_equals_decoding_alone(preset):
+    dec = decoders.load(preset, device="cpu", dtype="float32", impl="triton")
+    rng = random.Random(4)
+    requests = random_requests(rng, 3, max_prompt=20, new=(1, 5))
+    requests.append(Request([5, 6, 7], 4, sampling=Sampling(temperature=1.0, top_k=5, seed=3)))
+    engine = Engine(dec, max_batch=2, max_step_tokens=16, **({"num_blocks": 20} if preset == "llama-tiny" else {}))
+    got = engine.run(requests)
+    assert [got[f"req-{i}"] for i in range(3)] == [alone(dec, r) for r in requests[:3]]
+    assert len(got["req-3"]) == 4
