@@ -1017,7 +1017,7 @@ def build_parser():
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bf16 on a GPU, fp32 on a CPU)")
     p.add_argument("--impl", default="auto", choices=["auto", "triton", "ref"])
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    p.add_argument("--page-size", type=int, default=16, help="KV cache page size (transformer, Mask-Predict)")
+    p.add_argument("--page-size", type=int, default=16, help="KV cache page size (transformer)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="results/engine.jsonl", help="JSON lines file the result is appended to")
     return p
@@ -1059,8 +1059,11 @@ def main(argv=None) -> int:
     with decoders.user_errors():
         if args.batch < 1 or args.new_tokens < 1 or args.new_tokens >= args.ctx:
             raise UsageError(f"need --batch >= 1 and 1 <= --new-tokens < --ctx, got {args.batch}, {args.new_tokens}, {args.ctx}")
+        if decoders.family_of(args.model) == "maskpredict":
+            raise UsageError("the measuring command runs the autoregressive families (a Mask-Predict cohort is a static "
+                             "batch: python -m decoders.compare measures it)")
         dec = decoders.load(args.model, device=args.device, dtype=args.dtype, impl=args.impl, seed=args.seed,
-                            **({"page_size": args.page_size} if decoders.family_of(args.model) in ("transformer", "maskpredict") else {}))
+                            **({"page_size": args.page_size} if decoders.family_of(args.model) == "transformer" else {}))
         engine = Engine(dec, max_batch=args.batch, max_step_tokens=args.max_step_tokens, max_model_len=args.ctx)
         prompt_len = args.ctx - args.new_tokens
         # Warm-up: compiles and autotunes the kernels and captures the decode graph of this batch.
