@@ -178,13 +178,14 @@ class Scheduler:
         return out
 
     def _admit(self, seq: Sequence, n: int) -> bool:
+        """Give `seq` a slot or the blocks of its first `n` tokens; False (holding nothing) if there are none."""
+        if self.free_slots is not None and not self.free_slots:
+            return False
+        if self.kv is not None and self.kv.pool.num_free < self.kv.blocks_needed(n):
+            return False
         if self.free_slots is not None:
-            if not self.free_slots:
-                return False
             seq.slot = self.free_slots.pop()
         if self.kv is not None:
-            if self.kv.pool.num_free < self.kv.blocks_needed(n):
-                return False
             seq.kv_seq = self.kv.add_sequence()
             self.kv.reserve(seq.kv_seq, n)
         return True
@@ -766,8 +767,9 @@ class CanvasRunner:
 
 class Engine:
     """Continuous batching over one decoder (see the module docstring). Options beyond the API:
-    `num_blocks` / `kv_memory_bytes` size the transformer's block pool (default: 60% of the free GPU
-    memory, or room for max_batch sequences of 1024 tokens on the CPU), `max_model_len` caps
+    `num_blocks` / `kv_memory_bytes` size the transformer's block pool (default: room for max_batch
+    requests of max_model_len tokens within 60% of the free GPU memory; on the CPU, max_batch
+    requests of up to 1024 tokens), `max_model_len` caps
     prompt + max_new_tokens (default: the model's context, or the pool's), `cuda_graphs` (default:
     the decoder's setting)."""
 
@@ -821,10 +823,14 @@ class Engine:
         d = self.decoder
         c = d.config
         if num_blocks is None and kv_memory_bytes is None:
+            # Room for max_batch requests at the longest length (and the scratch block), within 60%
+            # of the free GPU memory; on the CPU, max_batch requests of up to 1024 tokens.
             if d.device.type == "cuda":
-                kv_memory_bytes = int(0.6 * torch.cuda.mem_get_info(d.device)[0])
+                per_block = 2 * c.num_hidden_layers * d.page_size * c.num_key_value_heads * c.head_dim * d.dtype.itemsize
+                full = self.max_batch * -(-self.max_model_len // d.page_size) + 1
+                num_blocks = min(full, int(0.6 * torch.cuda.mem_get_info(d.device)[0]) // per_block)
             else:
-                num_blocks = self.max_batch * -(-min(self.max_model_len or 1024, 1024) // d.page_size) + 1
+                num_blocks = self.max_batch * -(-min(self.max_model_len, 1024) // d.page_size) + 1
         try:
             return PagedKVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, block_size=d.page_size,
                                 num_blocks=num_blocks, memory_bytes=kv_memory_bytes, dtype=d.dtype, device=d.device)
