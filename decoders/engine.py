@@ -769,9 +769,8 @@ class Engine:
     """Continuous batching over one decoder (see the module docstring). Options beyond the API:
     `num_blocks` / `kv_memory_bytes` size the transformer's block pool (default: room for max_batch
     requests of max_model_len tokens within 60% of the free GPU memory; on the CPU, max_batch
-    requests of up to 1024 tokens), `max_model_len` caps
-    prompt + max_new_tokens (default: the model's context, or the pool's), `cuda_graphs` (default:
-    the decoder's setting)."""
+    requests of up to 1024 tokens), `max_model_len` caps prompt + max_new_tokens (default: the
+    model's context, or what the pool holds), `cuda_graphs` (default: the decoder's setting)."""
 
     def __init__(self, decoder, max_batch: int = 64, max_step_tokens: int = 2048, max_waiting: int | None = None, *,
                  num_blocks: int | None = None, kv_memory_bytes: int | None = None, max_model_len: int | None = None,
@@ -901,8 +900,10 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """One scheduling iteration: admit, prefill chunks, one decode forward; outputs of the requests
-        that gained tokens or finished."""
+        """One scheduling iteration: admit, prefill chunks, one decode forward (Mask-Predict: one pass
+        of every cohort); outputs of the requests that gained tokens or finished. For the
+        autoregressive families the tokens are those of the previous call's launch (one step of
+        lookahead, see the module docstring)."""
         start = time.perf_counter()
         if self.family == "maskpredict":
             outputs = self._step_canvas()
