@@ -857,6 +857,10 @@ class Engine:
         if self.max_model_len is not None and len(prompt) + n > self.max_model_len:
             raise UsageError(f"prompt of {len(prompt)} tokens + max_new_tokens {n} is over the engine's maximum of "
                              f"{self.max_model_len} tokens")
+        stop_ids = tuple(request.stop_token_ids or ())
+        if any(isinstance(t, bool) or not isinstance(t, int) for t in stop_ids):
+            raise UsageError(f"stop_token_ids must be integers, got {stop_ids!r}")
+        stop = frozenset(stop_ids)
         if self.family == "maskpredict":
             self._check_canvas(n)
         rid = request.request_id
@@ -868,7 +872,6 @@ class Engine:
             raise UsageError(f"request_id {rid!r} must be a string not already in the engine")
         if self.max_waiting is not None and len(self.scheduler.waiting) >= self.max_waiting:
             raise EngineFull(f"the engine's queue is full ({self.max_waiting} waiting requests)")
-        stop = frozenset(int(t) for t in request.stop_token_ids)
         seq = Sequence(request=request, id=rid, tokens=list(prompt), prompt_len=len(prompt), stop=stop)
         self.seqs[rid] = seq
         self.scheduler.add(seq)

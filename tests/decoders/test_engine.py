@@ -226,6 +226,7 @@ def test_user_errors_are_refused_before_anything_runs():
         (Request([1, 2], 0), "max_new_tokens"),
         (Request([1, 600], 4), "outside the vocabulary"),
         (Request([1] * 100, 20), "maximum"),
+        (Request([1, 2], 4, stop_token_ids=(None,)), "stop_token_ids"),
     ]:
         with pytest.raises(UsageError, match=message):
             engine.add_request(bad)
