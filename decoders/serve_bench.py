@@ -558,6 +558,8 @@ def plan_loads(args) -> list[dict]:
     if args.workload is not None:
         if args.rate is not None or args.users is not None:
             raise ArgError("--workload replays a saved workload: give neither --rate nor --users")
+        # Read now, so that a file that is not a workload is refused before any model loads.
+        wl.load(args.workload)
         return [{"replay": args.workload}]
     if not args.duration > 0:
         raise ArgError(f"--duration must be > 0 seconds, got {args.duration:g}")
