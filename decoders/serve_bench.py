@@ -46,6 +46,8 @@ from decoders.harness import percentile
 DEFAULT_GPU_HOUR_PRICE = 4.0
 SLO_KEYS = ("ttft", "itl", "e2e")
 WARMUP_OUTPUT_TOKENS = 8
+# The warm-up burst's prompts are short: a burst of full-length prompts may not fit in the cache.
+WARMUP_PROMPT_TOKENS = 16
 
 
 class ArgError(UsageError):
@@ -460,7 +462,7 @@ def idle_samples(run, workload: wl.Workload, vocab_size: int) -> list[tuple[int,
     (the second run kept: the first may compile kernels for that length)."""
     by_length = sorted(workload.items, key=lambda item: len(item.prompt))
     samples = []
-    for item in dict.fromkeys((by_length[0], by_length[-1]), None) if len(by_length) > 1 else by_length:
+    for item in {len(item.prompt): item for item in (by_length[0], by_length[-1])}.values():
         alone = wl.Workload({"arrivals": "closed", "users": 1}, vocab_size, [wl.WorkItem(i, None, item.prompt, WARMUP_OUTPUT_TOKENS) for i in range(2)])
         trace = run(alone)[-1]
         if trace.ok:
@@ -469,12 +471,14 @@ def idle_samples(run, workload: wl.Workload, vocab_size: int) -> list[tuple[int,
 
 
 def warm_up(run, workload: wl.Workload, vocab_size: int, burst: int):
-    """Compile and capture before timing: `burst` requests at once at the shortest prompt, then the
-    idle TTFT samples. Returns (idle TTFT function or None, seconds spent)."""
+    """Compile and capture before timing, then take the idle TTFT samples. The warm-up burst is
+    `burst` short requests at once, the i-th asking for WARMUP_OUTPUT_TOKENS + i tokens, so that the
+    running batch shrinks through every size from `burst` to 1 (a size's first step may compile or
+    capture a graph). Returns (idle TTFT function or None, seconds spent)."""
     t0 = time.perf_counter()
-    shortest = min(workload.items, key=lambda item: len(item.prompt))
+    prompt = min(workload.items, key=lambda item: len(item.prompt)).prompt[:WARMUP_PROMPT_TOKENS]
     run(wl.Workload({"arrivals": "closed", "users": burst}, vocab_size,
-                    [wl.WorkItem(i, None, shortest.prompt, WARMUP_OUTPUT_TOKENS) for i in range(burst)]))
+                    [wl.WorkItem(i, None, prompt, WARMUP_OUTPUT_TOKENS + i) for i in range(burst)]))
     samples = idle_samples(run, workload, vocab_size)
     return (idle_ttft_line(samples) if samples else None), time.perf_counter() - t0
 

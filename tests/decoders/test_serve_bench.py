@@ -4,6 +4,7 @@ engine on a simulated clock, the HTTP driver against a stand-in streaming server
 import asyncio
 import json
 import math
+import time
 from collections import deque
 from types import SimpleNamespace
 
@@ -31,10 +32,11 @@ class StandInEngine:
     """The engine's contract on the simulated clock: a step takes `step_s`, admits waiting requests up
     to `max_batch` and gives every running request one token (its first in the step that admits it)."""
 
-    def __init__(self, clock, step_s=0.1, max_batch=2):
+    def __init__(self, clock, step_s=0.1, max_batch=2, advance=None):
         self.clock, self.step_s, self.max_batch = clock, step_s, max_batch
+        self.advance = advance or clock.sleep
         self.waiting, self.running, self.left, self.added = deque(), [], {}, {}
-        self.most_running = 0
+        self.most_running = self.steps = 0
 
     def add_request(self, request):
         rid = str(len(self.added))
@@ -46,8 +48,12 @@ class StandInEngine:
     def has_unfinished(self):
         return bool(self.waiting or self.running)
 
+    def stats(self):
+        return {"steps": self.steps, "running": len(self.running), "waiting": len(self.waiting)}
+
     def step(self):
-        self.clock.t += self.step_s
+        self.advance(self.step_s)
+        self.steps += 1
         while self.waiting and len(self.running) < self.max_batch:
             self.running.append(self.waiting.popleft())
         self.most_running = max(self.most_running, len(self.running))
@@ -259,3 +265,51 @@ def test_the_plot_draws_every_model(tmp_path):
     records.append({**records[0], "rate": "inf", "output_tok_s": 80.0})
     sb.plot_throughput_latency(records, str(tmp_path / "curve.png"))
     assert (tmp_path / "curve.png").stat().st_size > 10_000
+
+
+class StandInTarget(sb.EngineTarget):
+    """The CLI's in-process target on the stand-in engine in real time (1 ms a step), no model loaded."""
+
+    def __init__(self, model, args):
+        self.engine = StandInEngine(time.perf_counter, step_s=0.001, max_batch=args.max_batch, advance=time.sleep)
+        self.vocab_size, self.max_context, self.device = 32, 64, torch.device("cpu")
+
+    def run(self, workload, duration_s=None, on_finish=None):
+        return sb.drive_engine(self.engine, workload, duration_s=duration_s, on_finish=on_finish, make_request=lambda item: item)
+
+    def describe(self):
+        return {"target": "engine", "family": "transformer", "engine_stats": self.engine.stats()}
+
+
+def test_the_cli_appends_a_record_per_point_saves_each_workload_and_replays_it(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(sb, "EngineTarget", StandInTarget)
+    out = tmp_path / "runs" / "sb.jsonl"
+    argv = ["--no-progress", "--models", "llama-tiny", "--out", str(out), "--prompt-len", "4..8", "--output-len", "3", "--duration", "0.2",
+            "--max-batch", "4", "--slo", "ttft=1s,itl=1s", "--plot", str(tmp_path / "curve.png")]
+    assert sb.main([*argv, "--rate", "50,inf"]) == 0
+    stdout = capsys.readouterr().out.strip().splitlines()
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["arrivals"], r["rate"], r["requests"], r["finished"], r["status"]) for r in records] == [("poisson", 50.0, 10, 10, "ok"), ("poisson", "inf", 10, 10, "ok")]
+    assert all(r["slo_met"] == 10 and r["slo_p99_met"] and r["git_sha"] and r["command"] for r in records)
+    assert records[0]["engine_stats"]["point"]["steps"] >= 3 and records[1]["ttft_ms_p99"] > 0
+    last = json.loads(stdout[-1])
+    assert [p["rate"] for p in last["points"]] == [50.0, "inf"] and len(stdout[-1]) < 2000
+    assert any("TTFT p50" in line for line in stdout) and (tmp_path / "curve.png").exists()
+    saved = wl.load(records[0]["workload_file"])
+    assert saved.spec == records[0]["workload"] and len(saved.items) == 10
+    assert sb.main(argv[:-2] + ["--workload", records[0]["workload_file"]]) == 0
+    replayed = [json.loads(line) for line in out.read_text().splitlines()][-1]
+    assert replayed["workload"] == records[0]["workload"] and replayed["workload_file"] == records[0]["workload_file"]
+    assert replayed["prompt_tokens"] == records[0]["prompt_tokens"] and replayed["output_tokens"] == 30
+
+
+def test_the_cli_sweeps_closed_loops_and_bursty_arrivals(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(sb, "EngineTarget", StandInTarget)
+    out = tmp_path / "sb.jsonl"
+    base = ["--no-progress", "--models", "llama-tiny", "--out", str(out), "--prompt-len", "4", "--output-len", "2", "--max-batch", "8"]
+    assert sb.main([*base, "--users", "1,3", "--requests", "6"]) == 0
+    assert sb.main([*base, "--rate", "40", "--duration", "0.25", "--arrivals", "poisson,bursty", "--burst-period", "0.1"]) == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["arrivals"], r["users"], r["finished"]) for r in records] == [("closed", 1, 6), ("closed", 3, 6), ("poisson", None, 10), ("bursty", None, 10)]
+    assert records[3]["workload"]["amplitude"] == 0.4 and records[2]["workload"]["amplitude"] is None
+    assert records[2]["queue_ms_mean"] is not None and records[0]["energy_j"] is None and "no GPU" in records[0]["power_note"]
