@@ -211,10 +211,19 @@ def completion_body(item: wl.WorkItem, model: str | None) -> dict:
     return body
 
 
+def event_tokens(choice: dict) -> int:
+    """Tokens one streamed choice carries: its `token_ids` when the server sends them; else one,
+    unless it is a closing event with no text."""
+    if "token_ids" in choice:
+        return len(choice["token_ids"] or ())
+    text = choice.get("text") or (choice.get("delta") or {}).get("content")
+    return 1 if text or choice.get("finish_reason") is None else 0
+
+
 async def send_request(session, url: str, item: wl.WorkItem, trace: Trace, model: str | None, t0: float) -> None:
-    """POST one streamed completion and stamp each server-sent event that carries tokens. An event
-    counts len(choices[0].token_ids) tokens when the server sends them, else one; a final `usage`
-    (completion_tokens) sets the request's token count."""
+    """POST one streamed completion and stamp each server-sent event that carries tokens
+    (`event_tokens`); a `usage` (completion_tokens) sets the request's token count, an `error` event
+    fails the request."""
     import aiohttp
 
     try:
@@ -233,8 +242,11 @@ async def send_request(session, url: str, item: wl.WorkItem, trace: Trace, model
                 if data == "[DONE]":
                     break
                 event = json.loads(data)
+                if "error" in event:
+                    trace.error = f"server error: {event['error'].get('message', event['error'])}"
+                    break
                 for choice in event.get("choices") or []:
-                    trace.add_tokens(now, len(choice.get("token_ids") or ()) or 1)
+                    trace.add_tokens(now, event_tokens(choice))
                     trace.finish_reason = choice.get("finish_reason") or trace.finish_reason
                 if usage := event.get("usage"):
                     trace.output_tokens = usage.get("completion_tokens", trace.output_tokens)
@@ -494,7 +506,8 @@ class EngineTarget:
         options = {"page_size": args.page_size} if family in ("transformer", "maskpredict") else {}
         self.decoder = decoders.load(model, device=args.device, dtype=args.dtype, impl=args.impl, seed=args.seed, **options)
         self.engine = Engine(self.decoder, max_batch=args.max_batch, max_step_tokens=args.max_step_tokens)
-        self.vocab_size, self.max_context, self.device = self.decoder.vocab_size, self.decoder.max_context, self.decoder.device
+        # The engine's limit, which its KV pool can make shorter than the model's context.
+        self.vocab_size, self.max_context, self.device = self.decoder.vocab_size, self.engine.max_model_len, self.decoder.device
 
     def run(self, workload, duration_s=None, on_finish=None):
         return drive_engine(self.engine, workload, duration_s=duration_s, on_finish=on_finish)
@@ -682,9 +695,21 @@ def point_workload(args, load: dict, target, model: str, lengths) -> tuple[wl.Wo
     return workload, str(path)
 
 
-def numeric_delta(after: dict, before: dict) -> dict:
-    """after - before for the numeric fields the engine counts up (steps, tokens, host time, ...)."""
-    return {k: v - before[k] for k, v in after.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and isinstance(before.get(k), (int, float))}
+ENGINE_COUNTERS = ("finished", "preemptions", "tokens_generated", "steps", "host_s_total", "step_s_total")
+
+
+def engine_point_stats(before: dict, after: dict) -> dict:
+    """What the engine counted during one point (its counters after minus before), with the host's
+    share of step time (what the step spent outside waiting for the device) and tokens per step."""
+    point = {k: after[k] - before[k] for k in ENGINE_COUNTERS if k in after and k in before}
+    steps, step_s, host_s = point.get("steps"), point.get("step_s_total"), point.get("host_s_total")
+    if steps:
+        point["tokens_per_step"] = point.get("tokens_generated", 0) / steps
+        if host_s is not None:
+            point["host_ms_per_step"] = host_s / steps * 1e3
+    if step_s and host_s is not None:
+        point["host_fraction"] = host_s / step_s
+    return point
 
 
 def run_point(args, target, model, workload, source, slo, env, idle, warmup_s, progress) -> dict:
@@ -700,7 +725,7 @@ def run_point(args, target, model, workload, source, slo, env, idle, warmup_s, p
         traces = target.run(workload, duration_s=args.duration if workload.closed else None, on_finish=(lambda t: progress.update()) if progress else None)
     described = target.describe()
     if before is not None:
-        described["engine_stats"] = {"point": numeric_delta(described["engine_stats"], before), "after": described["engine_stats"]}
+        described["engine_stats"] = {"point": engine_point_stats(before, described["engine_stats"]), "after": described["engine_stats"]}
     record.update(described)
     record.update(model=model, status="ok", **summarize(traces, slo=slo, gpu_hour_price=args.gpu_hour_price, energy_j=meter.energy_j, idle_ttft=idle))
     record.update(meter.describe())
@@ -712,7 +737,11 @@ def run_point(args, target, model, workload, source, slo, env, idle, warmup_s, p
 def short_summary(records: list[dict], env: dict, out: str) -> dict:
     """The last stdout line: the environment and a few figures per point (the full records are in --out)."""
     keys = ("model", "arrivals", "rate", "users", "status", "request_per_s", "output_tok_s", "ttft_ms_p99", "itl_ms_p99", "goodput_request_per_s")
-    return {"out": out, "git_sha": env["git_sha"], "device": env["device"], "points": [{k: r.get(k) for k in keys} for r in records]}
+
+    def short(value):
+        return float(f"{value:.4g}") if isinstance(value, float) else value
+
+    return {"out": out, "git_sha": env["git_sha"], "device": env["device"], "points": [{k: short(r.get(k)) for k in keys} for r in records]}
 
 
 def run(args) -> int:

@@ -49,7 +49,7 @@ class StandInEngine:
         return bool(self.waiting or self.running)
 
     def stats(self):
-        return {"steps": self.steps, "running": len(self.running), "waiting": len(self.waiting)}
+        return {"steps": self.steps, "running": len(self.running), "waiting": len(self.waiting), "host_s_total": 0.001 * self.steps, "step_s_total": 0.002 * self.steps}
 
     def step(self):
         self.advance(self.step_s)
@@ -251,6 +251,14 @@ def test_the_http_driver_streams_the_workload_and_times_each_event():
     assert len(closed) == 4 and all(t.ok for t in closed) and "model" not in seen[-1]
 
 
+def test_a_streamed_event_counts_its_token_ids_or_one_token_of_text():
+    assert sb.event_tokens({"text": "a b", "token_ids": [4, 5]}) == 2
+    assert sb.event_tokens({"text": "", "token_ids": [], "finish_reason": "abort"}) == 0
+    assert sb.event_tokens({"text": "", "finish_reason": None}) == 1
+    assert sb.event_tokens({"text": "", "finish_reason": "length"}) == 0
+    assert sb.event_tokens({"delta": {"content": "hi"}, "finish_reason": "length"}) == 1
+
+
 def test_energy_integrates_power_readings_and_is_none_on_a_cpu():
     with sb.PowerMeter(torch.device("cpu")) as meter:
         pass
@@ -291,7 +299,9 @@ def test_the_cli_appends_a_record_per_point_saves_each_workload_and_replays_it(t
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["arrivals"], r["rate"], r["requests"], r["finished"], r["status"]) for r in records] == [("poisson", 50.0, 10, 10, "ok"), ("poisson", "inf", 10, 10, "ok")]
     assert all(r["slo_met"] == 10 and r["slo_p99_met"] and r["git_sha"] and r["command"] for r in records)
-    assert records[0]["engine_stats"]["point"]["steps"] >= 3 and records[1]["ttft_ms_p99"] > 0
+    point = records[0]["engine_stats"]["point"]
+    assert point["steps"] >= 3 and point["host_fraction"] == pytest.approx(0.5) and point["host_ms_per_step"] == pytest.approx(1.0)
+    assert "running" not in point and records[1]["ttft_ms_p99"] > 0
     last = json.loads(stdout[-1])
     assert [p["rate"] for p in last["points"]] == [50.0, "inf"] and len(stdout[-1]) < 2000
     assert any("TTFT p50" in line for line in stdout) and (tmp_path / "curve.png").exists()
