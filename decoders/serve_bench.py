@@ -39,6 +39,7 @@ import torch
 
 from decoders import workload as wl
 from decoders.base import UsageError
+from decoders.compare import parse_ints
 from decoders.harness import percentile
 
 # Assumed price of one H200 GPU-hour in US dollars: a round figure within the on-demand list prices
@@ -108,16 +109,6 @@ def parse_rates(text: str) -> list[float]:
     return rates
 
 
-def parse_ints(text: str, name: str) -> list[int]:
-    try:
-        values = [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise ArgError(f"--{name} expects comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise ArgError(f"--{name} values must be integers >= 1, got {text!r}")
-    return values
-
-
 def parse_seconds(text: str, key: str) -> float:
     """'500ms', '0.5s' or '500' (milliseconds) -> seconds."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s)?\s*", text)
@@ -173,7 +164,7 @@ def drive_engine(engine, workload: wl.Workload, *, duration_s: float | None = No
         traces.append(trace)
         active[engine.add_request(make_request(item))] = trace
 
-    items = deque(workload.items)
+    items = deque(workload.items if workload.closed else sorted(workload.items, key=lambda item: item.arrival_s))
     if workload.closed:
         for _ in range(min(workload.users, len(items))):
             issue(items.popleft(), 0.0)
@@ -284,7 +275,7 @@ async def drive_http_async(base_url: str, workload: wl.Workload, *, model: str |
             await asyncio.gather(*(user() for _ in range(min(workload.users, len(items)))))
         else:
             tasks = []
-            for item in workload.items:
+            for item in sorted(workload.items, key=lambda item: item.arrival_s):
                 wait = item.arrival_s - (time.perf_counter() - t0)
                 if wait > 0:
                     await asyncio.sleep(wait)

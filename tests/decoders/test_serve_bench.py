@@ -329,6 +329,27 @@ def test_the_cli_sweeps_closed_loops_and_bursty_arrivals(tmp_path, capsys, monke
     assert records[2]["queue_ms_mean"] is not None and records[0]["energy_j"] is None and "no GPU" in records[0]["power_note"]
 
 
+def test_ctrl_c_keeps_the_finished_points(tmp_path, capsys, monkeypatch):
+    class Interrupted(StandInTarget):
+        points = 0
+
+        def run(self, workload, duration_s=None, on_finish=None):
+            # The warm-up's two runs, then the first point; the second point is interrupted.
+            Interrupted.points += 1
+            if Interrupted.points == 4:
+                raise KeyboardInterrupt
+            return super().run(workload, duration_s, on_finish)
+
+    monkeypatch.setattr(sb, "EngineTarget", Interrupted)
+    out = tmp_path / "sb.jsonl"
+    argv = ["--no-progress", "--models", "llama-tiny", "--out", str(out), "--prompt-len", "4", "--output-len", "2", "--rate", "100,inf", "--requests", "3"]
+    assert sb.main(argv) == 130
+    captured = capsys.readouterr()
+    assert "interrupted: 1 finished point(s) kept" in captured.err
+    assert [json.loads(line)["rate"] for line in out.read_text().splitlines()] == [100.0]
+    assert [p["rate"] for p in json.loads(captured.out.strip().splitlines()[-1])["points"]] == [100.0]
+
+
 def run_cli(*args, out):
     return subprocess.run([sys.executable, "-m", "decoders.serve_bench", "--no-progress", "--out", str(out), *args],
                           capture_output=True, text=True, timeout=600)
