@@ -32,7 +32,7 @@ import sys
 import threading
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -291,6 +291,19 @@ def drive_http(base_url: str, workload: wl.Workload, *, model: str | None = None
     return asyncio.run(drive_http_async(base_url, workload, model=model, duration_s=duration_s, on_finish=on_finish, timeout_s=timeout_s))
 
 
+def nvml_handle(device: torch.device, uuid: str | None):
+    """(pynvml, the device's NVML handle), or None when pynvml is missing or NVML refuses the device."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+        return pynvml, pynvml.nvmlDeviceGetHandleByUUID(uuid) if uuid is not None else pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
+    except pynvml.NVMLError:
+        return None
+
+
 class PowerMeter:
     """The GPU's energy over a run: NVML's energy counter (or its power readings every 50 ms) when
     pynvml imports, else `nvidia-smi` power readings every 100 ms; on a CPU, or without either, none.
@@ -306,28 +319,23 @@ class PowerMeter:
             return
         props = torch.cuda.get_device_properties(device)
         uuid = getattr(props, "uuid", None)
-        self.gpu_id = f"GPU-{uuid}" if uuid is not None else str(device.index or 0)
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            self.nvml = pynvml
-            self.handle = pynvml.nvmlDeviceGetHandleByUUID(self.gpu_id) if uuid is not None else pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
-            self.source = "nvml"
-        except Exception:
-            # pynvml missing, or NVML refusing this GPU: nvidia-smi is the next source.
-            self.nvml = None
-            if shutil.which("nvidia-smi"):
-                self.source = "nvidia-smi"
-            else:
-                self.reason = "neither pynvml nor nvidia-smi available: no power readings"
+        # By UUID, which NVML and nvidia-smi share whatever CUDA_VISIBLE_DEVICES renumbers.
+        self.gpu_id = str(device.index or 0) if uuid is None else str(uuid) if str(uuid).startswith("GPU-") else f"GPU-{uuid}"
+        nvml = nvml_handle(device, self.gpu_id if uuid is not None else None)
+        if nvml is not None:
+            (self.nvml, self.handle), self.source = nvml, "nvml"
+        elif shutil.which("nvidia-smi"):
+            self.source = "nvidia-smi"
+        else:
+            self.reason = "neither pynvml nor nvidia-smi available: no power readings"
 
     def __enter__(self):
         self.t_start = time.perf_counter()
         if self.source == "nvml":
             try:
                 self.start_mj = self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle)
-            except Exception:
+            except self.nvml.NVMLError:
+                # No energy counter on this GPU (before Volta): the power readings are integrated.
                 self.start_mj = None
             self.stop_event = threading.Event()
             self.thread = threading.Thread(target=self.poll_nvml, daemon=True)
