@@ -22,6 +22,7 @@ JSON document. Bad input is one line on stderr and exit code 2; Ctrl-C keeps the
 
 import argparse
 import asyncio
+import hashlib
 import json
 import math
 import re
@@ -561,8 +562,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the workload and the random weights")
     p.add_argument("--out", default="runs/serve_bench.jsonl", help="JSON lines file, appended point by point; workloads are saved beside it")
     p.add_argument("--plot", default=None, help="PNG: p99 TTFT and p99 ITL against output tokens/s, one line per model and arrival process")
+    p.add_argument("--replot", default=None, help="comma list of result files: draw --plot from them and exit (nothing is run)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
+
+
+def replot(files: str, path: str | None) -> int:
+    if path is None:
+        raise ArgError("--replot needs --plot FILE.png")
+    records = []
+    for name in (f.strip() for f in files.split(",") if f.strip()):
+        if not Path(name).is_file():
+            raise ArgError(f"--replot {name!r} is not a file")
+        with open(name) as f:
+            try:
+                records.extend(json.loads(line) for line in f if line.strip())
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise ArgError(f"--replot {name!r} is not a JSON lines file") from None
+    plot_throughput_latency(records, path)
+    print(f"plot of {len(records)} record(s) written to {path}", file=sys.stderr)
+    return 0
 
 
 def default_models(on_gpu: bool) -> str:
@@ -629,16 +648,20 @@ def format_table(records: list[dict]) -> str:
 
 def plot_throughput_latency(records: list[dict], path: str) -> None:
     """p99 TTFT and p99 ITL against output tokens/s, one line per (model, arrival process), in
-    order of offered load, each point labelled with its load."""
+    order of offered load, each point labelled with its load; a point found several times in
+    `records` is drawn from the last."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    series = {}
+    latest = {}
     for r in records:
         if r.get("status") == "ok" and r.get("output_tok_s"):
-            series.setdefault((r["model"], r["arrivals"]), []).append(r)
+            latest[r["model"], r["arrivals"], str(r.get("rate")), r.get("users")] = r
+    series = {}
+    for r in latest.values():
+        series.setdefault((r["model"], r["arrivals"]), []).append(r)
     fig, axes = plt.subplots(1, 2, figsize=(12, 5))
     for (model, arrivals), points in sorted(series.items()):
         points.sort(key=lambda r: (r.get("users") or 0, r["rate"] if isinstance(r.get("rate"), (int, float)) else math.inf))
@@ -661,12 +684,16 @@ def plot_throughput_latency(records: list[dict], path: str) -> None:
     plt.close(fig)
 
 
-def workload_path(out: str, model: str, load: dict, seed: int) -> Path:
-    """Where a point's workload is saved: beside --out, named by model, arrivals, load and seed."""
-    out = Path(out)
+def workload_path(out: str, model: str, workload: wl.Workload) -> Path:
+    """Where a point's workload is saved: beside --out, named by model, arrivals, load, seed and a
+    digest of its spec (so a later run with other lengths or counts does not overwrite the file an
+    earlier record names)."""
+    spec = workload.spec
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(model).name)
-    what = f"users{load['users']}" if load["users"] is not None else f"rate{load['rate']:g}"
-    return out.parent / f"{out.stem}.workloads" / f"{name}-{load['arrivals']}-{what}-seed{seed}.jsonl"
+    what = f"users{spec['users']}" if spec["users"] is not None else f"rate{spec['rate']}"
+    digest = hashlib.sha1(json.dumps([spec, workload.vocab_size], sort_keys=True).encode()).hexdigest()[:8]
+    out = Path(out)
+    return out.parent / f"{out.stem}.workloads" / f"{name}-{spec['arrivals']}-{what}-seed{spec['seed']}-{digest}.jsonl"
 
 
 def model_limits(model: str) -> tuple[int, int | None]:
@@ -689,7 +716,7 @@ def point_workload(args, load: dict, target, model: str, lengths) -> tuple[wl.Wo
     spec = wl.WorkloadSpec(arrivals=load["arrivals"], requests=load["requests"], prompt_len=lengths[0], output_len=lengths[1],
                            rate=load["rate"], users=load["users"], amplitude=args.burst_amplitude, period_s=args.burst_period, seed=args.seed)
     workload = wl.generate(spec, target.vocab_size, target.max_context)
-    path = workload_path(args.out, model, load, args.seed)
+    path = workload_path(args.out, model, workload)
     wl.save(workload, path)
     return workload, str(path)
 
@@ -749,6 +776,8 @@ def run(args) -> int:
     import decoders
     from declab_kernels.benchtools import append_jsonl, environment
 
+    if args.replot is not None:
+        return replot(args.replot, args.plot)
     on_gpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
     if args.models is None:
         print(f"defaults for this {'GPU' if on_gpu else 'CPU'}: --models {default_models(on_gpu)}", file=sys.stderr)
