@@ -363,7 +363,7 @@ def run_cli(*args, out):
 def test_the_cli_on_the_engine_with_tiny_models(tmp_path):
     out = tmp_path / "sb.jsonl"
     result = run_cli("--models", "llama-tiny,mamba2-tiny", "--rate", "20,inf", "--requests", "6", "--prompt-len", "8..24",
-                     "--output-len", "6", "--impl", "ref", "--slo", "ttft=10s,itl=10s", out=out)
+                     "--output-len", "6", "--impl", "ref", "--device", "cpu", "--slo", "ttft=10s,itl=10s", out=out)
     assert result.returncode == 0, result.stderr
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["model"], r["rate"], r["family"]) for r in records] == [
