@@ -23,6 +23,7 @@ JSON document. Bad input is one line on stderr and exit code 2; Ctrl-C keeps the
 import argparse
 import asyncio
 import hashlib
+import importlib.util
 import json
 import math
 import re
@@ -235,7 +236,8 @@ async def send_request(session, url: str, item: wl.WorkItem, trace: Trace, model
                     break
                 event = json.loads(data)
                 if "error" in event:
-                    trace.error = f"server error: {event['error'].get('message', event['error'])}"
+                    error = event["error"]
+                    trace.error = f"server error: {error.get('message', error) if isinstance(error, dict) else error}"
                     break
                 for choice in event.get("choices") or []:
                     trace.add_tokens(now, event_tokens(choice))
@@ -254,7 +256,8 @@ async def drive_http_async(base_url: str, workload: wl.Workload, *, model: str |
 
     url = base_url.rstrip("/") + "/v1/completions"
     traces = []
-    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    # A request may stream for as long as the load makes it; only a silent connection times out.
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=timeout_s)
     # No cap on connections: an open loop must not queue requests in the client.
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
         t0 = time.perf_counter()
@@ -288,7 +291,8 @@ async def drive_http_async(base_url: str, workload: wl.Workload, *, model: str |
 def drive_http(base_url: str, workload: wl.Workload, *, model: str | None = None, duration_s: float | None = None,
                on_finish=None, timeout_s: float = 600.0) -> list[Trace]:
     """Send `workload` to an OpenAI-compatible server at `base_url` (e.g. http://127.0.0.1:8000) in
-    real time, as `drive_engine` does to the engine in-process; one Trace per request sent."""
+    real time, as `drive_engine` does to the engine in-process; one Trace per request sent. A request
+    whose connection stays silent for `timeout_s` seconds fails."""
     return asyncio.run(drive_http_async(base_url, workload, model=model, duration_s=duration_s, on_finish=on_finish, timeout_s=timeout_s))
 
 
@@ -796,8 +800,11 @@ def run(args) -> int:
         # The lengths against the context now, before any model is loaded.
         if args.workload is None:
             wl.check_lengths(*lengths, max_context)
-    if args.target is not None and not re.match(r"https?://", args.target):
-        raise ArgError(f"--target {args.target!r}: expected a base URL such as http://127.0.0.1:8000")
+    if args.target is not None:
+        if not re.match(r"https?://", args.target):
+            raise ArgError(f"--target {args.target!r}: expected a base URL such as http://127.0.0.1:8000")
+        if importlib.util.find_spec("aiohttp") is None:
+            raise ArgError("--target needs aiohttp (pip install -e '.[bench]')")
 
     env = environment(torch.device(args.device or ("cuda" if on_gpu else "cpu")))
     records, planned = [], len(models) * len(loads)
