@@ -31,6 +31,15 @@ retired request's state, which nothing reads. Recurrent prefills run in staging 
 so a decode step never touches a prompt still being consumed. On the Triton GPU path each
 (bucket, sampling mode) decode step is captured in a CUDA graph after its first eager run.
 
+One step of lookahead: `step()` schedules and launches step k, then waits for step k-1's tokens
+(copied to pinned host memory behind it) and turns them into outputs, so the GPU always has the next
+step queued while the host processes the last one. The outputs a call returns are the previous
+launch's: the first call that prefills a prompt returns nothing for it, the next returns its first
+token. The scheduler counts a request's tokens still on their way (`Sequence.inflight`); a request
+that hits a stop token decodes once more before the host knows, and that token is dropped. On the
+GPU every host-to-device copy of a step goes through pinned memory, so nothing in a step waits for
+the queued work (the families' prefill code may still synchronise once per prefill).
+
 Sampling runs on the device, per row: greedy rows take the argmax of the logits (exactly
 `decoder.generate`'s tokens); sampled rows race probabilities against exponential noise derived from
 (seed, position, token id) by a counter-based hash, so a request's tokens depend on its seed and
@@ -56,8 +65,6 @@ from decoders.base import UsageError, record_graph
 from decoders.kv_cache import PagedKVCache
 from decoders.sampling import GREEDY, Sampling
 from declab_kernels.argmax import argmax
-
-AUTOREGRESSIVE = ("transformer", "mamba2", "rwkv7")
 
 
 class EngineFull(RuntimeError):
@@ -96,6 +103,7 @@ class Sequence:
     status: str = "waiting"  # waiting | prefill | decode | finished
     computed: int = 0  # tokens of `tokens` already in the KV cache / state
     admitted: int = -1  # admission counter: the newest running request is preempted first
+    inflight: int = 0  # tokens sampled on the device that the host has not seen yet (see `Engine.step`)
     emitted: int = 0  # generated tokens already returned in an output
     finish_reason: str | None = None
     kv_seq: int | None = None  # its PagedKVCache sequence (transformer)
@@ -144,7 +152,11 @@ class Scheduler:
         self._budget = self.max_step_tokens - sum(s.status == "decode" for s in self.running)
         for seq in list(self.running):
             if seq.status == "decode":
-                if self._grow(seq, len(seq.tokens), out):
+                # A request whose last token is still on its way may be done already: when it is, its row
+                # decodes once more (into the scratch block) and that token is dropped.
+                if seq.generated + seq.inflight >= seq.request.max_new_tokens:
+                    continue
+                if self._grow(seq, len(seq.tokens) + seq.inflight, out):
                     out.decode.append(seq)
             elif seq.status == "prefill" and self._budget > 0:
                 n = min(len(seq.tokens) - seq.computed, self._budget, self.max_chunk)
@@ -233,6 +245,15 @@ def bucket(n: int, sizes: list[int]) -> int:
     return next(b for b in sizes if b >= n)
 
 
+def on_device(values, device, dtype=torch.int64) -> torch.Tensor:
+    """Host values as a device tensor without waiting for the GPU: pinned memory makes the copy
+    asynchronous (a copy from pageable memory would synchronise with the queued steps)."""
+    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 _M32 = 0xFFFFFFFF
 
 
@@ -275,6 +296,15 @@ def sample_rows(logits, temperature, top_k, top_p, seeds, counters, *, impl: str
     return argmax(scores, impl=impl, out=out, advance=advance)
 
 
+@dataclass
+class Pending:
+    """A launched step's sampled tokens on their way to the host: seqs[i] gets host[i]."""
+
+    seqs: list[Sequence]
+    host: torch.Tensor  # [k] int64 on the CPU (pinned on a GPU run)
+    done: "torch.cuda.Event | None"  # recorded after the copy
+
+
 class RowParams:
     """Per-row buffers of an autoregressive runner: the token to feed, its position, sampling parameters."""
 
@@ -313,11 +343,12 @@ class ARRunner:
         self.graphs = {}
         self.wait_s = 0.0
 
-    def execute(self, sched: Schedule) -> list[tuple[Sequence, int]]:
-        """Run one scheduled step: the decode forward of rows 0..n-1, the prefill chunks; returns each
-        sequence's sampled token (one host synchronisation)."""
-        n = len(self.rows)
-        decoded = list(self.rows)
+    def launch(self, sched: Schedule) -> "Pending | None":
+        """Launch one scheduled step without waiting for it: the decode forward of rows 0..n-1 (when
+        any request decodes), the prefill chunks, the first tokens of prompts done (their sequences
+        join the decode rows). Its sampled tokens come back through `collect`."""
+        n = len(self.rows) if sched.decode else 0
+        decoded = self.rows[:n]
         if n:
             self.decode(n)
         finished, logits = self.prefill(sched.prefill)
@@ -326,17 +357,37 @@ class ARRunner:
             first = self.sample_first(finished, torch.stack(logits))
         pieces = ([self.params.next_tokens[:n]] if n else []) + ([first] if first is not None else [])
         if not pieces:
-            return []
+            return None
         joined = torch.cat(pieces)
-        start = time.perf_counter()
-        tokens = joined.tolist()
-        self.wait_s = time.perf_counter() - start
+        if self.device.type == "cuda":
+            host = torch.empty(joined.shape, dtype=joined.dtype, pin_memory=True)
+            host.copy_(joined, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        else:
+            host, done = joined.clone(), None
+        row = len(self.rows)
         for seq in finished:
             self.enter(seq, len(self.rows))
             self.rows.append(seq)
+            seq.status = "decode"
         if finished:
-            self.write_rows(range(n, n + len(finished)), finished, first)
-        return list(zip(decoded + finished, tokens))
+            self.write_rows(range(row, row + len(finished)), finished, first)
+        seqs = decoded + finished
+        for seq in seqs:
+            seq.inflight += 1
+        return Pending(seqs, host, done)
+
+    def collect(self, pending: "Pending") -> list[tuple[Sequence, int]]:
+        """Wait for a launched step's tokens (the one host synchronisation of a step)."""
+        start = time.perf_counter()
+        if pending.done is not None:
+            pending.done.synchronize()
+        tokens = pending.host.tolist()
+        self.wait_s += time.perf_counter() - start
+        for seq in pending.seqs:
+            seq.inflight -= 1
+        return list(zip(pending.seqs, tokens))
 
     def sample_first(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
         """First tokens [k] of sequences whose prompt is done, from their last logits [k, V]."""
@@ -346,21 +397,21 @@ class ARRunner:
             return argmax(logits, impl=self.impl)
         return sample_rows(
             logits,
-            torch.tensor([x.temperature for x in s], dtype=torch.float32, device=dev),
-            torch.tensor([x.top_k for x in s], dtype=torch.int64, device=dev),
-            torch.tensor([x.top_p for x in s], dtype=torch.float32, device=dev),
-            torch.tensor([x.seed for x in s], dtype=torch.int64, device=dev),
-            torch.tensor([len(q.tokens) for q in seqs], dtype=torch.int64, device=dev),
+            on_device([x.temperature for x in s], dev, torch.float32),
+            on_device([x.top_k for x in s], dev),
+            on_device([x.top_p for x in s], dev, torch.float32),
+            on_device([x.seed for x in s], dev),
+            on_device([len(q.tokens) for q in seqs], dev),
             impl=self.impl,
         )
 
     def write_rows(self, rows, seqs: list[Sequence], first: torch.Tensor) -> None:
         """Set the parameter rows of newly decoding sequences (one host-to-device copy per buffer)."""
-        index = torch.tensor(list(rows), device=self.device)
+        index = on_device(list(rows), self.device)
         self.params.next_tokens.index_copy_(0, index, first)
         values = [self.params.values(q) for q in seqs]
         for buf, column in zip(self.params.tensors[1:], zip(*values)):
-            buf.index_copy_(0, index, torch.tensor(column, dtype=buf.dtype).to(self.device))
+            buf.index_copy_(0, index, on_device(list(column), self.device, buf.dtype))
 
     def decode(self, n: int) -> None:
         b = bucket(n, self.sizes)
@@ -392,9 +443,12 @@ class ARRunner:
             return
         row, last = self.rows.index(seq), len(self.rows) - 1
         if row != last:
+            self.move_row(last, row)
+            # After the state copy: PyTorch kernels (launched without PDL) follow every state write
+            # before the next decode step, whose Mamba-2 kernels load their states before their PDL
+            # wait (`state_ready`; `enter` is followed by `write_rows` the same way).
             for buf in self.params.tensors:
                 buf[row] = buf[last]
-            self.move_row(last, row)
             self.rows[row] = self.rows[last]
         self.rows.pop()
         self.clear_row(last)
@@ -457,22 +511,25 @@ class PagedRunner(ARRunner):
                 finished.append(seq)
         cu = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
         width = max(len(kv.blocks[s.kv_seq]) for s, _ in chunks)
+        table = torch.zeros(len(chunks), width, dtype=torch.int32)
+        for i, (s, _) in enumerate(chunks):
+            table[i, : len(kv.blocks[s.kv_seq])] = torch.tensor(kv.blocks[s.kv_seq], dtype=torch.int32)
         batch = llama.PagedBatch(
-            k_cache=kv.k, v_cache=kv.v, block_tables=kv.block_table([s.kv_seq for s, _ in chunks], width),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev), slot_mapping=torch.cat(slots).to(dev),
-            decode=False, cu_seqlens_q=cu.to(dev), max_seqlen_q=max(q_lens), impl=self.impl,
+            k_cache=kv.k, v_cache=kv.v, block_tables=on_device(table, dev), seq_lens=on_device(seq_lens, dev, torch.int32),
+            slot_mapping=on_device(torch.cat(slots), dev), decode=False, cu_seqlens_q=on_device(cu, dev), max_seqlen_q=max(q_lens),
+            impl=self.impl,
         )
         if not finished:
             # Nothing completes: the logits of one position are computed and dropped.
             ends = [0]
         logits = self.decoder.model.forward_paged(
-            torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev), batch, torch.tensor(ends, dtype=torch.long, device=dev)
+            on_device(tokens, dev), on_device(positions, dev), batch, on_device(ends, dev)
         )
         return finished, list(logits[: len(finished)])
 
     def enter(self, seq: Sequence, row: int) -> None:
         blocks = self.kv.blocks[seq.kv_seq]
-        self.tables[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32).to(self.device)
+        self.tables[row, : len(blocks)] = on_device(blocks, self.device, torch.int32)
         self.table_len[seq] = len(blocks)
 
     def before_decode(self, n: int) -> None:
@@ -486,8 +543,8 @@ class PagedRunner(ARRunner):
                 values.append(blocks[j])
             self.table_len[seq] = len(blocks)
         if rows:
-            index = (torch.tensor(rows).to(self.device), torch.tensor(cols).to(self.device))
-            self.tables.index_put_(index, torch.tensor(values, dtype=torch.int32).to(self.device))
+            index = (on_device(rows, self.device), on_device(cols, self.device))
+            self.tables.index_put_(index, on_device(values, self.device, torch.int32))
 
     def forward_decode(self, b: int) -> torch.Tensor:
         from declab_arch import llama
@@ -562,8 +619,8 @@ class StateRunner(ARRunner):
                 groups.setdefault((seq.computed, n), []).append(i)
             out = [None] * len(pieces)
             for (start, n), members in groups.items():
-                rows = torch.tensor([self.staging(pieces[i][0]) for i in members], device=dev)
-                tokens = torch.tensor([pieces[i][0].tokens[start : start + n] for i in members], device=dev)
+                rows = on_device([self.staging(pieces[i][0]) for i in members], dev)
+                tokens = on_device([pieces[i][0].tokens[start : start + n] for i in members], dev)
                 r = model.forward_chunk(tokens, conv, ssm, rows, self.impl, start)
                 for i, logit in zip(members, model.head(r)):
                     out[i] = logit
@@ -571,8 +628,8 @@ class StateRunner(ARRunner):
         shift, wkv = self.states[0][0], self.states[1][0]
         lengths = [n for _, n in pieces]
         width = max(lengths)
-        tokens = torch.tensor([seq.tokens[seq.computed : seq.computed + n] + [0] * (width - n) for seq, n in pieces], device=dev)
-        index = torch.tensor([self.staging(seq) for seq, _ in pieces], device=dev)
+        tokens = on_device([seq.tokens[seq.computed : seq.computed + n] + [0] * (width - n) for seq, n in pieces], dev)
+        index = on_device([self.staging(seq) for seq, _ in pieces], dev)
         s, w = shift.index_select(2, index), wkv.index_select(1, index)
         logits = model.forward_chunk(tokens, lengths, s, w, impl=self.impl)
         shift.index_copy_(2, index, s)
@@ -715,7 +772,9 @@ class Engine:
         self.family = decoder.family
         self.max_batch = max_batch
         self.max_waiting = max_waiting
-        graphs = decoder.cuda_graphs if cuda_graphs is None else bool(cuda_graphs) and decoder.device.type == "cuda"
+        if cuda_graphs and not (decoder.device.type == "cuda" and decoder.impl == "triton"):
+            raise UsageError("cuda_graphs needs a CUDA device and impl='triton'")
+        graphs = decoder.cuda_graphs if cuda_graphs is None else bool(cuda_graphs)
         limits = [x for x in (max_model_len, decoder.max_context) if x is not None]
         self.max_model_len = min(limits) if limits else None
         self.kv = None
@@ -738,6 +797,7 @@ class Engine:
         self.seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._cancelled: list[Sequence] = []
+        self._pending: Pending | None = None
         self.finished = 0
         self.tokens_generated = 0
         self.steps = 0
@@ -818,7 +878,7 @@ class Engine:
         return True
 
     def has_unfinished(self) -> bool:
-        return bool(self.scheduler.waiting or self.scheduler.running or self._cancelled)
+        return bool(self.scheduler.waiting or self.scheduler.running or self._cancelled or self._pending)
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
@@ -843,14 +903,15 @@ class Engine:
             self.runner.retire(seq)
         self.runner.admit(sched.admitted)
         self.runner.wait_s = 0.0
-        sampled = self.runner.execute(sched) if (sched.decode or sched.prefill) else []
+        launched = self.runner.launch(sched) if (sched.decode or sched.prefill) else None
         outputs = [self._output(seq) for seq in self._cancelled]
         self._cancelled = []
-        for seq, token in sampled:
+        previous, self._pending = self._pending, launched
+        for seq, token in (self.runner.collect(previous) if previous is not None else []):
+            if seq.status == "finished":
+                continue
             seq.tokens.append(token)
             self.tokens_generated += 1
-            if seq.status == "prefill":
-                seq.status = "decode"
             if token in seq.stop:
                 seq.finish_reason = "stop"
             elif seq.generated >= seq.request.max_new_tokens:
@@ -926,3 +987,89 @@ class Engine:
                 if out.request_id in result:
                     result[out.request_id] += out.new_tokens
         return result
+
+
+def build_parser():
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m decoders.engine", description="Saturated decode through the engine: "
+                                "--batch requests of --ctx tokens (prompt + --new-tokens) admitted at once; decode tokens/s "
+                                "and the host share of the step time.")
+    p.add_argument("--model", default="llama-1b", help="preset or checkpoint folder (default llama-1b)")
+    p.add_argument("--batch", type=int, default=64, help="requests, and the engine's max_batch (default 64)")
+    p.add_argument("--ctx", type=int, default=1024, help="prompt + new tokens per request (default 1024)")
+    p.add_argument("--new-tokens", type=int, default=128, help="tokens decoded per request (default 128)")
+    p.add_argument("--max-step-tokens", type=int, default=2048, help="per-step token budget (default 2048)")
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bf16 on a GPU, fp32 on a CPU)")
+    p.add_argument("--impl", default="auto", choices=["auto", "triton", "ref"])
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--page-size", type=int, default=16, help="KV cache page size (transformer, Mask-Predict)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="results/engine.jsonl", help="JSON lines file the result is appended to")
+    return p
+
+
+def measure(engine: "Engine", batch: int, prompt_len: int, new_tokens: int, vocab: int, seed: int) -> dict:
+    """Run `batch` requests admitted together; per-step wall and host times of the saturated steps
+    (every request decoding, no prompt left)."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(0, vocab, (batch, prompt_len), generator=g).tolist()
+    for p in prompts:
+        engine.add_request(Request(prompt=p, max_new_tokens=new_tokens))
+    start = time.perf_counter()
+    first_token_s, walls, hosts = None, [], []
+    while engine.has_unfinished():
+        saturated = first_token_s is not None and engine.stats()["running"] == batch
+        t = time.perf_counter()
+        outs = engine.step()
+        wall = time.perf_counter() - t
+        if saturated and len(outs) == batch and not any(o.finished for o in outs):
+            walls.append(wall)
+            hosts.append(engine.host_s_last)
+        if first_token_s is None and engine.stats()["tokens_generated"] >= batch:
+            first_token_s = time.perf_counter() - start
+    return {"walls": walls, "hosts": hosts, "first_token_s": first_token_s, "total_s": time.perf_counter() - start}
+
+
+def main(argv=None) -> int:
+    """Exit status 0, or 2 for input the lab refuses."""
+    import json
+    import statistics
+    import sys
+
+    import decoders
+    from declab_kernels.benchtools import append_jsonl, environment
+
+    args = build_parser().parse_args(argv)
+    with decoders.user_errors():
+        if args.batch < 1 or args.new_tokens < 1 or args.new_tokens >= args.ctx:
+            raise UsageError(f"need --batch >= 1 and 1 <= --new-tokens < --ctx, got {args.batch}, {args.new_tokens}, {args.ctx}")
+        dec = decoders.load(args.model, device=args.device, dtype=args.dtype, impl=args.impl, seed=args.seed,
+                            **({"page_size": args.page_size} if decoders.family_of(args.model) in ("transformer", "maskpredict") else {}))
+        engine = Engine(dec, max_batch=args.batch, max_step_tokens=args.max_step_tokens, max_model_len=args.ctx)
+        prompt_len = args.ctx - args.new_tokens
+        # Warm-up: compiles and autotunes the kernels and captures the decode graph of this batch.
+        measure(engine, args.batch, prompt_len, min(args.new_tokens, 4), dec.vocab_size, args.seed + 1)
+        run = measure(engine, args.batch, prompt_len, args.new_tokens, dec.vocab_size, args.seed)
+    walls, hosts = run["walls"], run["hosts"]
+    if not walls:
+        print("error: no saturated decode step was measured (raise --new-tokens)", file=sys.stderr)
+        return 2
+    step = statistics.median(walls)
+    record = {
+        **dec.describe(), "batch": args.batch, "ctx": args.ctx, "new_tokens": args.new_tokens,
+        "max_step_tokens": args.max_step_tokens, "page_size": args.page_size, "saturated_steps": len(walls),
+        "step_s_p50": step, "host_s_p50": statistics.median(hosts), "host_fraction": sum(hosts) / sum(walls),
+        "decode_tok_s": args.batch / step, "first_token_s": run["first_token_s"], "total_s": run["total_s"],
+        "env": environment(dec.device),
+    }
+    append_jsonl(args.out, record)
+    print(f"{'model':<14} {'batch':>5} {'ctx':>6} {'decode tok/s':>12} {'step ms':>8} {'host ms':>8} {'host %':>6}")
+    print(f"{dec.source:<14} {args.batch:>5} {args.ctx:>6} {record['decode_tok_s']:>12.0f} {step * 1e3:>8.3f} "
+          f"{record['host_s_p50'] * 1e3:>8.3f} {100 * record['host_fraction']:>6.1f}")
+    print(json.dumps(record))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
