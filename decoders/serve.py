@@ -179,6 +179,7 @@ class EngineLoop:
         # A snapshot of engine.stats(), replaced (never mutated) after every iteration for /metrics.
         self.stats = dict(engine.stats())
         self.thread = threading.Thread(target=self.run, name="declab-engine", daemon=True)
+        self.closed = False
 
     def start(self) -> None:
         self.thread.start()
@@ -188,6 +189,8 @@ class EngineLoop:
 
     def submit(self, pending: Pending) -> None:
         self.inbox.put(("add", pending))
+        if self.closed:
+            self.refuse_queued()
 
     def cancel(self, request_id: str, reason: str = "cancelled") -> None:
         """Cancel a request; `reason` is what the finished-requests metric counts it as."""
@@ -198,13 +201,39 @@ class EngineLoop:
         self.thread.join(timeout)
 
     def run(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        with torch.inference_mode():
-            while self.apply(self.commands()):
-                if self.engine.has_unfinished():
-                    self.step()
-                self.stats = dict(self.engine.stats())
+        try:
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+            with torch.inference_mode():
+                while self.apply(self.commands()):
+                    if self.engine.has_unfinished():
+                        self.step()
+                    self.stats = dict(self.engine.stats())
+        except Exception:
+            log.exception("the engine thread failed")
+            self.fail_all(RequestError(500, "the engine failed (see the server log)"))
+        finally:
+            self.closed = True
+            self.refuse_queued()
+
+    def refuse_queued(self) -> None:
+        """Once the engine thread has ended, answer whatever is still in the inbox with a 503."""
+        while True:
+            try:
+                kind, arg = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                arg.send(("error", RequestError(503, "the server is shutting down", code="shutting_down")))
+
+    def fail_all(self, error: RequestError, reason: str = "error") -> None:
+        """End every active request with `error`, cancelling it in the engine as far as it still can."""
+        for request_id, pending in list(self.active.items()):
+            self.active.pop(request_id)
+            self.metrics.finish(reason)
+            with contextlib.suppress(Exception):
+                self.engine.cancel(request_id)
+            pending.send(("error", error))
 
     def commands(self) -> list:
         """Everything in the inbox; waits for the first command when the engine has nothing to do."""
@@ -223,8 +252,7 @@ class EngineLoop:
             elif kind == "cancel":
                 self.drop(*arg)
             else:
-                for request_id in list(self.active):
-                    self.drop(request_id, "cancelled", notify=True)
+                self.fail_all(RequestError(503, "the server is shutting down: request cancelled", code="shutting_down"), "cancelled")
                 return False
         return True
 
@@ -241,26 +269,20 @@ class EngineLoop:
                 self.metrics.prompt_tokens += len(pending.request.prompt)
             pending.send(("accepted", None))
 
-    def drop(self, request_id: str, reason: str, *, notify: bool = False) -> None:
+    def drop(self, request_id: str, reason: str) -> None:
         """Cancel a request in the engine now (its blocks or slot are freed) and forget it."""
         pending = self.active.pop(request_id, None)
         if pending is None:
             return
         self.engine.cancel(request_id)
         self.metrics.finish(reason)
-        if notify:
-            pending.send(("error", RequestError(503, "server shutting down: request cancelled", code="cancelled")))
 
     def step(self) -> None:
         try:
             outputs = self.engine.step()
         except Exception:
-            log.exception("engine step failed; cancelling the requests it held")
-            for request_id, pending in list(self.active.items()):
-                self.active.pop(request_id)
-                with contextlib.suppress(Exception):
-                    self.engine.cancel(request_id)
-                pending.send(("error", RequestError(500, "engine step failed (see the server log)")))
+            log.exception("an engine step failed; ending the requests it held")
+            self.fail_all(RequestError(500, "an engine step failed (see the server log)"))
             return
         now = time.perf_counter()
         for out in outputs:
