@@ -1,0 +1,785 @@
+"""The continuous-batching engine: requests admitted and retired at every step, for every family.
+
+    from decoders.engine import Engine, Request
+    engine = Engine(decoder, max_batch=64, max_step_tokens=2048)
+    rid = engine.add_request(Request(prompt=[1, 2, 3], max_new_tokens=16))
+    while engine.has_unfinished():
+        for out in engine.step():
+            print(out.request_id, out.new_tokens, out.finish_reason)
+
+Split as in vLLM v1:
+
+- `Scheduler` (pure Python, host bookkeeping only): each step, which requests decode, how many prompt
+  tokens each prefilling request gets under the per-step token budget (`max_step_tokens`, decode
+  tokens included), which waiting requests are admitted (first come, first served), and, when the
+  transformer's block pool cannot give a running request its next block, which request is preempted
+  (the most recently admitted: its blocks are freed and it goes back to the head of the queue with
+  its generated tokens appended to its prompt, so recomputing it continues the same sequence).
+- runners execute one scheduled step on the device: `PagedRunner` (transformer: one `PagedKVCache`
+  pool, block tables `[max_batch, max_blocks]`), `StateRunner` (Mamba-2, RWKV-7: the family's state
+  tensors with `2 * max_batch` rows), `CanvasRunner` (Mask-Predict).
+- `Engine.step` turns what a runner sampled into `RequestOutput`s: commits tokens, applies stop
+  tokens and lengths, retires finished requests and frees what they held.
+
+Autoregressive rows: the requests that decode sit in rows 0..n-1 of the runner's buffers (next token,
+position, sampling parameters, block table row or state row); a retiring request's hole is filled by
+moving the last row into it (one row copy per retirement, not per step). A decode step runs over rows
+[0, bucket(n)) (buckets 1, 2, 4, ... up to max_batch), the padding rows harmless: their block table
+rows point at a scratch block and their positions are reset to 0; recurrent padding rows hold a
+retired request's state, which nothing reads. Recurrent prefills run in staging rows
+[max_batch, 2 * max_batch) (reset to zero on admission), copied into row n when the prompt is done,
+so a decode step never touches a prompt still being consumed. On the Triton GPU path each
+(bucket, sampling mode) decode step is captured in a CUDA graph after its first eager run.
+
+Sampling runs on the device, per row: greedy rows take the argmax of the logits (exactly
+`decoder.generate`'s tokens); sampled rows race probabilities against exponential noise derived from
+(seed, position, token id) by a counter-based hash, so a request's tokens depend on its seed and
+never on what else is in the batch (they are not `generate`'s tokens, whose noise comes from a
+torch.Generator shared by the batch).
+
+Mask-Predict: requests are decoded in cohorts (see `CanvasRunner`): waiting greedy requests with the
+same canvas size start together as one `decoder.prefill` batch and share every pass; a sampled request
+is a cohort of its own. Several cohorts run at once (each step runs one pass of each), a new cohort
+starts at any step while rows are free, and each request reports its tokens as its blocks finish.
+
+Nothing here is thread-safe: one thread owns the engine.
+"""
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from decoders.base import UsageError, record_graph
+from decoders.kv_cache import PagedKVCache
+from decoders.sampling import GREEDY, Sampling
+from declab_kernels.argmax import argmax
+
+AUTOREGRESSIVE = ("transformer", "mamba2", "rwkv7")
+
+
+class EngineFull(RuntimeError):
+    """The waiting queue already holds `max_waiting` requests."""
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    max_new_tokens: int
+    sampling: Sampling = GREEDY
+    stop_token_ids: tuple[int, ...] = ()
+    request_id: str | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_tokens: list[int]  # tokens committed since the previous output of this request
+    finished: bool
+    finish_reason: str | None  # "length" | "stop" | "cancelled"
+    prompt_tokens: int
+    output_tokens: int  # total so far
+
+
+@dataclass(eq=False)
+class Sequence:
+    """The engine's record of one request."""
+
+    request: Request
+    id: str
+    # prompt + generated so far: what the model consumes (a preempted request recomputes all of it)
+    tokens: list[int]
+    prompt_len: int
+    stop: frozenset
+    status: str = "waiting"  # waiting | prefill | decode | finished
+    computed: int = 0  # tokens of `tokens` already in the KV cache / state
+    admitted: int = -1  # admission counter: the newest running request is preempted first
+    emitted: int = 0  # generated tokens already returned in an output
+    finish_reason: str | None = None
+    kv_seq: int | None = None  # its PagedKVCache sequence (transformer)
+    slot: int | None = None  # its staging slot (recurrent)
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+
+@dataclass
+class Schedule:
+    decode: list[Sequence] = field(default_factory=list)  # feed their last token
+    prefill: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, prompt tokens this step)
+    admitted: list[Sequence] = field(default_factory=list)  # newly admitted (their state to reset)
+    preempted: list[Sequence] = field(default_factory=list)  # back in the queue, blocks freed
+
+
+class Scheduler:
+    """Which requests run, with how many tokens, and what is preempted: host bookkeeping only.
+
+    `kv` (transformer) is the block pool's facade: a request holds blocks for the tokens it has
+    consumed plus the one it will feed. `slots` (recurrent) is the number of staging slots: a
+    request holds one from admission to retirement. `max_chunk` caps one request's prompt tokens in
+    a step (the family's prefill chunk). `running` is in admission order.
+    """
+
+    def __init__(self, max_batch: int, max_step_tokens: int, *, kv: PagedKVCache | None = None, slots: int | None = None,
+                 max_chunk: int | None = None):
+        self.max_batch = max_batch
+        self.max_step_tokens = max_step_tokens
+        self.max_chunk = max_chunk or max_step_tokens
+        self.kv = kv
+        self.free_slots = list(range(slots - 1, -1, -1)) if slots is not None else None
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.preemptions = 0
+        self._admissions = itertools.count()
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def schedule(self) -> Schedule:
+        out = Schedule()
+        # Every decoding request spends one token of the budget; prefills share the rest, oldest first.
+        self._budget = self.max_step_tokens - sum(s.status == "decode" for s in self.running)
+        for seq in list(self.running):
+            if seq.status == "decode":
+                if self._grow(seq, len(seq.tokens), out):
+                    out.decode.append(seq)
+            elif seq.status == "prefill" and self._budget > 0:
+                n = min(len(seq.tokens) - seq.computed, self._budget, self.max_chunk)
+                if self._grow(seq, seq.computed + n, out):
+                    out.prefill.append((seq, n))
+                    self._budget -= n
+        # No admissions in a step that had to preempt: the pool is short already.
+        while self.waiting and self._budget > 0 and len(self.running) < self.max_batch and not out.preempted:
+            seq = self.waiting[0]
+            n = min(len(seq.tokens), self._budget, self.max_chunk)
+            if not self._admit(seq, n):
+                break
+            self.waiting.popleft()
+            seq.status, seq.admitted, seq.computed = "prefill", next(self._admissions), 0
+            self.running.append(seq)
+            out.admitted.append(seq)
+            out.prefill.append((seq, n))
+            self._budget -= n
+        return out
+
+    def _admit(self, seq: Sequence, n: int) -> bool:
+        if self.free_slots is not None:
+            if not self.free_slots:
+                return False
+            seq.slot = self.free_slots.pop()
+        if self.kv is not None:
+            if self.kv.pool.num_free < self.kv.blocks_needed(n):
+                return False
+            seq.kv_seq = self.kv.add_sequence()
+            self.kv.reserve(seq.kv_seq, n)
+        return True
+
+    def _grow(self, seq: Sequence, length: int, out: Schedule) -> bool:
+        """Blocks for `length` positions of `seq`, preempting the newest running requests while the
+        pool is short; False if `seq` itself had to go."""
+        if self.kv is None:
+            return True
+        missing = self.kv.blocks_needed(length) - len(self.kv.blocks[seq.kv_seq])
+        while missing > self.kv.pool.num_free:
+            victim = self.running[-1]
+            self.preempt(victim)
+            out.preempted.append(victim)
+            if victim is seq:
+                return False
+        self.kv.reserve(seq.kv_seq, length)
+        return True
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free what `seq` holds and put it back at the head of the queue (recomputed from scratch)."""
+        if seq.status == "decode":
+            # A decoding request's prefill budget share is given back to the others this step.
+            self._budget += 1
+        self._release(seq)
+        self.running.remove(seq)
+        seq.status, seq.computed = "waiting", 0
+        self.waiting.appendleft(seq)
+        self.preemptions += 1
+
+    def finish(self, seq: Sequence) -> None:
+        """Retire `seq` (finished or cancelled), wherever it is."""
+        if seq.status == "waiting":
+            self.waiting.remove(seq)
+        else:
+            self.running.remove(seq)
+            self._release(seq)
+        seq.status = "finished"
+
+    def _release(self, seq: Sequence) -> None:
+        if self.kv is not None and seq.kv_seq is not None:
+            self.kv.free(seq.kv_seq)
+            seq.kv_seq = None
+        if self.free_slots is not None and seq.slot is not None:
+            self.free_slots.append(seq.slot)
+            seq.slot = None
+
+
+def buckets(max_batch: int) -> list[int]:
+    """Decode batch sizes a step is padded to: powers of two below max_batch, then max_batch."""
+    out = [1]
+    while out[-1] * 2 < max_batch:
+        out.append(out[-1] * 2)
+    return out + ([max_batch] if max_batch > 1 else [])
+
+
+def bucket(n: int, sizes: list[int]) -> int:
+    return next(b for b in sizes if b >= n)
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (xor-shift-multiply rounds) of int64 tensors holding values in [0, 2^32)."""
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _M32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _M32
+    return (x >> 16) ^ x
+
+
+def race_noise(seeds: torch.Tensor, counters: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Exp(1) noise [B, K] for token ids [B, K] of rows with seeds [B] at counters [B] (the position
+    being sampled): a pure function of (seed, position, token id), so a request draws the same numbers
+    alone or in any batch."""
+    key = _mix32(_mix32(seeds & _M32) ^ ((seeds >> 32) & _M32))
+    key = _mix32(key ^ (counters & _M32))
+    h = _mix32(_mix32(key[:, None] ^ token_ids) + 0x9E3779B9 & _M32)
+    # 24 bits into (0, 1): exact in float32, never 0.
+    u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return -torch.log(u)
+
+
+def sample_rows(logits, temperature, top_k, top_p, seeds, counters, *, impl: str, out=None, advance=None):
+    """Next tokens [B] from logits [B, V], each row with its own temperature / top-k / top-p / seed
+    ([B] tensors; temperature 0 is greedy, top_k 0 and top_p 1 cut nothing). `counters` [B] int64 are
+    the positions being sampled. Written into `out`, with `advance` incremented, as `sampling.sample`."""
+    greedy = temperature == 0
+    x = logits.float() / torch.where(greedy, 1.0, temperature)[:, None]
+    V = x.shape[-1]
+    sorted_x, order = torch.sort(x, dim=-1, descending=True)
+    k = torch.where(top_k > 0, top_k.clamp(max=V), V)
+    kth = sorted_x.gather(1, (k - 1)[:, None])
+    probs = torch.softmax(sorted_x.masked_fill(sorted_x < kth, float("-inf")), dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass before it already does.
+    probs = probs.masked_fill((probs.cumsum(-1) - probs) >= top_p[:, None], 0.0)
+    # argmax(p / E) is a draw from p (renormalising p would not change it).
+    race = probs / race_noise(seeds, counters, order)
+    scores = torch.empty_like(race).scatter_(1, order, race)
+    scores = torch.where(greedy[:, None], logits.float(), scores)
+    return argmax(scores, impl=impl, out=out, advance=advance)
+
+
+class RowParams:
+    """Per-row buffers of an autoregressive runner: the token to feed, its position, sampling parameters."""
+
+    def __init__(self, rows: int, device):
+        self.next_tokens = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.temperature = torch.zeros(rows, dtype=torch.float32, device=device)
+        self.top_k = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.top_p = torch.ones(rows, dtype=torch.float32, device=device)
+        self.seeds = torch.zeros(rows, dtype=torch.int64, device=device)
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.next_tokens, self.positions, self.temperature, self.top_k, self.top_p, self.seeds]
+
+    def values(self, seq: Sequence) -> list:
+        """Row values after `seq`'s prompt is done, but for its next token: the sampled first token
+        (not yet in `seq.tokens`) is fed at position len(seq.tokens)."""
+        s = seq.request.sampling
+        return [len(seq.tokens), s.temperature, s.top_k, s.top_p, s.seed]
+
+
+class ARRunner:
+    """Rows, decode steps (graphed per bucket on the Triton GPU path) and sampling for the
+    autoregressive families; subclasses supply the forwards and their state's rows."""
+
+    def __init__(self, decoder, max_batch: int, rows: int, cuda_graphs: bool):
+        self.decoder = decoder
+        self.device = decoder.device
+        self.impl = decoder.impl
+        self.max_batch = max_batch
+        self.sizes = buckets(max_batch)
+        self.params = RowParams(rows, self.device)
+        self.rows: list[Sequence] = []  # rows[i] decodes in row i
+        self.cuda_graphs = cuda_graphs
+        self.graphs = {}
+        self.wait_s = 0.0
+
+    def execute(self, sched: Schedule) -> list[tuple[Sequence, int]]:
+        """Run one scheduled step: the decode forward of rows 0..n-1, the prefill chunks; returns each
+        sequence's sampled token (one host synchronisation)."""
+        n = len(self.rows)
+        decoded = list(self.rows)
+        if n:
+            self.decode(n)
+        finished, logits = self.prefill(sched.prefill)
+        first = None
+        if finished:
+            first = self.sample_first(finished, torch.stack(logits))
+        pieces = ([self.params.next_tokens[:n]] if n else []) + ([first] if first is not None else [])
+        if not pieces:
+            return []
+        joined = torch.cat(pieces)
+        start = time.perf_counter()
+        tokens = joined.tolist()
+        self.wait_s = time.perf_counter() - start
+        for seq in finished:
+            self.enter(seq, len(self.rows))
+            self.rows.append(seq)
+        if finished:
+            self.write_rows(range(n, n + len(finished)), finished, first)
+        return list(zip(decoded + finished, tokens))
+
+    def sample_first(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+        """First tokens [k] of sequences whose prompt is done, from their last logits [k, V]."""
+        s = [q.request.sampling for q in seqs]
+        dev = self.device
+        if all(x.greedy for x in s):
+            return argmax(logits, impl=self.impl)
+        return sample_rows(
+            logits,
+            torch.tensor([x.temperature for x in s], dtype=torch.float32, device=dev),
+            torch.tensor([x.top_k for x in s], dtype=torch.int64, device=dev),
+            torch.tensor([x.top_p for x in s], dtype=torch.float32, device=dev),
+            torch.tensor([x.seed for x in s], dtype=torch.int64, device=dev),
+            torch.tensor([len(q.tokens) for q in seqs], dtype=torch.int64, device=dev),
+            impl=self.impl,
+        )
+
+    def write_rows(self, rows, seqs: list[Sequence], first: torch.Tensor) -> None:
+        """Set the parameter rows of newly decoding sequences (one host-to-device copy per buffer)."""
+        index = torch.tensor(list(rows), device=self.device)
+        self.params.next_tokens.index_copy_(0, index, first)
+        values = [self.params.values(q) for q in seqs]
+        for buf, column in zip(self.params.tensors[1:], zip(*values)):
+            buf.index_copy_(0, index, torch.tensor(column, dtype=buf.dtype).to(self.device))
+
+    def decode(self, n: int) -> None:
+        b = bucket(n, self.sizes)
+        mode = "greedy" if all(s.request.sampling.greedy for s in self.rows) else "sample"
+        if b > n:
+            self.params.positions[n:b].zero_()
+        self.before_decode(n)
+        key = (b, mode)
+        if key in self.graphs:
+            self.graphs[key].replay()
+            return
+        self.decode_rows(b, mode)
+        if self.cuda_graphs:
+            self.graphs[key] = record_graph(self.device, None, lambda: self.decode_rows(b, mode))[0]
+
+    def decode_rows(self, b: int, mode: str) -> None:
+        """One decode forward over rows [0, b) and sampling into their next tokens: what a graph captures."""
+        p = self.params
+        logits = self.forward_decode(b)
+        if mode == "greedy":
+            argmax(logits, impl=self.impl, out=p.next_tokens[:b], advance=p.positions[:b])
+            return
+        sample_rows(logits, p.temperature[:b], p.top_k[:b], p.top_p[:b], p.seeds[:b], p.positions[:b] + 1,
+                    impl=self.impl, out=p.next_tokens[:b], advance=p.positions[:b])
+
+    def retire(self, seq: Sequence) -> None:
+        """Take `seq` out of the decode rows (the last row moves into its hole); a no-op if it has none."""
+        if seq not in self.rows:
+            return
+        row, last = self.rows.index(seq), len(self.rows) - 1
+        if row != last:
+            for buf in self.params.tensors:
+                buf[row] = buf[last]
+            self.move_row(last, row)
+            self.rows[row] = self.rows[last]
+        self.rows.pop()
+        self.clear_row(last)
+
+    def admit(self, seqs: list[Sequence]) -> None:
+        """Prepare the state of newly admitted sequences."""
+
+    def before_decode(self, n: int) -> None:
+        """Host work before a decode step of n rows (the transformer writes new block table entries)."""
+
+    def clear_row(self, row: int) -> None:
+        """Make a row that no longer decodes harmless as padding."""
+
+
+class PagedRunner(ARRunner):
+    """The transformer over one paged KV pool; block tables [max_batch, max_blocks] int32."""
+
+    def __init__(self, decoder, kv: PagedKVCache, max_batch: int, max_model_len: int, cuda_graphs: bool):
+        super().__init__(decoder, max_batch, max_batch, cuda_graphs)
+        self.kv = kv
+        self.page = kv.block_size
+        # Padding rows write their K/V into this block, which no request owns.
+        (self.scratch,) = kv.pool.allocate(1)
+        self.max_blocks = kv.blocks_needed(max_model_len)
+        self.max_model_len = max_model_len
+        self.tables = torch.full((max_batch, self.max_blocks), self.scratch, dtype=torch.int32, device=self.device)
+        self.table_len: dict[Sequence, int] = {}
+        self.workspaces = {}
+
+    def workspace(self, b: int):
+        if self.impl != "triton":
+            return None
+        if b not in self.workspaces:
+            c = self.decoder.config
+            from declab_kernels import paged_attention
+
+            self.workspaces[b] = paged_attention.decode_workspace(
+                b, c.num_attention_heads, c.num_key_value_heads, c.head_dim, self.max_model_len, self.device,
+                variant="long" if b == 1 else "split",
+            )
+        return self.workspaces[b]
+
+    def prefill(self, chunks):
+        from declab_arch import llama
+
+        if not chunks:
+            return [], []
+        kv, dev = self.kv, self.device
+        tokens, positions, slots, q_lens, seq_lens, ends, finished = [], [], [], [], [], [], []
+        for seq, n in chunks:
+            start = seq.computed
+            tokens += seq.tokens[start : start + n]
+            positions += range(start, start + n)
+            slots.append(kv.append(seq.kv_seq, n))
+            q_lens.append(n)
+            seq.computed = start + n
+            seq_lens.append(seq.computed)
+            if seq.computed == len(seq.tokens):
+                ends.append(sum(q_lens) - 1)
+                finished.append(seq)
+        cu = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        width = max(len(kv.blocks[s.kv_seq]) for s, _ in chunks)
+        batch = llama.PagedBatch(
+            k_cache=kv.k, v_cache=kv.v, block_tables=kv.block_table([s.kv_seq for s, _ in chunks], width),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev), slot_mapping=torch.cat(slots).to(dev),
+            decode=False, cu_seqlens_q=cu.to(dev), max_seqlen_q=max(q_lens), impl=self.impl,
+        )
+        if not finished:
+            # Nothing completes: the logits of one position are computed and dropped.
+            ends = [0]
+        logits = self.decoder.model.forward_paged(
+            torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev), batch, torch.tensor(ends, dtype=torch.long, device=dev)
+        )
+        return finished, list(logits[: len(finished)])
+
+    def enter(self, seq: Sequence, row: int) -> None:
+        blocks = self.kv.blocks[seq.kv_seq]
+        self.tables[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32).to(self.device)
+        self.table_len[seq] = len(blocks)
+
+    def before_decode(self, n: int) -> None:
+        rows, cols, values = [], [], []
+        for row, seq in enumerate(self.rows):
+            blocks = self.kv.blocks[seq.kv_seq]
+            have = self.table_len[seq]
+            for j in range(have, len(blocks)):
+                rows.append(row)
+                cols.append(j)
+                values.append(blocks[j])
+            self.table_len[seq] = len(blocks)
+        if rows:
+            index = (torch.tensor(rows).to(self.device), torch.tensor(cols).to(self.device))
+            self.tables.index_put_(index, torch.tensor(values, dtype=torch.int32).to(self.device))
+
+    def forward_decode(self, b: int) -> torch.Tensor:
+        from declab_arch import llama
+
+        p = self.params
+        tokens, positions, tables = p.next_tokens[:b], p.positions[:b], self.tables[:b]
+        slots = None
+        if self.impl != "triton":
+            # (The Triton decode kernel finds the new row's page itself.)
+            blocks = tables.gather(1, (positions // self.page).unsqueeze(1)).squeeze(1)
+            slots = blocks * self.page + positions % self.page
+        batch = llama.PagedBatch(
+            k_cache=self.kv.k, v_cache=self.kv.v, block_tables=tables,
+            seq_lens=torch.add(positions, 1, out=torch.empty_like(positions, dtype=torch.int32)),
+            slot_mapping=slots, decode=True, impl=self.impl, workspace=self.workspace(b),
+        )
+        return self.decoder.model.forward_paged(tokens, positions, batch)
+
+    def retire(self, seq: Sequence) -> None:
+        super().retire(seq)
+        self.table_len.pop(seq, None)
+
+    def move_row(self, src: int, dst: int) -> None:
+        self.tables[dst] = self.tables[src]
+
+    def clear_row(self, row: int) -> None:
+        self.tables[row] = self.scratch
+
+
+class StateRunner(ARRunner):
+    """Mamba-2 / RWKV-7 over the family's state tensors with 2 * max_batch rows: decode rows
+    [0, max_batch), staging rows [max_batch, 2 * max_batch) for prompts being consumed."""
+
+    def __init__(self, decoder, max_batch: int, cuda_graphs: bool):
+        super().__init__(decoder, max_batch, max_batch, cuda_graphs)
+        self.family = decoder.family
+        cache = decoder.new_cache([0] * (2 * max_batch), 1)
+        if self.family == "mamba2":
+            # conv [L, R, conv_dim, W], ssm [L, R, H, P, N]
+            self.states = [(cache.conv, 1), (cache.ssm, 1)]
+        else:
+            # shift [L, 2, R, C], wkv [L, R, H, K, V]
+            self.states = [(cache.shift, 2), (cache.wkv, 1)]
+
+    def staging(self, seq: Sequence) -> int:
+        return self.max_batch + seq.slot
+
+    def admit(self, seqs: list[Sequence]) -> None:
+        """A fresh request starts from the zero state."""
+        for t, dim in self.states:
+            for seq in seqs:
+                t.select(dim, self.staging(seq)).zero_()
+
+    def prefill(self, chunks):
+        if not chunks:
+            return [], []
+        finished, logits = [], []
+        for (seq, n), out in zip(chunks, self.forward_chunks(chunks)):
+            seq.computed += n
+            if seq.computed == len(seq.tokens):
+                finished.append(seq)
+                logits.append(out)
+        return finished, logits
+
+    def forward_chunks(self, pieces) -> list[torch.Tensor]:
+        """Consume each (sequence, n) chunk into its staging row from the state there; each chunk's last logits [V]."""
+        model, dev = self.decoder.model, self.device
+        if self.family == "mamba2":
+            conv, ssm = self.states[0][0], self.states[1][0]
+            groups = {}
+            for i, (seq, n) in enumerate(pieces):
+                groups.setdefault((seq.computed, n), []).append(i)
+            out = [None] * len(pieces)
+            for (start, n), members in groups.items():
+                rows = torch.tensor([self.staging(pieces[i][0]) for i in members], device=dev)
+                tokens = torch.tensor([pieces[i][0].tokens[start : start + n] for i in members], device=dev)
+                r = model.forward_chunk(tokens, conv, ssm, rows, self.impl, start)
+                for i, logit in zip(members, model.head(r)):
+                    out[i] = logit
+            return out
+        shift, wkv = self.states[0][0], self.states[1][0]
+        lengths = [n for _, n in pieces]
+        width = max(lengths)
+        tokens = torch.tensor([seq.tokens[seq.computed : seq.computed + n] + [0] * (width - n) for seq, n in pieces], device=dev)
+        index = torch.tensor([self.staging(seq) for seq, _ in pieces], device=dev)
+        s, w = shift.index_select(2, index), wkv.index_select(1, index)
+        logits = model.forward_chunk(tokens, lengths, s, w, impl=self.impl)
+        shift.index_copy_(2, index, s)
+        wkv.index_copy_(1, index, w)
+        return list(logits)
+
+    def enter(self, seq: Sequence, row: int) -> None:
+        for t, dim in self.states:
+            t.select(dim, row).copy_(t.select(dim, self.staging(seq)))
+
+    def forward_decode(self, b: int) -> torch.Tensor:
+        p = self.params
+        (a, da), (s, ds) = self.states
+        if self.family == "mamba2":
+            # Every step ends with sampling kernels launched without PDL, so the states are ready.
+            return self.decoder.model.step(p.next_tokens[:b], a.narrow(da, 0, b), s.narrow(ds, 0, b), self.impl,
+                                           positions=p.positions[:b], state_ready=True)
+        return self.decoder.model.forward_step(p.next_tokens[:b], a.narrow(da, 0, b), s.narrow(ds, 0, b), impl=self.impl)
+
+    def move_row(self, src: int, dst: int) -> None:
+        for t, dim in self.states:
+            t.select(dim, dst).copy_(t.select(dim, src))
+
+
+class Engine:
+    """Continuous batching over one decoder (see the module docstring). Options beyond the API:
+    `num_blocks` / `kv_memory_bytes` size the transformer's block pool (default: 60% of the free GPU
+    memory, or room for max_batch sequences of 1024 tokens on the CPU), `max_model_len` caps
+    prompt + max_new_tokens (default: the model's context, or the pool's), `cuda_graphs` (default:
+    the decoder's setting)."""
+
+    def __init__(self, decoder, max_batch: int = 64, max_step_tokens: int = 2048, max_waiting: int | None = None, *,
+                 num_blocks: int | None = None, kv_memory_bytes: int | None = None, max_model_len: int | None = None,
+                 cuda_graphs: bool | None = None):
+        for name, value in (("max_batch", max_batch), ("max_step_tokens", max_step_tokens)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise UsageError(f"{name} must be a positive integer, got {value!r}")
+        if max_waiting is not None and (isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 0):
+            raise UsageError(f"max_waiting must be a non-negative integer or None, got {max_waiting!r}")
+        if max_model_len is not None and (isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 2):
+            raise UsageError(f"max_model_len must be an integer >= 2, got {max_model_len!r}")
+        self.decoder = decoder
+        self.family = decoder.family
+        self.max_batch = max_batch
+        self.max_waiting = max_waiting
+        graphs = decoder.cuda_graphs if cuda_graphs is None else bool(cuda_graphs) and decoder.device.type == "cuda"
+        limits = [x for x in (max_model_len, decoder.max_context) if x is not None]
+        self.max_model_len = min(limits) if limits else None
+        self.kv = None
+        if self.family == "transformer":
+            self.kv = self._new_pool(num_blocks, kv_memory_bytes)
+            usable_tokens = (self.kv.pool.num_blocks - 1) * self.kv.block_size
+            self.max_model_len = min(self.max_model_len or usable_tokens, usable_tokens)
+            if self.max_model_len < 2:
+                raise UsageError(f"the KV pool of {self.kv.pool.num_blocks} blocks has no room for a request")
+            self.runner = PagedRunner(decoder, self.kv, max_batch, self.max_model_len, graphs)
+            self.scheduler = Scheduler(max_batch, max_step_tokens, kv=self.kv, max_chunk=decoder.chunk_tokens(self.max_model_len))
+        elif self.family in ("mamba2", "rwkv7"):
+            self.runner = StateRunner(decoder, max_batch, graphs)
+            self.scheduler = Scheduler(max_batch, max_step_tokens, slots=max_batch, max_chunk=decoder.prefill_chunk)
+        else:
+            raise UsageError(f"the engine does not run the {self.family} family")
+        self.seqs: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+        self._cancelled: list[Sequence] = []
+        self.finished = 0
+        self.tokens_generated = 0
+        self.steps = 0
+        self.host_s_last = self.host_s_total = 0.0
+        self.step_s_last = self.step_s_total = 0.0
+
+    def _new_pool(self, num_blocks, kv_memory_bytes) -> PagedKVCache:
+        d = self.decoder
+        c = d.config
+        if num_blocks is None and kv_memory_bytes is None:
+            if d.device.type == "cuda":
+                kv_memory_bytes = int(0.6 * torch.cuda.mem_get_info(d.device)[0])
+            else:
+                num_blocks = self.max_batch * -(-min(self.max_model_len or 1024, 1024) // d.page_size) + 1
+        try:
+            return PagedKVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, block_size=d.page_size,
+                                num_blocks=num_blocks, memory_bytes=kv_memory_bytes, dtype=d.dtype, device=d.device)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+
+    def add_request(self, request: Request) -> str:
+        """Queue a request; returns its id. Refuses bad input (UsageError) before anything runs."""
+        prompt = request.prompt
+        if isinstance(prompt, torch.Tensor):
+            prompt = prompt.reshape(-1).tolist()
+        if not isinstance(prompt, (list, tuple)) or len(prompt) == 0:
+            raise UsageError("a request needs a prompt of at least one token")
+        if any(isinstance(t, bool) or not isinstance(t, int) for t in prompt):
+            raise UsageError("prompt tokens must be integers")
+        vocab = self.decoder.vocab_size
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise UsageError(f"prompt token {bad} is outside the vocabulary (0..{vocab - 1})")
+        n = request.max_new_tokens
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise UsageError(f"max_new_tokens must be >= 1, got {n!r}")
+        if not isinstance(request.sampling, Sampling):
+            raise UsageError(f"sampling must be a decoders.Sampling, got {type(request.sampling).__name__}")
+        if self.max_model_len is not None and len(prompt) + n > self.max_model_len:
+            raise UsageError(f"prompt of {len(prompt)} tokens + max_new_tokens {n} is over the engine's maximum of "
+                             f"{self.max_model_len} tokens")
+        rid = request.request_id
+        if rid is None:
+            rid = f"req-{next(self._ids)}"
+            while rid in self.seqs:
+                rid = f"req-{next(self._ids)}"
+        elif not isinstance(rid, str) or rid in self.seqs:
+            raise UsageError(f"request_id {rid!r} must be a string not already in the engine")
+        if self.max_waiting is not None and len(self.scheduler.waiting) >= self.max_waiting:
+            raise EngineFull(f"the engine's queue is full ({self.max_waiting} waiting requests)")
+        stop = frozenset(int(t) for t in request.stop_token_ids)
+        seq = Sequence(request=request, id=rid, tokens=list(prompt), prompt_len=len(prompt), stop=stop)
+        self.seqs[rid] = seq
+        self.scheduler.add(seq)
+        return rid
+
+    def cancel(self, request_id: str) -> bool:
+        """Free the request's blocks / slot now; the next step reports it finished ("cancelled").
+        False if the engine holds no unfinished request of that id."""
+        seq = self.seqs.get(request_id)
+        if seq is None or seq.status == "finished":
+            return False
+        self.runner.retire(seq)
+        self.scheduler.finish(seq)
+        seq.finish_reason = "cancelled"
+        self._cancelled.append(seq)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.scheduler.waiting or self.scheduler.running or self._cancelled)
+
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """One scheduling iteration: admit, prefill chunks, one decode forward; outputs of the requests
+        that gained tokens or finished."""
+        start = time.perf_counter()
+        sched = self.scheduler.schedule()
+        for seq in sched.preempted:
+            self.runner.retire(seq)
+        self.runner.admit(sched.admitted)
+        self.runner.wait_s = 0.0
+        sampled = self.runner.execute(sched) if (sched.decode or sched.prefill) else []
+        outputs = [self._output(seq) for seq in self._cancelled]
+        self._cancelled = []
+        for seq, token in sampled:
+            seq.tokens.append(token)
+            self.tokens_generated += 1
+            if seq.status == "prefill":
+                seq.status = "decode"
+            if token in seq.stop:
+                seq.finish_reason = "stop"
+            elif seq.generated >= seq.request.max_new_tokens:
+                seq.finish_reason = "length"
+            if seq.finish_reason is not None:
+                self.runner.retire(seq)
+                self.scheduler.finish(seq)
+            outputs.append(self._output(seq))
+        elapsed = time.perf_counter() - start
+        self.steps += 1
+        self.step_s_last = elapsed
+        self.step_s_total += elapsed
+        self.host_s_last = elapsed - self.runner.wait_s
+        self.host_s_total += self.host_s_last
+        return outputs
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        new = seq.tokens[seq.prompt_len + seq.emitted :]
+        seq.emitted = seq.generated
+        done = seq.finish_reason is not None
+        if done:
+            self.finished += 1
+            del self.seqs[seq.id]
+        return RequestOutput(request_id=seq.id, new_tokens=new, finished=done, finish_reason=seq.finish_reason,
+                             prompt_tokens=seq.prompt_len, output_tokens=seq.generated)
+
+    def stats(self) -> dict:
+        s = self.scheduler
+        out = {
+            "running": len(s.running),
+            "waiting": len(s.waiting),
+            "finished": self.finished,
+            "preemptions": s.preemptions,
+            "tokens_generated": self.tokens_generated,
+            "steps": self.steps,
+            "host_s_last": self.host_s_last,
+            "host_s_total": self.host_s_total,
+            "step_s_last": self.step_s_last,
+            "step_s_total": self.step_s_total,
+        }
+        if self.kv is not None:
+            total = self.kv.pool.num_blocks - 1
+            out["kv_blocks_used"], out["kv_blocks_total"] = total - self.kv.pool.num_free, total
+        if s.free_slots is not None:
+            out["slots_used"], out["slots_total"] = self.max_batch - len(s.free_slots), self.max_batch
+        return out
+
+    def run(self, requests) -> dict[str, list[int]]:
+        """Add every request, step until all are done; new tokens per request id."""
+        ids = [self.add_request(r) for r in requests]
+        result = {rid: [] for rid in ids}
+        while self.has_unfinished():
+            for out in self.step():
+                if out.request_id in result:
+                    result[out.request_id] += out.new_tokens
+        return result
