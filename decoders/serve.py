@@ -409,6 +409,8 @@ class Service:
         self.metrics = metrics
         self.model_name = model_name
         self.tokenizer = decoder.tokenizer
+        # Prompt + max_tokens the engine takes: the model's context, or less when the KV pool is smaller.
+        self.max_context = engine_loop.engine.max_model_len
         self.created = int(time.time())
 
 
@@ -490,7 +492,7 @@ class Service:
             raise RequestError(400, "echo is not supported", param="echo")
         if body.get("logprobs") not in (None, False):
             raise RequestError(400, "logprobs are not supported", param="logprobs")
-        room = None if self.decoder.max_context is None else self.decoder.max_context - len(prompt)
+        room = None if self.max_context is None else self.max_context - len(prompt)
         name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
         # OpenAI's defaults: 16 tokens for a completion, up to the context's end for a chat.
         default = room if chat and room is not None else 16
@@ -498,7 +500,7 @@ class Service:
         if max_tokens < 1:
             raise RequestError(400, f"'{name}' must be at least 1, got {max_tokens}", param=name)
         if room is not None and max_tokens > room:
-            raise RequestError(400, f"this model's maximum context is {self.decoder.max_context} tokens; the prompt has "
+            raise RequestError(400, f"this model's maximum context is {self.max_context} tokens; the prompt has "
                                f"{len(prompt)} and {name} is {max_tokens}", param=name, code="context_length_exceeded")
         temperature = get(body, "temperature", lambda v: is_number(v) and v >= 0, "a number >= 0", 1.0)
         top_p = get(body, "top_p", lambda v: is_number(v) and 0 < v <= 1, "a number in (0, 1]", 1.0)
@@ -607,7 +609,7 @@ class Service:
     async def models(self, request):
         return JSONResponse({"object": "list", "data": [{
             "id": self.model_name, "object": "model", "created": self.created, "owned_by": "declab",
-            "max_model_len": self.decoder.max_context, "family": self.decoder.family}]})
+            "max_model_len": self.max_context, "family": self.decoder.family}]})
 
     async def health(self, request):
         if not self.engine.alive():
