@@ -700,10 +700,11 @@ class Reply:
 
 
 def build_app(decoder, *, model_name: str | None = None, max_batch: int = 64, max_step_tokens: int = 2048,
-              max_waiting: int | None = 512) -> Starlette:
-    """The Starlette application serving `decoder`; its lifespan starts and stops the engine thread."""
+              max_waiting: int | None = 512, **engine_options) -> Starlette:
+    """The Starlette application serving `decoder`; its lifespan starts and stops the engine thread.
+    `engine_options` go to `Engine` (num_blocks, kv_memory_bytes, max_model_len, cuda_graphs)."""
     metrics = Metrics()
-    engine = Engine(decoder, max_batch=max_batch, max_step_tokens=max_step_tokens, max_waiting=max_waiting)
+    engine = Engine(decoder, max_batch=max_batch, max_step_tokens=max_step_tokens, max_waiting=max_waiting, **engine_options)
     engine_loop = EngineLoop(engine, decoder.device, metrics)
     service = Service(decoder, engine_loop, metrics, model_name or decoder.source)
 
@@ -756,8 +757,9 @@ def uvicorn_server(app, *, drain_timeout: float, log_level: str = "warning") -> 
 def running(decoder, *, host: str = "127.0.0.1", port: int = 0, drain_timeout: float = 5.0, start_timeout: float = 60.0, **options):
     """Serve `decoder` from a background thread; yields the base URL (http://host:port) and stops
     the server on exit. `options` go to `build_app`."""
+    app = build_app(decoder, **options)
     sock = bind(host, port)
-    server = uvicorn_server(build_app(decoder, **options), drain_timeout=drain_timeout)
+    server = uvicorn_server(app, drain_timeout=drain_timeout)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="declab-http", daemon=True)
     thread.start()
     try:
@@ -789,6 +791,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-batch", type=positive, default=64, help="requests decoded together (default 64)")
     p.add_argument("--max-step-tokens", type=positive, default=2048, help="prompt + decode tokens one engine step takes (default 2048)")
     p.add_argument("--max-waiting", type=positive, default=512, help="requests queued beyond the batch before new ones get 503 (default 512)")
+    p.add_argument("--max-model-len", type=positive, default=None, help="longest prompt + max_tokens (default: the model's context, or what the KV pool holds)")
+    p.add_argument("--num-blocks", type=positive, default=None, help="KV cache blocks (default: 60%% of the free GPU memory; on a CPU room for --max-batch sequences of 1024 tokens)")
+    p.add_argument("--page-size", type=positive, default=None, help="KV cache page size, transformer family (default: the decoder's)")
     p.add_argument("--impl", default="auto", choices=["auto", "triton", "ref"])
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: bfloat16 on a GPU, float32 on a CPU)")
     p.add_argument("--device", default=None)
@@ -801,11 +806,22 @@ def main(argv=None) -> int:
         if args.drain_timeout < 0:
             raise UsageError(f"--drain-timeout must be >= 0, got {args.drain_timeout:g}")
         decoders.parse_dtype(args.dtype)
-        decoders.family_of(args.model)
+        family = decoders.family_of(args.model)
+        load_options, engine_options = {}, {}
+        if args.page_size is not None:
+            if family != "transformer":
+                raise UsageError(f"--page-size applies to the transformer family, not {family}")
+            load_options["page_size"] = args.page_size
+        if args.num_blocks is not None:
+            if family != "transformer":
+                raise UsageError(f"--num-blocks applies to the transformer family, not {family}")
+            engine_options["num_blocks"] = args.num_blocks
+        if args.max_model_len is not None:
+            engine_options["max_model_len"] = args.max_model_len
         sock = bind(args.host, args.port)
-        decoder = decoders.load(args.model, device=args.device, dtype=args.dtype, impl=args.impl, seed=args.seed)
+        decoder = decoders.load(args.model, device=args.device, dtype=args.dtype, impl=args.impl, seed=args.seed, **load_options)
         app = build_app(decoder, model_name=args.served_model_name or args.model, max_batch=args.max_batch,
-                        max_step_tokens=args.max_step_tokens, max_waiting=args.max_waiting)
+                        max_step_tokens=args.max_step_tokens, max_waiting=args.max_waiting, **engine_options)
     host, port = sock.getsockname()[:2]
     print(f"serving {args.served_model_name or args.model} ({decoder.family}, {decoder.impl}, "
           f"{str(decoder.dtype).removeprefix('torch.')}) on http://{host}:{port}", flush=True)

@@ -7,6 +7,7 @@ leaves no KV block in use; a full queue answers 503; the command line starts, se
 SIGTERM.
 """
 
+import json
 import os
 import re
 import signal
@@ -47,6 +48,13 @@ def preset_server():
     """(url, reference decoder) for a llama-tiny server: token-id prompts, no tokenizer."""
     with serve.running(load(PRESET), model_name=PRESET, max_batch=8) as url:
         yield url, load(PRESET)
+
+
+@pytest.fixture(scope="module")
+def recurrent_server():
+    """(url, reference decoder) for a mamba2-tiny server: state slots instead of KV blocks."""
+    with serve.running(load("mamba2-tiny"), model_name="mamba2-tiny", max_batch=4) as url:
+        yield url, load("mamba2-tiny")
 
 
 @pytest.fixture(scope="module")
@@ -156,9 +164,18 @@ def test_every_bad_request_gets_its_4xx_and_the_server_stays_healthy(preset_serv
     assert [m.id for m in models.data] == [PRESET]
 
 
-def test_a_cancelled_stream_frees_its_blocks(preset_server):
-    url, _ = preset_server
-    body = {"model": PRESET, "prompt": [4, 5, 6], "max_tokens": 4000, "stream": True, "ignore_eos": True}
+def test_a_recurrent_model_serves_the_tokens_generate_gives(recurrent_server):
+    url, ref = recurrent_server
+    prompt = [9, 8, 7, 300, 2]
+    reply = client(url).completions.create(model="mamba2-tiny", prompt=prompt, max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
+    assert reply.choices[0].model_extra["token_ids"] == ref.generate([prompt], 10).tokens[0]
+
+
+@pytest.mark.parametrize("server, model, used", [("preset_server", PRESET, "declab_kv_blocks_used"),
+                                                 ("recurrent_server", "mamba2-tiny", "declab_slots_used")])
+def test_a_cancelled_stream_frees_its_blocks_or_slot(request, server, model, used):
+    url, _ = request.getfixturevalue(server)
+    body = {"model": model, "prompt": [4, 5, 6], "max_tokens": 900, "stream": True, "ignore_eos": True}
     cancelled = metric(url, 'declab_requests_finished_total{finish_reason="cancelled"}', 0)
     data = []
     with httpx.Client(base_url=url, timeout=60) as http:
@@ -170,12 +187,12 @@ def test_a_cancelled_stream_frees_its_blocks(preset_server):
                     break
     assert len(data) == 3
     for _ in range(200):
-        if metric(url, "declab_requests_running") == 0 and metric(url, "declab_kv_blocks_used") == 0:
+        if metric(url, "declab_requests_running") == 0 and metric(url, used) == 0:
             break
         threading.Event().wait(0.05)
     assert metric(url, "declab_requests_running") == 0
     assert metric(url, "declab_requests_waiting") == 0
-    assert metric(url, "declab_kv_blocks_used") == 0
+    assert metric(url, used) == 0
     assert metric(url, 'declab_requests_finished_total{finish_reason="cancelled"}') == cancelled + 1
     assert metric(url, "declab_time_to_first_token_seconds_count") >= 1
     assert metric(url, "declab_inter_token_latency_seconds_count") >= 2
@@ -205,6 +222,17 @@ def test_text_prompt_chat_and_stop_strings_with_a_tokenizer(text_server):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == chat.choices[0].message.content
     assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].usage.completion_tokens == 6
+
+    # Sampled (seeded) text, then the same request cut by a stop string taken from its middle.
+    sampled = dict(model="tiny-chat", prompt="the cat sat", max_tokens=24, temperature=1.0, seed=7, extra_body={"ignore_eos": True})
+    whole = api.completions.create(**sampled).choices[0].text
+    assert len(whole) >= 8
+    stop = whole[4:7]
+    cut = api.completions.create(**sampled, stop=[stop])
+    assert cut.choices[0].text == whole[: whole.find(stop)] and cut.choices[0].finish_reason == "stop"
+    chunks = list(api.completions.create(**sampled, stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == whole[: whole.find(stop)]
+    assert chunks[-1].choices[0].finish_reason == "stop"
 
 
 def test_text_stream_holds_back_partial_characters_and_stop_strings():
@@ -282,3 +310,38 @@ def test_command_line_refuses_bad_options_in_one_line(args, message):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 2
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_serving_benchmark_runs_against_the_server(preset_server, tmp_path):
+    url, _ = preset_server
+    out = tmp_path / "bench.jsonl"
+    run = subprocess.run([sys.executable, "-m", "decoders.serve_bench", "--models", PRESET, "--target", url, "--rate", "8",
+                          "--duration", "2", "--prompt-len", "16", "--output-len", "8", "--out", str(out), "--no-progress"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    record = json.loads(out.read_text().splitlines()[0])
+    assert record["status"] == "ok" and record["failed"] == 0 and record["finished"] == record["requests"] > 0
+    assert record["output_tokens"] == 8 * record["requests"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", ["llama-tiny", "mamba2-tiny", "rwkv7-tiny"])
+def test_on_the_gpu_the_server_gives_generates_tokens(model):
+    """The Triton path with CUDA graphs, captured and replayed on the engine thread, not the main one."""
+    prompts = [[(5 * i + j) % 400 + 3 for j in range(4 + 3 * i)] for i in range(8)]
+    ref = decoders.load(model, device="cuda", dtype="float32")
+    expected = [ref.generate([p], 16).tokens[0] for p in prompts]
+    with serve.running(decoders.load(model, device="cuda", dtype="float32"), model_name=model, max_batch=8) as url:
+        answers = [None] * len(prompts)
+
+        def ask(i):
+            reply = client(url).completions.create(model=model, prompt=prompts[i], max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+            answers[i] = reply.choices[0].model_extra["token_ids"]
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        assert answers == expected
+        assert metric(url, "declab_requests_running") == 0
