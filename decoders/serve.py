@@ -74,8 +74,6 @@ class RequestError(Exception):
         return JSONResponse(body, status_code=self.status)
 
 
-
-
 class Histogram:
     """A Prometheus histogram: cumulative bucket counts, sum and count."""
 
@@ -144,8 +142,6 @@ class Metrics:
                    [(f'{{status="{s}"}}', n) for s, n in sorted(self.errors.items())])
             lines += self.ttft.render() + self.itl.render()
         return "\n".join(lines) + "\n"
-
-
 
 
 @dataclass
@@ -304,8 +300,6 @@ class EngineLoop:
             pending.send(("output", out))
 
 
-
-
 class TextStream:
     """The text of a request's new tokens as they arrive, and where a stop string ends it.
 
@@ -367,8 +361,6 @@ class TextStream:
         return self.take(len(self.text))
 
 
-
-
 def is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -412,7 +404,6 @@ class Service:
         # Prompt + max_tokens the engine takes: the model's context, or less when the KV pool is smaller.
         self.max_context = engine_loop.engine.max_model_len
         self.created = int(time.time())
-
 
     async def body(self, request) -> dict:
         raw = await request.body()
@@ -524,7 +515,6 @@ class Service:
         include_usage = get(options, "include_usage", lambda v: isinstance(v, bool), "a boolean", False)
         return Params(prompt, max_tokens, sampling, stop, tuple(dict.fromkeys(stop_ids)), stream, include_usage)
 
-
     async def completions(self, request):
         return await self.serve(request, chat=False)
 
@@ -543,7 +533,12 @@ class Service:
                         stop_token_ids=params.stop_token_ids, request_id=request_id),
                 asyncio.get_running_loop(), asyncio.Queue(), arrival)
             self.engine.submit(pending)
-            kind, error = await pending.outbox.get()
+            try:
+                kind, error = await pending.outbox.get()
+            except asyncio.CancelledError:
+                # Cancelled (the server stopping) before the engine answered: it must not keep the request.
+                self.engine.cancel(request_id)
+                raise
             if kind == "error":
                 raise error
         except RequestError as e:
@@ -567,7 +562,7 @@ class Service:
             while not (finished or reply.text.stopped):
                 try:
                     out = await asyncio.wait_for(self.next_output(pending), DISCONNECT_POLL_S)
-                except TimeoutError:
+                except asyncio.TimeoutError:
                     if await request.is_disconnected():
                         return PlainTextResponse("", status_code=499)
                     continue
@@ -695,8 +690,6 @@ class Reply:
 
     def usage_chunk(self) -> dict:
         return {**self.head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [], "usage": self.usage()}
-
-
 
 
 def build_app(decoder, *, model_name: str | None = None, max_batch: int = 64, max_step_tokens: int = 2048,
