@@ -160,6 +160,12 @@ class Pending:
             self.loop.call_soon_threadsafe(self.outbox.put_nowait, item)
 
 
+def deliver(items) -> None:
+    """On the event loop: put each (outbox, item) in its outbox."""
+    for outbox, item in items:
+        outbox.put_nowait(item)
+
+
 class EngineLoop:
     """The thread that owns the engine: applies queued adds and cancels, steps, routes outputs.
 
@@ -281,6 +287,8 @@ class EngineLoop:
             self.fail_all(RequestError(500, "an engine step failed (see the server log)"))
             return
         now = time.perf_counter()
+        # One wake-up of the event loop per step, not one per request.
+        deliveries: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outputs:
             pending = self.active.get(out.request_id)
             if pending is None:
@@ -297,7 +305,10 @@ class EngineLoop:
             if out.finished:
                 self.active.pop(out.request_id)
                 self.metrics.finish(out.finish_reason or "stop")
-            pending.send(("output", out))
+            deliveries.setdefault(pending.loop, []).append((pending.outbox, ("output", out)))
+        for loop, items in deliveries.items():
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(deliver, items)
 
 
 class TextStream:
