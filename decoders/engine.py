@@ -597,6 +597,103 @@ class StateRunner(ARRunner):
             t.select(dim, dst).copy_(t.select(dim, src))
 
 
+class CohortScheduler:
+    """Mask-Predict: which waiting requests start together as one cohort (one `decoder.prefill` batch
+    whose passes they share). Greedy requests with the same canvas size (max_new_tokens) join the
+    head of the queue's cohort, up to the free rows and `max_step_tokens` prompt tokens; a sampled
+    request is a cohort of its own (its random stream is then `decoder.generate`'s alone). Several
+    cohorts may start in one step while rows and the token budget last."""
+
+    def __init__(self, max_batch: int, max_step_tokens: int):
+        self.max_batch = max_batch
+        self.max_step_tokens = max_step_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.preemptions = 0
+        self.free_slots = None
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def schedule(self) -> list[list[Sequence]]:
+        cohorts, budget = [], self.max_step_tokens
+        while self.waiting and len(self.running) < self.max_batch and (budget > 0 or not cohorts):
+            head = self.waiting[0]
+            cohort, budget = [head], budget - len(head.tokens)
+            if head.request.sampling.greedy:
+                for seq in list(self.waiting)[1:]:
+                    if len(self.running) + len(cohort) == self.max_batch:
+                        break
+                    if (seq.request.sampling.greedy and seq.request.max_new_tokens == head.request.max_new_tokens
+                            and len(seq.tokens) <= budget):
+                        cohort.append(seq)
+                        budget -= len(seq.tokens)
+            for seq in cohort:
+                self.waiting.remove(seq)
+                seq.status = "decode"
+                self.running.append(seq)
+            cohorts.append(cohort)
+        return cohorts
+
+    def finish(self, seq: Sequence) -> None:
+        (self.waiting if seq.status == "waiting" else self.running).remove(seq)
+        seq.status = "finished"
+
+
+@dataclass(eq=False)
+class Cohort:
+    seqs: list[Sequence]
+    state: object  # the decoder's CanvasState
+
+
+class CanvasRunner:
+    """Mask-Predict cohorts: each step runs one refinement pass of every cohort (one forward each);
+    a request's tokens are reported as its blocks become final. A cohort's KV blocks (its own pool,
+    sized for it) are freed when its last request finishes or is cancelled."""
+
+    def __init__(self, decoder):
+        self.decoder = decoder
+        self.cohorts: list[Cohort] = []
+        self.wait_s = 0.0
+
+    def start(self, seqs: list[Sequence]) -> None:
+        request = seqs[0].request
+        state = self.decoder.prefill([s.tokens for s in seqs], max_new_tokens=request.max_new_tokens, sampling=request.sampling)
+        self.cohorts.append(Cohort(seqs, state))
+
+    def execute(self) -> list[tuple[Sequence, list[int], bool]]:
+        """One pass of every cohort; (sequence, its final tokens so far, whether its canvas is done)."""
+        for cohort in self.cohorts:
+            self.decoder.step(cohort.state)
+        start = time.perf_counter()
+        if self.decoder.device.type == "cuda":
+            torch.cuda.synchronize(self.decoder.device)
+        self.wait_s = time.perf_counter() - start
+        out = []
+        for cohort in list(self.cohorts):
+            done = self.decoder.finished(cohort.state)
+            final = self.decoder.output(cohort.state, [])
+            out += [(seq, tokens, done) for seq, tokens in zip(cohort.seqs, final) if seq.status != "finished"]
+            if done:
+                self.drop(cohort)
+        return out
+
+    def drop(self, cohort: Cohort) -> None:
+        self.decoder.release(cohort.state)
+        self.cohorts.remove(cohort)
+
+    def retire(self, seq: Sequence) -> None:
+        """A cohort whose every request has finished is dropped now, its blocks freed."""
+        for cohort in self.cohorts:
+            if seq in cohort.seqs and all(s.status == "finished" or s is seq for s in cohort.seqs):
+                self.drop(cohort)
+                return
+
+    def kv_blocks(self) -> tuple[int, int]:
+        pools = [c.state.kv.pool for c in self.cohorts]
+        return sum(p.num_blocks - p.num_free for p in pools), sum(p.num_blocks for p in pools)
+
+
 class Engine:
     """Continuous batching over one decoder (see the module docstring). Options beyond the API:
     `num_blocks` / `kv_memory_bytes` size the transformer's block pool (default: 60% of the free GPU
@@ -618,7 +715,9 @@ class Engine:
         self.family = decoder.family
         self.max_batch = max_batch
         self.max_waiting = max_waiting
-        graphs = decoder.cuda_graphs if cuda_graphs is None else bool(cuda_graphs) and decoder.device.type == "cuda"
+        if cuda_graphs and not (decoder.device.type == "cuda" and decoder.impl == "triton"):
+            raise UsageError("cuda_graphs needs a CUDA device and impl='triton'")
+        graphs = decoder.cuda_graphs if cuda_graphs is None else bool(cuda_graphs)
         limits = [x for x in (max_model_len, decoder.max_context) if x is not None]
         self.max_model_len = min(limits) if limits else None
         self.kv = None
@@ -633,6 +732,9 @@ class Engine:
         elif self.family in ("mamba2", "rwkv7"):
             self.runner = StateRunner(decoder, max_batch, graphs)
             self.scheduler = Scheduler(max_batch, max_step_tokens, slots=max_batch, max_chunk=decoder.prefill_chunk)
+        elif self.family == "maskpredict":
+            self.runner = CanvasRunner(decoder)
+            self.scheduler = CohortScheduler(max_batch, max_step_tokens)
         else:
             raise UsageError(f"the engine does not run the {self.family} family")
         self.seqs: dict[str, Sequence] = {}
@@ -679,6 +781,8 @@ class Engine:
         if self.max_model_len is not None and len(prompt) + n > self.max_model_len:
             raise UsageError(f"prompt of {len(prompt)} tokens + max_new_tokens {n} is over the engine's maximum of "
                              f"{self.max_model_len} tokens")
+        if self.family == "maskpredict":
+            self._check_canvas(n)
         rid = request.request_id
         if rid is None:
             rid = f"req-{next(self._ids)}"
@@ -693,6 +797,15 @@ class Engine:
         self.seqs[rid] = seq
         self.scheduler.add(seq)
         return rid
+
+    def _check_canvas(self, n: int) -> None:
+        d = self.decoder
+        if d.block_length and n % d.block_length:
+            raise UsageError(f"max_new_tokens {n} is not a multiple of {d.source}'s block_length {d.block_length}")
+        if d.length_beam:
+            cap = min(d.config.max_predicted_length, n)
+            if d.length_beam > cap:
+                raise UsageError(f"length_beam {d.length_beam} is more than the {cap} lengths the head can propose within {n} new tokens")
 
     def cancel(self, request_id: str) -> bool:
         """Free the request's blocks / slot now; the next step reports it finished ("cancelled").
@@ -714,6 +827,19 @@ class Engine:
         """One scheduling iteration: admit, prefill chunks, one decode forward; outputs of the requests
         that gained tokens or finished."""
         start = time.perf_counter()
+        if self.family == "maskpredict":
+            outputs = self._step_canvas()
+        else:
+            outputs = self._step_autoregressive()
+        elapsed = time.perf_counter() - start
+        self.steps += 1
+        self.step_s_last = elapsed
+        self.step_s_total += elapsed
+        self.host_s_last = elapsed - self.runner.wait_s
+        self.host_s_total += self.host_s_last
+        return outputs
+
+    def _step_autoregressive(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         for seq in sched.preempted:
             self.runner.retire(seq)
@@ -735,12 +861,29 @@ class Engine:
                 self.runner.retire(seq)
                 self.scheduler.finish(seq)
             outputs.append(self._output(seq))
-        elapsed = time.perf_counter() - start
-        self.steps += 1
-        self.step_s_last = elapsed
-        self.step_s_total += elapsed
-        self.host_s_last = elapsed - self.runner.wait_s
-        self.host_s_total += self.host_s_last
+        return outputs
+
+    def _step_canvas(self) -> list[RequestOutput]:
+        for cohort in self.scheduler.schedule():
+            self.runner.start(cohort)
+        self.runner.wait_s = 0.0
+        outputs = [self._output(seq) for seq in self._cancelled]
+        self._cancelled = []
+        for seq, final, done in (self.runner.execute() if self.runner.cohorts else []):
+            new = final[seq.generated :]
+            stop = next((i for i, t in enumerate(new) if t in seq.stop), None)
+            if stop is not None:
+                new = new[: stop + 1]
+                seq.finish_reason = "stop"
+            elif done:
+                seq.finish_reason = "length"
+            seq.tokens += new
+            self.tokens_generated += len(new)
+            if seq.finish_reason is not None:
+                self.scheduler.finish(seq)
+                self.runner.retire(seq)
+            if new or seq.finish_reason is not None:
+                outputs.append(self._output(seq))
         return outputs
 
     def _output(self, seq: Sequence) -> RequestOutput:
@@ -770,6 +913,8 @@ class Engine:
         if self.kv is not None:
             total = self.kv.pool.num_blocks - 1
             out["kv_blocks_used"], out["kv_blocks_total"] = total - self.kv.pool.num_free, total
+        if isinstance(self.runner, CanvasRunner):
+            out["kv_blocks_used"], out["kv_blocks_total"] = self.runner.kv_blocks()
         if s.free_slots is not None:
             out["slots_used"], out["slots_total"] = self.max_batch - len(s.free_slots), self.max_batch
         return out
@@ -783,3 +928,89 @@ class Engine:
                 if out.request_id in result:
                     result[out.request_id] += out.new_tokens
         return result
+
+
+def build_parser():
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m decoders.engine", description="Saturated decode through the engine: "
+                                "--batch requests of --ctx tokens (prompt + --new-tokens) admitted at once; decode tokens/s "
+                                "and the host share of the step time.")
+    p.add_argument("--model", default="llama-1b", help="preset or checkpoint folder (default llama-1b)")
+    p.add_argument("--batch", type=int, default=64, help="requests, and the engine's max_batch (default 64)")
+    p.add_argument("--ctx", type=int, default=1024, help="prompt + new tokens per request (default 1024)")
+    p.add_argument("--new-tokens", type=int, default=128, help="tokens decoded per request (default 128)")
+    p.add_argument("--max-step-tokens", type=int, default=2048, help="per-step token budget (default 2048)")
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bf16 on a GPU, fp32 on a CPU)")
+    p.add_argument("--impl", default="auto", choices=["auto", "triton", "ref"])
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--page-size", type=int, default=16, help="KV cache page size (transformer, Mask-Predict)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="results/engine.jsonl", help="JSON lines file the result is appended to")
+    return p
+
+
+def measure(engine: "Engine", batch: int, prompt_len: int, new_tokens: int, vocab: int, seed: int) -> dict:
+    """Run `batch` requests admitted together; per-step wall and host times of the saturated steps
+    (every request decoding, no prompt left)."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(0, vocab, (batch, prompt_len), generator=g).tolist()
+    for p in prompts:
+        engine.add_request(Request(prompt=p, max_new_tokens=new_tokens))
+    start = time.perf_counter()
+    first_token_s, walls, hosts = None, [], []
+    while engine.has_unfinished():
+        saturated = first_token_s is not None and engine.stats()["running"] == batch
+        t = time.perf_counter()
+        outs = engine.step()
+        wall = time.perf_counter() - t
+        if saturated and len(outs) == batch and not any(o.finished for o in outs):
+            walls.append(wall)
+            hosts.append(engine.host_s_last)
+        if first_token_s is None and engine.stats()["tokens_generated"] >= batch:
+            first_token_s = time.perf_counter() - start
+    return {"walls": walls, "hosts": hosts, "first_token_s": first_token_s, "total_s": time.perf_counter() - start}
+
+
+def main(argv=None) -> int:
+    """Exit status 0, or 2 for input the lab refuses."""
+    import json
+    import statistics
+    import sys
+
+    import decoders
+    from declab_kernels.benchtools import append_jsonl, environment
+
+    args = build_parser().parse_args(argv)
+    with decoders.user_errors():
+        if args.batch < 1 or args.new_tokens < 1 or args.new_tokens >= args.ctx:
+            raise UsageError(f"need --batch >= 1 and 1 <= --new-tokens < --ctx, got {args.batch}, {args.new_tokens}, {args.ctx}")
+        dec = decoders.load(args.model, device=args.device, dtype=args.dtype, impl=args.impl, seed=args.seed,
+                            **({"page_size": args.page_size} if decoders.family_of(args.model) in ("transformer", "maskpredict") else {}))
+        engine = Engine(dec, max_batch=args.batch, max_step_tokens=args.max_step_tokens, max_model_len=args.ctx)
+        prompt_len = args.ctx - args.new_tokens
+        # Warm-up: compiles and autotunes the kernels and captures the decode graph of this batch.
+        measure(engine, args.batch, prompt_len, min(args.new_tokens, 4), dec.vocab_size, args.seed + 1)
+        run = measure(engine, args.batch, prompt_len, args.new_tokens, dec.vocab_size, args.seed)
+    walls, hosts = run["walls"], run["hosts"]
+    if not walls:
+        print("error: no saturated decode step was measured (raise --new-tokens)", file=sys.stderr)
+        return 2
+    step = statistics.median(walls)
+    record = {
+        **dec.describe(), "batch": args.batch, "ctx": args.ctx, "new_tokens": args.new_tokens,
+        "max_step_tokens": args.max_step_tokens, "page_size": args.page_size, "saturated_steps": len(walls),
+        "step_s_p50": step, "host_s_p50": statistics.median(hosts), "host_fraction": sum(hosts) / sum(walls),
+        "decode_tok_s": args.batch / step, "first_token_s": run["first_token_s"], "total_s": run["total_s"],
+        "env": environment(dec.device),
+    }
+    append_jsonl(args.out, record)
+    print(f"{'model':<14} {'batch':>5} {'ctx':>6} {'decode tok/s':>12} {'step ms':>8} {'host ms':>8} {'host %':>6}")
+    print(f"{dec.source:<14} {args.batch:>5} {args.ctx:>6} {record['decode_tok_s']:>12.0f} {step * 1e3:>8.3f} "
+          f"{record['host_s_p50'] * 1e3:>8.3f} {100 * record['host_fraction']:>6.1f}")
+    print(json.dumps(record))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -39,6 +39,7 @@ import torch
 
 from decoders import workload as wl
 from decoders.base import UsageError
+from decoders.compare import parse_ints
 from decoders.harness import percentile
 
 # Assumed price of one H200 GPU-hour in US dollars: a round figure within the on-demand list prices
@@ -108,16 +109,6 @@ def parse_rates(text: str) -> list[float]:
     return rates
 
 
-def parse_ints(text: str, name: str) -> list[int]:
-    try:
-        values = [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise ArgError(f"--{name} expects comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise ArgError(f"--{name} values must be integers >= 1, got {text!r}")
-    return values
-
-
 def parse_seconds(text: str, key: str) -> float:
     """'500ms', '0.5s' or '500' (milliseconds) -> seconds."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s)?\s*", text)
@@ -173,7 +164,7 @@ def drive_engine(engine, workload: wl.Workload, *, duration_s: float | None = No
         traces.append(trace)
         active[engine.add_request(make_request(item))] = trace
 
-    items = deque(workload.items)
+    items = deque(workload.items if workload.closed else sorted(workload.items, key=lambda item: item.arrival_s))
     if workload.closed:
         for _ in range(min(workload.users, len(items))):
             issue(items.popleft(), 0.0)
@@ -284,7 +275,7 @@ async def drive_http_async(base_url: str, workload: wl.Workload, *, model: str |
             await asyncio.gather(*(user() for _ in range(min(workload.users, len(items)))))
         else:
             tasks = []
-            for item in workload.items:
+            for item in sorted(workload.items, key=lambda item: item.arrival_s):
                 wait = item.arrival_s - (time.perf_counter() - t0)
                 if wait > 0:
                     await asyncio.sleep(wait)
@@ -486,13 +477,13 @@ def warm_up(run, workload: wl.Workload, vocab_size: int, burst: int):
     """Compile and capture before timing, then take the idle TTFT samples. The warm-up burst is
     `burst` short requests at once, the i-th asking for WARMUP_OUTPUT_TOKENS + i tokens, so that the
     running batch shrinks through every size from `burst` to 1 (a size's first step may compile or
-    capture a graph). Returns (idle TTFT function or None, seconds spent)."""
+    capture a graph). Returns (the idle TTFT samples, seconds spent)."""
     t0 = time.perf_counter()
     prompt = min(workload.items, key=lambda item: len(item.prompt)).prompt[:WARMUP_PROMPT_TOKENS]
     run(wl.Workload({"arrivals": "closed", "users": burst}, vocab_size,
                     [wl.WorkItem(i, None, prompt, WARMUP_OUTPUT_TOKENS + i) for i in range(burst)]))
     samples = idle_samples(run, workload, vocab_size)
-    return (idle_ttft_line(samples) if samples else None), time.perf_counter() - t0
+    return samples, time.perf_counter() - t0
 
 
 class EngineTarget:
@@ -715,7 +706,8 @@ def engine_point_stats(before: dict, after: dict) -> dict:
 def run_point(args, target, model, workload, source, slo, env, idle, warmup_s, progress) -> dict:
     spec = workload.spec
     record = {"model": model, "arrivals": spec["arrivals"], "rate": spec.get("rate"), "users": spec.get("users"),
-              "workload": spec, "workload_file": source, "warmup_s": warmup_s, **env, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+              "workload": spec, "workload_file": source, "warmup_s": warmup_s, "idle_ttft_ms": [[n, t * 1e3] for n, t in idle],
+              **env, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
     if progress is not None:
         progress.reset(total=len(workload.items))
         progress.set_description(f"{model} {spec['arrivals']} {load_label(record)}")
@@ -727,7 +719,8 @@ def run_point(args, target, model, workload, source, slo, env, idle, warmup_s, p
     if before is not None:
         described["engine_stats"] = {"point": engine_point_stats(before, described["engine_stats"]), "after": described["engine_stats"]}
     record.update(described)
-    record.update(model=model, status="ok", **summarize(traces, slo=slo, gpu_hour_price=args.gpu_hour_price, energy_j=meter.energy_j, idle_ttft=idle))
+    record.update(model=model, status="ok", **summarize(traces, slo=slo, gpu_hour_price=args.gpu_hour_price, energy_j=meter.energy_j,
+                                                        idle_ttft=idle_ttft_line(idle) if idle else None))
     record.update(meter.describe())
     if record["finished"] < record["requests"]:
         record["status"] = "errors" if record["failed"] else "unfinished"
@@ -783,6 +776,7 @@ def run(args) -> int:
                 workload, source = point_workload(args, load, target, model, lengths)
                 if i == 0:
                     idle, warmup_s = warm_up(target.run, workload, target.vocab_size, min(args.max_batch, len(workload.items)))
+                    print(f"{model}: warm-up {warmup_s:.1f} s; idle TTFT " + ", ".join(f"{t * 1e3:.1f} ms at {n} tokens" for n, t in idle), file=sys.stderr)
                 record = run_point(args, target, model, workload, source, slo, env, idle, warmup_s, progress)
                 append_jsonl(args.out, record)
                 records.append(record)

@@ -2,8 +2,12 @@
 engine on a simulated clock, the HTTP driver against a stand-in streaming server, bad input, the plot."""
 
 import asyncio
+import importlib.util
 import json
 import math
+import shutil
+import subprocess
+import sys
 import time
 from collections import deque
 from types import SimpleNamespace
@@ -323,3 +327,56 @@ def test_the_cli_sweeps_closed_loops_and_bursty_arrivals(tmp_path, capsys, monke
     assert [(r["arrivals"], r["users"], r["finished"]) for r in records] == [("closed", 1, 6), ("closed", 3, 6), ("poisson", None, 10), ("bursty", None, 10)]
     assert records[3]["workload"]["amplitude"] == 0.4 and records[2]["workload"]["amplitude"] is None
     assert records[2]["queue_ms_mean"] is not None and records[0]["energy_j"] is None and "no GPU" in records[0]["power_note"]
+
+
+def test_ctrl_c_keeps_the_finished_points(tmp_path, capsys, monkeypatch):
+    class Interrupted(StandInTarget):
+        points = 0
+
+        def run(self, workload, duration_s=None, on_finish=None):
+            # The warm-up's two runs, then the first point; the second point is interrupted.
+            Interrupted.points += 1
+            if Interrupted.points == 4:
+                raise KeyboardInterrupt
+            return super().run(workload, duration_s, on_finish)
+
+    monkeypatch.setattr(sb, "EngineTarget", Interrupted)
+    out = tmp_path / "sb.jsonl"
+    argv = ["--no-progress", "--models", "llama-tiny", "--out", str(out), "--prompt-len", "4", "--output-len", "2", "--rate", "100,inf", "--requests", "3"]
+    assert sb.main(argv) == 130
+    captured = capsys.readouterr()
+    assert "interrupted: 1 finished point(s) kept" in captured.err
+    assert [json.loads(line)["rate"] for line in out.read_text().splitlines()] == [100.0]
+    assert [p["rate"] for p in json.loads(captured.out.strip().splitlines()[-1])["points"]] == [100.0]
+
+
+def run_cli(*args, out):
+    return subprocess.run([sys.executable, "-m", "decoders.serve_bench", "--no-progress", "--out", str(out), *args],
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_the_cli_on_the_engine_with_tiny_models(tmp_path):
+    out = tmp_path / "sb.jsonl"
+    result = run_cli("--models", "llama-tiny,mamba2-tiny", "--rate", "20,inf", "--requests", "6", "--prompt-len", "8..24",
+                     "--output-len", "6", "--impl", "ref", "--slo", "ttft=10s,itl=10s", out=out)
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["model"], r["rate"], r["family"]) for r in records] == [
+        ("llama-tiny", 20.0, "transformer"), ("llama-tiny", "inf", "transformer"), ("mamba2-tiny", 20.0, "mamba2"), ("mamba2-tiny", "inf", "mamba2")]
+    for r in records:
+        assert (r["status"], r["finished"], r["output_tokens"], r["slo_met"]) == ("ok", 6, 36, 6)
+        assert r["ttft_ms_p50"] > 0 and r["itl_ms_p50"] > 0 and r["engine_stats"]["point"]["finished"] == 6
+        assert r["impl"] == "ref" and r["energy_j"] is None
+    assert json.loads(result.stdout.strip().splitlines()[-1])["points"][3]["model"] == "mamba2-tiny"
+
+
+@pytest.mark.gpu
+def test_the_cli_on_the_gpu_records_energy(tmp_path):
+    out = tmp_path / "sb.jsonl"
+    result = run_cli("--models", "llama-1b,mamba2-1.3b", "--rate", "8,inf", "--requests", "32", "--prompt-len", "128..512",
+                     "--output-len", "64", "--max-batch", "32", out=out)
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(records) == 4 and all(r["status"] == "ok" and r["finished"] == 32 and r["impl"] == "triton" for r in records)
+    if shutil.which("nvidia-smi") or importlib.util.find_spec("pynvml"):
+        assert all(r["energy_j"] > 0 and r["energy_j_per_output_token"] > 0 for r in records), [r["power_note"] for r in records]
