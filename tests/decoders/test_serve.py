@@ -164,11 +164,20 @@ def test_every_bad_request_gets_its_4xx_and_the_server_stays_healthy(preset_serv
     assert [m.id for m in models.data] == [PRESET]
 
 
-def test_a_recurrent_model_serves_the_tokens_generate_gives(recurrent_server):
-    url, ref = recurrent_server
-    prompt = [9, 8, 7, 300, 2]
-    reply = client(url).completions.create(model="mamba2-tiny", prompt=prompt, max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
-    assert reply.choices[0].model_extra["token_ids"] == ref.generate([prompt], 10).tokens[0]
+@pytest.mark.parametrize("model", ["mamba2-tiny", "rwkv7-tiny", "maskpredict-tiny"])
+def test_every_family_serves_the_tokens_generate_gives(model):
+    prompts = [[9, 8, 7, 300, 2], [11, 12, 13]]
+    ref = load(model)
+    expected = [ref.generate([p], 8).tokens[0] for p in prompts]
+    with serve.running(load(model), model_name=model, max_batch=4) as url:
+        api = client(url)
+        whole = api.completions.create(model=model, prompt=prompts[0], max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+        assert whole.choices[0].model_extra["token_ids"] == expected[0]
+        # Mask-Predict commits several tokens in one pass: a streamed event carries all of them.
+        chunks = list(api.completions.create(model=model, prompt=prompts[1], max_tokens=8, temperature=0, stream=True,
+                                             extra_body={"ignore_eos": True}))
+        assert [t for c in chunks for choice in c.choices for t in choice.model_extra["token_ids"]] == expected[1]
+        assert httpx.get(f"{url}/health", timeout=30).status_code == 200
 
 
 @pytest.mark.parametrize("server, model, used", [("preset_server", PRESET, "declab_kv_blocks_used"),
