@@ -309,6 +309,28 @@ def test_command_line_serves_then_stops_on_sigterm():
             proc.wait()
 
 
+def test_command_line_cancels_what_outlives_the_drain_timeout():
+    proc = cli("--model", PRESET, "--port", "0", "--impl", "ref", "--device", "cpu", "--log-level", "error", "--drain-timeout", "0.5")
+    try:
+        url = re.search(r"on (http://127\.0\.0\.1:\d+)", proc.stdout.readline()).group(1)
+        # Seconds of decoding on a CPU, far past the drain timeout.
+        body = {"model": PRESET, "prompt": [1, 2], "max_tokens": 6000, "stream": True, "ignore_eos": True}
+        lines = []
+        with pytest.raises(httpx.HTTPError):
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    lines.append(line)
+                    if len(lines) == 2:
+                        proc.send_signal(signal.SIGTERM)
+        assert "data: [DONE]" not in lines
+        assert proc.wait(timeout=60) == 0
+        assert proc.stdout.read().strip() == "stopped"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 @pytest.mark.parametrize("args, message", [
     (["--model", "no-such-preset"], "unknown preset"),
     (["--model", PRESET, "--dtype", "int3"], "unknown dtype"),
