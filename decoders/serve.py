@@ -508,8 +508,10 @@ class Service:
         top_p = get(body, "top_p", lambda v: is_number(v) and 0 < v <= 1, "a number in (0, 1]", 1.0)
         # vLLM's top_k = -1 means no cut, as 0 does here.
         top_k = get(body, "top_k", lambda v: is_int(v) and v >= -1, "an integer >= -1", 0)
-        seed = get(body, "seed", is_int, "an integer", None)
-        sampling = Sampling(temperature=float(temperature), top_k=max(top_k, 0), top_p=float(top_p),
+        # The engine keeps seeds in int64 tensors: a larger one would fail the step for every request in it.
+        seed = get(body, "seed", lambda v: is_int(v) and -(2**63) <= v < 2**63, "an integer within 64 bits", None)
+        top_k = min(max(top_k, 0), self.decoder.vocab_size)
+        sampling = Sampling(temperature=float(temperature), top_k=top_k, top_p=float(top_p),
                             seed=secrets.randbits(63) if seed is None else seed)
         stop = get(body, "stop", lambda v: isinstance(v, (str, list)), "a string or a list of strings", [])
         stop = [stop] if isinstance(stop, str) else stop

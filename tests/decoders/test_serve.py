@@ -138,6 +138,7 @@ def bad_requests(max_context: int):
         ("n of 2", {**good, "n": 2}, 400),
         ("temperature negative", {**good, "temperature": -1}, 400),
         ("top_p zero", {**good, "top_p": 0}, 400),
+        ("seed over 64 bits", {**good, "seed": 2**70}, 400),
     ]
 
 
