@@ -31,6 +31,15 @@ retired request's state, which nothing reads. Recurrent prefills run in staging 
 so a decode step never touches a prompt still being consumed. On the Triton GPU path each
 (bucket, sampling mode) decode step is captured in a CUDA graph after its first eager run.
 
+One step of lookahead: `step()` schedules and launches step k, then waits for step k-1's tokens
+(copied to pinned host memory behind it) and turns them into outputs, so the GPU always has the next
+step queued while the host processes the last one. The outputs a call returns are the previous
+launch's: the first call that prefills a prompt returns nothing for it, the next returns its first
+token. The scheduler counts a request's tokens still on their way (`Sequence.inflight`); a request
+that hits a stop token decodes once more before the host knows, and that token is dropped. On the
+GPU every host-to-device copy of a step goes through pinned memory, so nothing in a step waits for
+the queued work (the families' prefill code may still synchronise once per prefill).
+
 Sampling runs on the device, per row: greedy rows take the argmax of the logits (exactly
 `decoder.generate`'s tokens); sampled rows race probabilities against exponential noise derived from
 (seed, position, token id) by a counter-based hash, so a request's tokens depend on its seed and
@@ -96,6 +105,7 @@ class Sequence:
     status: str = "waiting"  # waiting | prefill | decode | finished
     computed: int = 0  # tokens of `tokens` already in the KV cache / state
     admitted: int = -1  # admission counter: the newest running request is preempted first
+    inflight: int = 0  # tokens sampled on the device that the host has not seen yet (see `Engine.step`)
     emitted: int = 0  # generated tokens already returned in an output
     finish_reason: str | None = None
     kv_seq: int | None = None  # its PagedKVCache sequence (transformer)
@@ -144,7 +154,11 @@ class Scheduler:
         self._budget = self.max_step_tokens - sum(s.status == "decode" for s in self.running)
         for seq in list(self.running):
             if seq.status == "decode":
-                if self._grow(seq, len(seq.tokens), out):
+                # A request whose last token is still on its way may be done already: when it is, its row
+                # decodes once more (into the scratch block) and that token is dropped.
+                if seq.generated + seq.inflight >= seq.request.max_new_tokens:
+                    continue
+                if self._grow(seq, len(seq.tokens) + seq.inflight, out):
                     out.decode.append(seq)
             elif seq.status == "prefill" and self._budget > 0:
                 n = min(len(seq.tokens) - seq.computed, self._budget, self.max_chunk)
@@ -233,6 +247,15 @@ def bucket(n: int, sizes: list[int]) -> int:
     return next(b for b in sizes if b >= n)
 
 
+def on_device(values, device, dtype=torch.int64) -> torch.Tensor:
+    """Host values as a device tensor without waiting for the GPU: pinned memory makes the copy
+    asynchronous (a copy from pageable memory would synchronise with the queued steps)."""
+    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 _M32 = 0xFFFFFFFF
 
 
@@ -275,6 +298,15 @@ def sample_rows(logits, temperature, top_k, top_p, seeds, counters, *, impl: str
     return argmax(scores, impl=impl, out=out, advance=advance)
 
 
+@dataclass
+class Pending:
+    """A launched step's sampled tokens on their way to the host: seqs[i] gets host[i]."""
+
+    seqs: list[Sequence]
+    host: torch.Tensor  # [k] int64 on the CPU (pinned on a GPU run)
+    done: "torch.cuda.Event | None"  # recorded after the copy
+
+
 class RowParams:
     """Per-row buffers of an autoregressive runner: the token to feed, its position, sampling parameters."""
 
@@ -313,11 +345,12 @@ class ARRunner:
         self.graphs = {}
         self.wait_s = 0.0
 
-    def execute(self, sched: Schedule) -> list[tuple[Sequence, int]]:
-        """Run one scheduled step: the decode forward of rows 0..n-1, the prefill chunks; returns each
-        sequence's sampled token (one host synchronisation)."""
-        n = len(self.rows)
-        decoded = list(self.rows)
+    def launch(self, sched: Schedule) -> "Pending | None":
+        """Launch one scheduled step without waiting for it: the decode forward of rows 0..n-1 (when
+        any request decodes), the prefill chunks, the first tokens of prompts done (their sequences
+        join the decode rows). Its sampled tokens come back through `collect`."""
+        n = len(self.rows) if sched.decode else 0
+        decoded = self.rows[:n]
         if n:
             self.decode(n)
         finished, logits = self.prefill(sched.prefill)
@@ -326,17 +359,37 @@ class ARRunner:
             first = self.sample_first(finished, torch.stack(logits))
         pieces = ([self.params.next_tokens[:n]] if n else []) + ([first] if first is not None else [])
         if not pieces:
-            return []
+            return None
         joined = torch.cat(pieces)
-        start = time.perf_counter()
-        tokens = joined.tolist()
-        self.wait_s = time.perf_counter() - start
+        if self.device.type == "cuda":
+            host = torch.empty(joined.shape, dtype=joined.dtype, pin_memory=True)
+            host.copy_(joined, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        else:
+            host, done = joined.clone(), None
+        row = len(self.rows)
         for seq in finished:
             self.enter(seq, len(self.rows))
             self.rows.append(seq)
+            seq.status = "decode"
         if finished:
-            self.write_rows(range(n, n + len(finished)), finished, first)
-        return list(zip(decoded + finished, tokens))
+            self.write_rows(range(row, row + len(finished)), finished, first)
+        seqs = decoded + finished
+        for seq in seqs:
+            seq.inflight += 1
+        return Pending(seqs, host, done)
+
+    def collect(self, pending: "Pending") -> list[tuple[Sequence, int]]:
+        """Wait for a launched step's tokens (the one host synchronisation of a step)."""
+        start = time.perf_counter()
+        if pending.done is not None:
+            pending.done.synchronize()
+        tokens = pending.host.tolist()
+        self.wait_s += time.perf_counter() - start
+        for seq in pending.seqs:
+            seq.inflight -= 1
+        return list(zip(pending.seqs, tokens))
 
     def sample_first(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
         """First tokens [k] of sequences whose prompt is done, from their last logits [k, V]."""
@@ -346,21 +399,21 @@ class ARRunner:
             return argmax(logits, impl=self.impl)
         return sample_rows(
             logits,
-            torch.tensor([x.temperature for x in s], dtype=torch.float32, device=dev),
-            torch.tensor([x.top_k for x in s], dtype=torch.int64, device=dev),
-            torch.tensor([x.top_p for x in s], dtype=torch.float32, device=dev),
-            torch.tensor([x.seed for x in s], dtype=torch.int64, device=dev),
-            torch.tensor([len(q.tokens) for q in seqs], dtype=torch.int64, device=dev),
+            on_device([x.temperature for x in s], dev, torch.float32),
+            on_device([x.top_k for x in s], dev),
+            on_device([x.top_p for x in s], dev, torch.float32),
+            on_device([x.seed for x in s], dev),
+            on_device([len(q.tokens) for q in seqs], dev),
             impl=self.impl,
         )
 
     def write_rows(self, rows, seqs: list[Sequence], first: torch.Tensor) -> None:
         """Set the parameter rows of newly decoding sequences (one host-to-device copy per buffer)."""
-        index = torch.tensor(list(rows), device=self.device)
+        index = on_device(list(rows), self.device)
         self.params.next_tokens.index_copy_(0, index, first)
         values = [self.params.values(q) for q in seqs]
         for buf, column in zip(self.params.tensors[1:], zip(*values)):
-            buf.index_copy_(0, index, torch.tensor(column, dtype=buf.dtype).to(self.device))
+            buf.index_copy_(0, index, on_device(list(column), self.device, buf.dtype))
 
     def decode(self, n: int) -> None:
         b = bucket(n, self.sizes)
@@ -457,22 +510,25 @@ class PagedRunner(ARRunner):
                 finished.append(seq)
         cu = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
         width = max(len(kv.blocks[s.kv_seq]) for s, _ in chunks)
+        table = torch.zeros(len(chunks), width, dtype=torch.int32)
+        for i, (s, _) in enumerate(chunks):
+            table[i, : len(kv.blocks[s.kv_seq])] = torch.tensor(kv.blocks[s.kv_seq], dtype=torch.int32)
         batch = llama.PagedBatch(
-            k_cache=kv.k, v_cache=kv.v, block_tables=kv.block_table([s.kv_seq for s, _ in chunks], width),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev), slot_mapping=torch.cat(slots).to(dev),
-            decode=False, cu_seqlens_q=cu.to(dev), max_seqlen_q=max(q_lens), impl=self.impl,
+            k_cache=kv.k, v_cache=kv.v, block_tables=on_device(table, dev), seq_lens=on_device(seq_lens, dev, torch.int32),
+            slot_mapping=on_device(torch.cat(slots), dev), decode=False, cu_seqlens_q=on_device(cu, dev), max_seqlen_q=max(q_lens),
+            impl=self.impl,
         )
         if not finished:
             # Nothing completes: the logits of one position are computed and dropped.
             ends = [0]
         logits = self.decoder.model.forward_paged(
-            torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev), batch, torch.tensor(ends, dtype=torch.long, device=dev)
+            on_device(tokens, dev), on_device(positions, dev), batch, on_device(ends, dev)
         )
         return finished, list(logits[: len(finished)])
 
     def enter(self, seq: Sequence, row: int) -> None:
         blocks = self.kv.blocks[seq.kv_seq]
-        self.tables[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32).to(self.device)
+        self.tables[row, : len(blocks)] = on_device(blocks, self.device, torch.int32)
         self.table_len[seq] = len(blocks)
 
     def before_decode(self, n: int) -> None:
@@ -486,8 +542,8 @@ class PagedRunner(ARRunner):
                 values.append(blocks[j])
             self.table_len[seq] = len(blocks)
         if rows:
-            index = (torch.tensor(rows).to(self.device), torch.tensor(cols).to(self.device))
-            self.tables.index_put_(index, torch.tensor(values, dtype=torch.int32).to(self.device))
+            index = (on_device(rows, self.device), on_device(cols, self.device))
+            self.tables.index_put_(index, on_device(values, self.device, torch.int32))
 
     def forward_decode(self, b: int) -> torch.Tensor:
         from declab_arch import llama
@@ -562,8 +618,8 @@ class StateRunner(ARRunner):
                 groups.setdefault((seq.computed, n), []).append(i)
             out = [None] * len(pieces)
             for (start, n), members in groups.items():
-                rows = torch.tensor([self.staging(pieces[i][0]) for i in members], device=dev)
-                tokens = torch.tensor([pieces[i][0].tokens[start : start + n] for i in members], device=dev)
+                rows = on_device([self.staging(pieces[i][0]) for i in members], dev)
+                tokens = on_device([pieces[i][0].tokens[start : start + n] for i in members], dev)
                 r = model.forward_chunk(tokens, conv, ssm, rows, self.impl, start)
                 for i, logit in zip(members, model.head(r)):
                     out[i] = logit
@@ -571,8 +627,8 @@ class StateRunner(ARRunner):
         shift, wkv = self.states[0][0], self.states[1][0]
         lengths = [n for _, n in pieces]
         width = max(lengths)
-        tokens = torch.tensor([seq.tokens[seq.computed : seq.computed + n] + [0] * (width - n) for seq, n in pieces], device=dev)
-        index = torch.tensor([self.staging(seq) for seq, _ in pieces], device=dev)
+        tokens = on_device([seq.tokens[seq.computed : seq.computed + n] + [0] * (width - n) for seq, n in pieces], dev)
+        index = on_device([self.staging(seq) for seq, _ in pieces], dev)
         s, w = shift.index_select(2, index), wkv.index_select(1, index)
         logits = model.forward_chunk(tokens, lengths, s, w, impl=self.impl)
         shift.index_copy_(2, index, s)
@@ -740,6 +796,7 @@ class Engine:
         self.seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._cancelled: list[Sequence] = []
+        self._pending: Pending | None = None
         self.finished = 0
         self.tokens_generated = 0
         self.steps = 0
@@ -820,7 +877,7 @@ class Engine:
         return True
 
     def has_unfinished(self) -> bool:
-        return bool(self.scheduler.waiting or self.scheduler.running or self._cancelled)
+        return bool(self.scheduler.waiting or self.scheduler.running or self._cancelled or self._pending)
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
@@ -845,14 +902,15 @@ class Engine:
             self.runner.retire(seq)
         self.runner.admit(sched.admitted)
         self.runner.wait_s = 0.0
-        sampled = self.runner.execute(sched) if (sched.decode or sched.prefill) else []
+        launched = self.runner.launch(sched) if (sched.decode or sched.prefill) else None
         outputs = [self._output(seq) for seq in self._cancelled]
         self._cancelled = []
-        for seq, token in sampled:
+        previous, self._pending = self._pending, launched
+        for seq, token in (self.runner.collect(previous) if previous is not None else []):
+            if seq.status == "finished":
+                continue
             seq.tokens.append(token)
             self.tokens_generated += 1
-            if seq.status == "prefill":
-                seq.status = "decode"
             if token in seq.stop:
                 seq.finish_reason = "stop"
             elif seq.generated >= seq.request.max_new_tokens:

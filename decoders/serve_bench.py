@@ -22,6 +22,8 @@ JSON document. Bad input is one line on stderr and exit code 2; Ctrl-C keeps the
 
 import argparse
 import asyncio
+import hashlib
+import importlib.util
 import json
 import math
 import re
@@ -32,7 +34,7 @@ import sys
 import threading
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -234,7 +236,8 @@ async def send_request(session, url: str, item: wl.WorkItem, trace: Trace, model
                     break
                 event = json.loads(data)
                 if "error" in event:
-                    trace.error = f"server error: {event['error'].get('message', event['error'])}"
+                    error = event["error"]
+                    trace.error = f"server error: {error.get('message', error) if isinstance(error, dict) else error}"
                     break
                 for choice in event.get("choices") or []:
                     trace.add_tokens(now, event_tokens(choice))
@@ -253,7 +256,8 @@ async def drive_http_async(base_url: str, workload: wl.Workload, *, model: str |
 
     url = base_url.rstrip("/") + "/v1/completions"
     traces = []
-    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    # A request may stream for as long as the load makes it; only a silent connection times out.
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=timeout_s)
     # No cap on connections: an open loop must not queue requests in the client.
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
         t0 = time.perf_counter()
@@ -287,8 +291,22 @@ async def drive_http_async(base_url: str, workload: wl.Workload, *, model: str |
 def drive_http(base_url: str, workload: wl.Workload, *, model: str | None = None, duration_s: float | None = None,
                on_finish=None, timeout_s: float = 600.0) -> list[Trace]:
     """Send `workload` to an OpenAI-compatible server at `base_url` (e.g. http://127.0.0.1:8000) in
-    real time, as `drive_engine` does to the engine in-process; one Trace per request sent."""
+    real time, as `drive_engine` does to the engine in-process; one Trace per request sent. A request
+    whose connection stays silent for `timeout_s` seconds fails."""
     return asyncio.run(drive_http_async(base_url, workload, model=model, duration_s=duration_s, on_finish=on_finish, timeout_s=timeout_s))
+
+
+def nvml_handle(device: torch.device, uuid: str | None):
+    """(pynvml, the device's NVML handle), or None when pynvml is missing or NVML refuses the device."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+        return pynvml, pynvml.nvmlDeviceGetHandleByUUID(uuid) if uuid is not None else pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
+    except pynvml.NVMLError:
+        return None
 
 
 class PowerMeter:
@@ -306,28 +324,23 @@ class PowerMeter:
             return
         props = torch.cuda.get_device_properties(device)
         uuid = getattr(props, "uuid", None)
-        self.gpu_id = f"GPU-{uuid}" if uuid is not None else str(device.index or 0)
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            self.nvml = pynvml
-            self.handle = pynvml.nvmlDeviceGetHandleByUUID(self.gpu_id) if uuid is not None else pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
-            self.source = "nvml"
-        except Exception:
-            # pynvml missing, or NVML refusing this GPU: nvidia-smi is the next source.
-            self.nvml = None
-            if shutil.which("nvidia-smi"):
-                self.source = "nvidia-smi"
-            else:
-                self.reason = "neither pynvml nor nvidia-smi available: no power readings"
+        # By UUID, which NVML and nvidia-smi share whatever CUDA_VISIBLE_DEVICES renumbers.
+        self.gpu_id = str(device.index or 0) if uuid is None else str(uuid) if str(uuid).startswith("GPU-") else f"GPU-{uuid}"
+        nvml = nvml_handle(device, self.gpu_id if uuid is not None else None)
+        if nvml is not None:
+            (self.nvml, self.handle), self.source = nvml, "nvml"
+        elif shutil.which("nvidia-smi"):
+            self.source = "nvidia-smi"
+        else:
+            self.reason = "neither pynvml nor nvidia-smi available: no power readings"
 
     def __enter__(self):
         self.t_start = time.perf_counter()
         if self.source == "nvml":
             try:
                 self.start_mj = self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle)
-            except Exception:
+            except self.nvml.NVMLError:
+                # No energy counter on this GPU (before Volta): the power readings are integrated.
                 self.start_mj = None
             self.stop_event = threading.Event()
             self.thread = threading.Thread(target=self.poll_nvml, daemon=True)
@@ -553,8 +566,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the workload and the random weights")
     p.add_argument("--out", default="runs/serve_bench.jsonl", help="JSON lines file, appended point by point; workloads are saved beside it")
     p.add_argument("--plot", default=None, help="PNG: p99 TTFT and p99 ITL against output tokens/s, one line per model and arrival process")
+    p.add_argument("--replot", default=None, help="comma list of result files: draw --plot from them and exit (nothing is run)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
+
+
+def replot(files: str, path: str | None) -> int:
+    if path is None:
+        raise ArgError("--replot needs --plot FILE.png")
+    records = []
+    for name in (f.strip() for f in files.split(",") if f.strip()):
+        if not Path(name).is_file():
+            raise ArgError(f"--replot {name!r} is not a file")
+        with open(name) as f:
+            try:
+                records.extend(json.loads(line) for line in f if line.strip())
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise ArgError(f"--replot {name!r} is not a JSON lines file") from None
+    plot_throughput_latency(records, path)
+    print(f"plot of {len(records)} record(s) written to {path}", file=sys.stderr)
+    return 0
 
 
 def default_models(on_gpu: bool) -> str:
@@ -621,16 +652,20 @@ def format_table(records: list[dict]) -> str:
 
 def plot_throughput_latency(records: list[dict], path: str) -> None:
     """p99 TTFT and p99 ITL against output tokens/s, one line per (model, arrival process), in
-    order of offered load, each point labelled with its load."""
+    order of offered load, each point labelled with its load; a point found several times in
+    `records` is drawn from the last."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    series = {}
+    latest = {}
     for r in records:
         if r.get("status") == "ok" and r.get("output_tok_s"):
-            series.setdefault((r["model"], r["arrivals"]), []).append(r)
+            latest[r["model"], r["arrivals"], str(r.get("rate")), r.get("users")] = r
+    series = {}
+    for r in latest.values():
+        series.setdefault((r["model"], r["arrivals"]), []).append(r)
     fig, axes = plt.subplots(1, 2, figsize=(12, 5))
     for (model, arrivals), points in sorted(series.items()):
         points.sort(key=lambda r: (r.get("users") or 0, r["rate"] if isinstance(r.get("rate"), (int, float)) else math.inf))
@@ -653,12 +688,16 @@ def plot_throughput_latency(records: list[dict], path: str) -> None:
     plt.close(fig)
 
 
-def workload_path(out: str, model: str, load: dict, seed: int) -> Path:
-    """Where a point's workload is saved: beside --out, named by model, arrivals, load and seed."""
-    out = Path(out)
+def workload_path(out: str, model: str, workload: wl.Workload) -> Path:
+    """Where a point's workload is saved: beside --out, named by model, arrivals, load, seed and a
+    digest of its spec (so a later run with other lengths or counts does not overwrite the file an
+    earlier record names)."""
+    spec = workload.spec
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(model).name)
-    what = f"users{load['users']}" if load["users"] is not None else f"rate{load['rate']:g}"
-    return out.parent / f"{out.stem}.workloads" / f"{name}-{load['arrivals']}-{what}-seed{seed}.jsonl"
+    what = f"users{spec['users']}" if spec["users"] is not None else f"rate{spec['rate']}"
+    digest = hashlib.sha1(json.dumps([spec, workload.vocab_size], sort_keys=True).encode()).hexdigest()[:8]
+    out = Path(out)
+    return out.parent / f"{out.stem}.workloads" / f"{name}-{spec['arrivals']}-{what}-seed{spec['seed']}-{digest}.jsonl"
 
 
 def model_limits(model: str) -> tuple[int, int | None]:
@@ -681,7 +720,7 @@ def point_workload(args, load: dict, target, model: str, lengths) -> tuple[wl.Wo
     spec = wl.WorkloadSpec(arrivals=load["arrivals"], requests=load["requests"], prompt_len=lengths[0], output_len=lengths[1],
                            rate=load["rate"], users=load["users"], amplitude=args.burst_amplitude, period_s=args.burst_period, seed=args.seed)
     workload = wl.generate(spec, target.vocab_size, target.max_context)
-    path = workload_path(args.out, model, load, args.seed)
+    path = workload_path(args.out, model, workload)
     wl.save(workload, path)
     return workload, str(path)
 
@@ -741,6 +780,8 @@ def run(args) -> int:
     import decoders
     from declab_kernels.benchtools import append_jsonl, environment
 
+    if args.replot is not None:
+        return replot(args.replot, args.plot)
     on_gpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
     if args.models is None:
         print(f"defaults for this {'GPU' if on_gpu else 'CPU'}: --models {default_models(on_gpu)}", file=sys.stderr)
@@ -759,8 +800,11 @@ def run(args) -> int:
         # The lengths against the context now, before any model is loaded.
         if args.workload is None:
             wl.check_lengths(*lengths, max_context)
-    if args.target is not None and not re.match(r"https?://", args.target):
-        raise ArgError(f"--target {args.target!r}: expected a base URL such as http://127.0.0.1:8000")
+    if args.target is not None:
+        if not re.match(r"https?://", args.target):
+            raise ArgError(f"--target {args.target!r}: expected a base URL such as http://127.0.0.1:8000")
+        if importlib.util.find_spec("aiohttp") is None:
+            raise ArgError("--target needs aiohttp (pip install -e '.[bench]')")
 
     env = environment(torch.device(args.device or ("cuda" if on_gpu else "cpu")))
     records, planned = [], len(models) * len(loads)

@@ -277,6 +277,11 @@ def test_the_plot_draws_every_model(tmp_path):
     records.append({**records[0], "rate": "inf", "output_tok_s": 80.0})
     sb.plot_throughput_latency(records, str(tmp_path / "curve.png"))
     assert (tmp_path / "curve.png").stat().st_size > 10_000
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert sb.main(["--replot", f"{tmp_path / 'a.jsonl'},{tmp_path / 'a.jsonl'}", "--plot", str(tmp_path / "again.png")]) == 0
+    assert (tmp_path / "again.png").stat().st_size > 10_000
+    assert sb.main(["--replot", str(tmp_path / "a.jsonl")]) == 2
+    assert sb.main(["--replot", str(tmp_path / "curve.png"), "--plot", str(tmp_path / "x.png")]) == 2
 
 
 class StandInTarget(sb.EngineTarget):
@@ -358,7 +363,7 @@ def run_cli(*args, out):
 def test_the_cli_on_the_engine_with_tiny_models(tmp_path):
     out = tmp_path / "sb.jsonl"
     result = run_cli("--models", "llama-tiny,mamba2-tiny", "--rate", "20,inf", "--requests", "6", "--prompt-len", "8..24",
-                     "--output-len", "6", "--impl", "ref", "--slo", "ttft=10s,itl=10s", out=out)
+                     "--output-len", "6", "--impl", "ref", "--device", "cpu", "--slo", "ttft=10s,itl=10s", out=out)
     assert result.returncode == 0, result.stderr
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["model"], r["rate"], r["family"]) for r in records] == [
