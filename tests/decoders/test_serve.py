@@ -355,3 +355,38 @@ def test_command_line_refuses_a_port_in_use_before_loading(capsys):
         taken.close()
     err = capsys.readouterr().err
     assert exit.value.code == 2 and "cannot listen on 127.0.0.1" in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_serving_benchmark_runs_against_the_server(preset_server, tmp_path):
+    url, _ = preset_server
+    out = tmp_path / "bench.jsonl"
+    run = subprocess.run([sys.executable, "-m", "decoders.serve_bench", "--models", PRESET, "--target", url, "--rate", "8",
+                          "--duration", "2", "--prompt-len", "16", "--output-len", "8", "--out", str(out), "--no-progress"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    record = json.loads(out.read_text().splitlines()[0])
+    assert record["status"] == "ok" and record["failed"] == 0 and record["finished"] == record["requests"] > 0
+    assert record["output_tokens"] == 8 * record["requests"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", ["llama-tiny", "mamba2-tiny", "rwkv7-tiny"])
+def test_on_the_gpu_the_server_gives_generates_tokens(model):
+    """The Triton path with CUDA graphs, captured and replayed on the engine thread, not the main one."""
+    prompts = [[(5 * i + j) % 400 + 3 for j in range(4 + 3 * i)] for i in range(8)]
+    ref = decoders.load(model, device="cuda", dtype="float32")
+    expected = [ref.generate([p], 16).tokens[0] for p in prompts]
+    with serve.running(decoders.load(model, device="cuda", dtype="float32"), model_name=model, max_batch=8) as url:
+        answers = [None] * len(prompts)
+
+        def ask(i):
+            reply = client(url).completions.create(model=model, prompt=prompts[i], max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+            answers[i] = reply.choices[0].model_extra["token_ids"]
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        assert answers == expected
+        assert metric(url, "declab_requests_running") == 0
