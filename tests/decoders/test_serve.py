@@ -3,8 +3,9 @@
 The official `openai` client must get the tokens `decoders.load(...).generate` gives for the same
 prompt (greedy), streaming and not; concurrent clients each get their own answer; every bad request
 gets a 4xx with an OpenAI-style body and leaves the server healthy; a stream the client abandons
-leaves no KV block in use; a full queue answers 503; the command line starts, serves and stops on
-SIGTERM.
+leaves no KV block or state slot in use; a full queue answers 503; every family serves; the
+command line starts, serves, drains on SIGTERM and refuses bad options in one line; the serving
+benchmark runs against the server over HTTP.
 """
 
 import json
@@ -41,6 +42,15 @@ def metric(url: str, name: str, default: float | None = None) -> float:
     match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
     assert match or default is not None, f"{name} not in /metrics"
     return float(match.group(1)) if match else default
+
+
+def settle(url: str, *names: str) -> None:
+    """Wait (bounded) until every named gauge reads 0: the engine thread publishes its stats after
+    the step whose outputs the client has already received."""
+    for _ in range(200):
+        if all(metric(url, name) == 0 for name in names):
+            return
+        threading.Event().wait(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -196,10 +206,7 @@ def test_a_cancelled_stream_frees_its_blocks_or_slot(request, server, model, use
                 if len(data) == 3:
                     break
     assert len(data) == 3
-    for _ in range(200):
-        if metric(url, "declab_requests_running") == 0 and metric(url, used) == 0:
-            break
-        threading.Event().wait(0.05)
+    settle(url, "declab_requests_running", used)
     assert metric(url, "declab_requests_running") == 0
     assert metric(url, "declab_requests_waiting") == 0
     assert metric(url, used) == 0
@@ -271,10 +278,7 @@ def test_a_full_queue_answers_503_and_the_server_recovers():
                     assert waiting.status_code == 200
                     full = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
                     assert full.status_code == 503 and full.json()["error"]["code"] == "engine_full"
-        for _ in range(200):
-            if metric(url, "declab_requests_running") == 0 and metric(url, "declab_requests_waiting") == 0:
-                break
-            threading.Event().wait(0.05)
+        settle(url, "declab_requests_running", "declab_requests_waiting")
         assert metric(url, "declab_kv_blocks_used") == 0
         r = httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": 2, "stream": False}, timeout=60)
         assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 2
@@ -390,4 +394,5 @@ def test_on_the_gpu_the_server_serves_generates_tokens(model):
         for t in threads:
             t.join(timeout=300)
         assert answers == expected
+        settle(url, "declab_requests_running")
         assert metric(url, "declab_requests_running") == 0
