@@ -66,8 +66,6 @@ from decoders.kv_cache import PagedKVCache
 from decoders.sampling import GREEDY, Sampling
 from declab_kernels.argmax import argmax
 
-AUTOREGRESSIVE = ("transformer", "mamba2", "rwkv7")
-
 
 class EngineFull(RuntimeError):
     """The waiting queue already holds `max_waiting` requests."""
@@ -196,7 +194,10 @@ class Scheduler:
         pool is short; False if `seq` itself had to go."""
         if self.kv is None:
             return True
-        missing = self.kv.blocks_needed(length) - len(self.kv.blocks[seq.kv_seq])
+        have = len(self.kv.blocks[seq.kv_seq])
+        if length <= have * self.kv.block_size:
+            return True
+        missing = self.kv.blocks_needed(length) - have
         while missing > self.kv.pool.num_free:
             victim = self.running[-1]
             self.preempt(victim)
@@ -304,6 +305,7 @@ class Pending:
 
     seqs: list[Sequence]
     host: torch.Tensor  # [k] int64 on the CPU (pinned on a GPU run)
+    begin: "torch.cuda.Event | None"  # recorded before the step's first launch
     done: "torch.cuda.Event | None"  # recorded after the copy
 
 
@@ -344,6 +346,8 @@ class ARRunner:
         self.cuda_graphs = cuda_graphs
         self.graphs = {}
         self.wait_s = 0.0
+        # GPU time of the last collected step, from its first launch to its tokens' copy (CUDA only)
+        self.gpu_s = None
 
     def launch(self, sched: Schedule) -> "Pending | None":
         """Launch one scheduled step without waiting for it: the decode forward of rows 0..n-1 (when
@@ -351,6 +355,10 @@ class ARRunner:
         join the decode rows). Its sampled tokens come back through `collect`."""
         n = len(self.rows) if sched.decode else 0
         decoded = self.rows[:n]
+        begin = None
+        if self.device.type == "cuda":
+            begin = torch.cuda.Event(enable_timing=True)
+            begin.record()
         if n:
             self.decode(n)
         finished, logits = self.prefill(sched.prefill)
@@ -364,7 +372,7 @@ class ARRunner:
         if self.device.type == "cuda":
             host = torch.empty(joined.shape, dtype=joined.dtype, pin_memory=True)
             host.copy_(joined, non_blocking=True)
-            done = torch.cuda.Event()
+            done = torch.cuda.Event(enable_timing=True)
             done.record()
         else:
             host, done = joined.clone(), None
@@ -378,7 +386,7 @@ class ARRunner:
         seqs = decoded + finished
         for seq in seqs:
             seq.inflight += 1
-        return Pending(seqs, host, done)
+        return Pending(seqs, host, begin, done)
 
     def collect(self, pending: "Pending") -> list[tuple[Sequence, int]]:
         """Wait for a launched step's tokens (the one host synchronisation of a step)."""
@@ -387,6 +395,8 @@ class ARRunner:
             pending.done.synchronize()
         tokens = pending.host.tolist()
         self.wait_s += time.perf_counter() - start
+        if pending.done is not None:
+            self.gpu_s = pending.begin.elapsed_time(pending.done) * 1e-3
         for seq in pending.seqs:
             seq.inflight -= 1
         return list(zip(pending.seqs, tokens))
@@ -445,9 +455,12 @@ class ARRunner:
             return
         row, last = self.rows.index(seq), len(self.rows) - 1
         if row != last:
+            self.move_row(last, row)
+            # After the state copy: PyTorch kernels (launched without PDL) follow every state write
+            # before the next decode step, whose Mamba-2 kernels load their states before their PDL
+            # wait (`state_ready`; `enter` is followed by `write_rows` the same way).
             for buf in self.params.tensors:
                 buf[row] = buf[last]
-            self.move_row(last, row)
             self.rows[row] = self.rows[last]
         self.rows.pop()
         self.clear_row(last)
@@ -711,6 +724,7 @@ class CanvasRunner:
         self.decoder = decoder
         self.cohorts: list[Cohort] = []
         self.wait_s = 0.0
+        self.gpu_s = None
 
     def start(self, seqs: list[Sequence]) -> None:
         request = seqs[0].request
@@ -967,6 +981,7 @@ class Engine:
             "host_s_total": self.host_s_total,
             "step_s_last": self.step_s_last,
             "step_s_total": self.step_s_total,
+            "gpu_s_last": self.runner.gpu_s,
         }
         if self.kv is not None:
             total = self.kv.pool.num_blocks - 1
@@ -1002,21 +1017,21 @@ def build_parser():
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bf16 on a GPU, fp32 on a CPU)")
     p.add_argument("--impl", default="auto", choices=["auto", "triton", "ref"])
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    p.add_argument("--page-size", type=int, default=16, help="KV cache page size (transformer, Mask-Predict)")
+    p.add_argument("--page-size", type=int, default=16, help="KV cache page size (transformer)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="results/engine.jsonl", help="JSON lines file the result is appended to")
     return p
 
 
 def measure(engine: "Engine", batch: int, prompt_len: int, new_tokens: int, vocab: int, seed: int) -> dict:
-    """Run `batch` requests admitted together; per-step wall and host times of the saturated steps
-    (every request decoding, no prompt left)."""
+    """Run `batch` requests admitted together; per-step wall, host and GPU times (GPU: CUDA only, of
+    the step collected in that call) of the saturated steps (every request decoding, no prompt left)."""
     g = torch.Generator().manual_seed(seed)
     prompts = torch.randint(0, vocab, (batch, prompt_len), generator=g).tolist()
     for p in prompts:
         engine.add_request(Request(prompt=p, max_new_tokens=new_tokens))
     start = time.perf_counter()
-    first_token_s, walls, hosts = None, [], []
+    first_token_s, walls, hosts, gpus = None, [], [], []
     while engine.has_unfinished():
         saturated = first_token_s is not None and engine.stats()["running"] == batch
         t = time.perf_counter()
@@ -1025,9 +1040,10 @@ def measure(engine: "Engine", batch: int, prompt_len: int, new_tokens: int, voca
         if saturated and len(outs) == batch and not any(o.finished for o in outs):
             walls.append(wall)
             hosts.append(engine.host_s_last)
+            gpus.append(engine.runner.gpu_s)
         if first_token_s is None and engine.stats()["tokens_generated"] >= batch:
             first_token_s = time.perf_counter() - start
-    return {"walls": walls, "hosts": hosts, "first_token_s": first_token_s, "total_s": time.perf_counter() - start}
+    return {"walls": walls, "hosts": hosts, "gpus": gpus, "first_token_s": first_token_s, "total_s": time.perf_counter() - start}
 
 
 def main(argv=None) -> int:
@@ -1043,14 +1059,17 @@ def main(argv=None) -> int:
     with decoders.user_errors():
         if args.batch < 1 or args.new_tokens < 1 or args.new_tokens >= args.ctx:
             raise UsageError(f"need --batch >= 1 and 1 <= --new-tokens < --ctx, got {args.batch}, {args.new_tokens}, {args.ctx}")
+        if decoders.family_of(args.model) == "maskpredict":
+            raise UsageError("the measuring command runs the autoregressive families (a Mask-Predict cohort is a static "
+                             "batch: python -m decoders.compare measures it)")
         dec = decoders.load(args.model, device=args.device, dtype=args.dtype, impl=args.impl, seed=args.seed,
-                            **({"page_size": args.page_size} if decoders.family_of(args.model) in ("transformer", "maskpredict") else {}))
+                            **({"page_size": args.page_size} if decoders.family_of(args.model) == "transformer" else {}))
         engine = Engine(dec, max_batch=args.batch, max_step_tokens=args.max_step_tokens, max_model_len=args.ctx)
         prompt_len = args.ctx - args.new_tokens
         # Warm-up: compiles and autotunes the kernels and captures the decode graph of this batch.
         measure(engine, args.batch, prompt_len, min(args.new_tokens, 4), dec.vocab_size, args.seed + 1)
         run = measure(engine, args.batch, prompt_len, args.new_tokens, dec.vocab_size, args.seed)
-    walls, hosts = run["walls"], run["hosts"]
+    walls, hosts, gpus = run["walls"], run["hosts"], run["gpus"]
     if not walls:
         print("error: no saturated decode step was measured (raise --new-tokens)", file=sys.stderr)
         return 2
@@ -1059,13 +1078,17 @@ def main(argv=None) -> int:
         **dec.describe(), "batch": args.batch, "ctx": args.ctx, "new_tokens": args.new_tokens,
         "max_step_tokens": args.max_step_tokens, "page_size": args.page_size, "saturated_steps": len(walls),
         "step_s_p50": step, "host_s_p50": statistics.median(hosts), "host_fraction": sum(hosts) / sum(walls),
+        # The share of the step time the GPU waits for the host (CUDA only): the overhead the host adds.
+        "gpu_s_p50": statistics.median(gpus) if None not in gpus else None,
+        "gpu_idle_fraction": max(0.0, 1 - sum(gpus) / sum(walls)) if None not in gpus else None,
         "decode_tok_s": args.batch / step, "first_token_s": run["first_token_s"], "total_s": run["total_s"],
         "env": environment(dec.device),
     }
     append_jsonl(args.out, record)
-    print(f"{'model':<14} {'batch':>5} {'ctx':>6} {'decode tok/s':>12} {'step ms':>8} {'host ms':>8} {'host %':>6}")
+    idle = record["gpu_idle_fraction"]
+    print(f"{'model':<14} {'batch':>5} {'ctx':>6} {'decode tok/s':>12} {'step ms':>8} {'host ms':>8} {'host %':>6} {'GPU idle %':>10}")
     print(f"{dec.source:<14} {args.batch:>5} {args.ctx:>6} {record['decode_tok_s']:>12.0f} {step * 1e3:>8.3f} "
-          f"{record['host_s_p50'] * 1e3:>8.3f} {100 * record['host_fraction']:>6.1f}")
+          f"{record['host_s_p50'] * 1e3:>8.3f} {100 * record['host_fraction']:>6.1f} {'-' if idle is None else f'{100 * idle:.1f}':>10}")
     print(json.dumps(record))
     return 0
 

@@ -641,13 +641,14 @@ def format_table(records: list[dict]) -> str:
             ("p99", "ttft_ms_p99", "{:.1f}"), ("ITL p50", "itl_ms_p50", "{:.2f}"), ("p99", "itl_ms_p99", "{:.2f}"),
             ("E2E p50", "e2e_ms_p50", "{:.0f}"), ("p99", "e2e_ms_p99", "{:.0f}"), ("queue mean", "queue_ms_mean", "{:.1f}"),
             ("std", "queue_ms_std", "{:.1f}"), ("goodput", "goodput_request_per_s", "{:.2f}"),
-            ("$/1k out", "cost_per_1k_output_tokens", "{:.4f}"), ("J/tok", "energy_j_per_output_token", "{:.3f}")]
+            ("$/1k out", "cost_per_1k_output_tokens", "{:.4f}"), ("J/tok", "energy_j_per_output_token", "{:.3f}"),
+            ("host", "host_fraction", "{:.0%}")]
     rows = [[name for name, _, _ in cols]]
     for r in records:
         rows.append([load_label(r) if key is None else "-" if r.get(key) is None else fmt.format(r[key]) for _, key, fmt in cols])
     widths = [max(len(row[i]) for row in rows) for i in range(len(cols))]
     table = "\n".join("  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows)
-    return table + "\n(latencies in ms; goodput in requests/s meeting --slo)"
+    return table + "\n(latencies in ms; goodput in requests/s meeting --slo; host: the engine's share of step time spent on the host)"
 
 
 def plot_throughput_latency(records: list[dict], path: str) -> None:
@@ -756,7 +757,9 @@ def run_point(args, target, model, workload, source, slo, env, idle, warmup_s, p
         traces = target.run(workload, duration_s=args.duration if workload.closed else None, on_finish=(lambda t: progress.update()) if progress else None)
     described = target.describe()
     if before is not None:
-        described["engine_stats"] = {"point": engine_point_stats(before, described["engine_stats"]), "after": described["engine_stats"]}
+        point = engine_point_stats(before, described["engine_stats"])
+        described["engine_stats"] = {"point": point, "after": described["engine_stats"]}
+        record["host_fraction"] = point.get("host_fraction")
     record.update(described)
     record.update(model=model, status="ok", **summarize(traces, slo=slo, gpu_hour_price=args.gpu_hour_price, energy_j=meter.energy_j,
                                                         idle_ttft=idle_ttft_line(idle) if idle else None))

@@ -23,7 +23,7 @@ import json
 import math
 import random
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from decoders.base import UsageError
@@ -241,7 +241,7 @@ def generate(spec: WorkloadSpec, vocab_size: int, max_context: int | None = None
         prompt_len, output_len = spec.prompt_len.draw(length_rng), spec.output_len.draw(length_rng)
         if max_context is not None:
             prompt_len = min(prompt_len, max_context - output_len)
-        prompt = [token_rng.randrange(vocab_size) for _ in range(prompt_len)]
+        prompt = token_rng.choices(range(vocab_size), k=prompt_len)
         items.append(WorkItem(i, arrival, prompt, output_len))
     return Workload(spec.describe(), vocab_size, items)
 
@@ -253,7 +253,7 @@ def save(workload: Workload, path) -> None:
     with path.open("w") as f:
         f.write(json.dumps({"workload": workload.spec, "vocab_size": workload.vocab_size, "requests": len(workload.items)}) + "\n")
         for item in workload.items:
-            f.write(json.dumps(asdict(item)) + "\n")
+            f.write(json.dumps(vars(item)) + "\n")
 
 
 def load(path) -> Workload:

@@ -263,3 +263,33 @@ def test_graphed_engine_on_the_gpu_equals_decoding_alone(preset):
     eager = Engine(dec, max_batch=8, max_step_tokens=32, cuda_graphs=False).run(requests)
     assert sum(list(eager.values())[i] == got[i] for i in range(len(requests))) >= len(requests) - 2
     assert engine.stats()["host_s_total"] > 0
+
+
+def test_the_measuring_command_appends_a_record_and_ends_with_json(tmp_path, capsys):
+    import json
+
+    from decoders.engine import main
+
+    out = tmp_path / "engine.jsonl"
+    assert main(["--model", "llama-tiny", "--device", "cpu", "--impl", "ref", "--batch", "3", "--ctx", "24",
+                 "--new-tokens", "8", "--out", str(out)]) == 0
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last == json.loads(out.read_text())
+    assert last["batch"] == 3 and last["saturated_steps"] >= 4 and last["decode_tok_s"] > 0
+    assert 0 < last["host_fraction"] <= 1
+    with pytest.raises(SystemExit) as e:
+        main(["--model", "llama-tiny", "--device", "cpu", "--ctx", "8", "--new-tokens", "8", "--out", str(out)])
+    assert e.value.code == 2
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("preset", ["llama-tiny", "rwkv7-tiny"])
+def test_the_triton_path_under_the_interpreter_equals_decoding_alone(preset):
+    dec = decoders.load(preset, device="cpu", dtype="float32", impl="triton")
+    rng = random.Random(4)
+    requests = random_requests(rng, 3, max_prompt=20, new=(1, 5))
+    requests.append(Request([5, 6, 7], 4, sampling=Sampling(temperature=1.0, top_k=5, seed=3)))
+    engine = Engine(dec, max_batch=2, max_step_tokens=16, **({"num_blocks": 20} if preset == "llama-tiny" else {}))
+    got = engine.run(requests)
+    assert [got[f"req-{i}"] for i in range(3)] == [alone(dec, r) for r in requests[:3]]
+    assert len(got["req-3"]) == 4

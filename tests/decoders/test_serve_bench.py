@@ -310,7 +310,7 @@ def test_the_cli_appends_a_record_per_point_saves_each_workload_and_replays_it(t
     assert all(r["slo_met"] == 10 and r["slo_p99_met"] and r["git_sha"] and r["command"] for r in records)
     point = records[0]["engine_stats"]["point"]
     assert point["steps"] >= 3 and point["host_fraction"] == pytest.approx(0.5) and point["host_ms_per_step"] == pytest.approx(1.0)
-    assert "running" not in point and records[1]["ttft_ms_p99"] > 0
+    assert "running" not in point and records[0]["host_fraction"] == pytest.approx(0.5) and records[1]["ttft_ms_p99"] > 0
     last = json.loads(stdout[-1])
     assert [p["rate"] for p in last["points"]] == [50.0, "inf"] and len(stdout[-1]) < 2000
     assert any("TTFT p50" in line for line in stdout) and (tmp_path / "curve.png").exists()
