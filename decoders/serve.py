@@ -494,6 +494,12 @@ class Service:
             raise RequestError(400, "echo is not supported", param="echo")
         if body.get("logprobs") not in (None, False):
             raise RequestError(400, "logprobs are not supported", param="logprobs")
+        # Sampling options the engine lacks are refused rather than ignored: ignoring them would change the output unasked.
+        for name, neutral in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1), ("min_p", 0)):
+            if body.get(name) not in (None, neutral):
+                raise RequestError(400, f"{name} is not supported (only {neutral})", param=name)
+        if body.get("logit_bias"):
+            raise RequestError(400, "logit_bias is not supported", param="logit_bias")
         room = None if self.max_context is None else self.max_context - len(prompt)
         name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
         # OpenAI's defaults: 16 tokens for a completion, up to the context's end for a chat.

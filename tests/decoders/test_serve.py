@@ -149,6 +149,8 @@ def bad_requests(max_context: int):
         ("temperature negative", {**good, "temperature": -1}, 400),
         ("top_p zero", {**good, "top_p": 0}, 400),
         ("seed over 64 bits", {**good, "seed": 2**70}, 400),
+        ("a penalty the engine lacks", {**good, "presence_penalty": 0.5}, 400),
+        ("logit_bias", {**good, "logit_bias": {"5": 10}}, 400),
     ]
 
 
