@@ -24,13 +24,14 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from declab_arch import llama
-from declab_arch.checkpoint import CheckpointError, assign_weights, config_from_dict, load_weights, read_json
+from declab_arch.checkpoint import CheckpointError, assign_weights, config_from_dict, load_weights, parse_config, read_json
 
 FAMILY = "maskpredict"
 
@@ -40,6 +41,8 @@ class MaskPredictConfig(llama.LlamaConfig):
     mask_token_id: int | None = None
     # Largest target length the length head predicts (classes 0..max); 0 means no length head.
     max_predicted_length: int = 0
+    # Fields `check_fields` lets be 0 (no length head).
+    ZERO_OK: ClassVar[tuple[str, ...]] = ("max_predicted_length",)
 
     def __post_init__(self):
         super().__post_init__()
@@ -246,10 +249,10 @@ def load(folder: Path) -> tuple[MaskPredictConfig, MaskPredictLM]:
     if not is_masked_diffusion(hf):
         raise CheckpointError(f"{source}: config.json does not describe a masked-diffusion model (no mask_token_id, model_type {hf.get('model_type')!r})")
     if "d_model" in hf:
-        config = config_from_llada(hf, source)
+        config = parse_config(config_from_llada, hf, source)
         tensors = rename_llada(load_weights(folder), source)
     else:
-        config = config_from_hf(hf, source)
+        config = parse_config(config_from_hf, hf, source)
         tensors = load_weights(folder)
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)

@@ -7,6 +7,7 @@
 """
 
 import importlib
+import inspect
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,7 +19,7 @@ from decoders.base import Decoder, Generation, Memory, StepOut, UsageError
 from decoders.sampling import GREEDY, Sampling
 from declab_kernels import resolve_impl
 
-__all__ = ["load", "family_of", "user_errors", "USER_ERRORS", "Decoder", "Generation", "Memory", "StepOut", "Sampling", "GREEDY", "UsageError", "CheckpointError", "FAMILIES"]
+__all__ = ["load", "family_of", "parse_device", "check_page_size", "user_errors", "USER_ERRORS", "Decoder", "Generation", "Memory", "StepOut", "Sampling", "GREEDY", "UsageError", "CheckpointError", "FAMILIES"]
 
 # family -> class, imported on first use so that a family's optional dependencies stay optional.
 FAMILIES = {
@@ -49,6 +50,54 @@ def parse_dtype(dtype) -> torch.dtype | None:
     return DTYPES[dtype]
 
 
+def parse_device(device) -> torch.device:
+    """The device a user named ("cpu", "cuda", "cuda:1"; None: CUDA when available), checked to exist here."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise UsageError(f"unknown device {device!r} (expected cpu, cuda or cuda:N)") from None
+    if parsed.type not in ("cpu", "cuda"):
+        raise UsageError(f"device {device!r} is not supported (expected cpu, cuda or cuda:N)")
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+            raise UsageError(f"device {device!r}: no CUDA device is available (torch {torch.__version__}, {build})")
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            raise UsageError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) here")
+    return parsed
+
+
+def check_page_size(page_size) -> int:
+    """A KV cache page size: a power of two from 16 to 256 tokens (what the paged attention kernels take)."""
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or not 16 <= page_size <= 256 or page_size & (page_size - 1):
+        raise UsageError(f"page size must be a power of two from 16 to 256, got {page_size!r}")
+    return page_size
+
+
+def family_options(family: str) -> list[str]:
+    """The keyword options a family's decoder takes beyond what `load` passes itself (page_size, ...)."""
+    own = {"self", "model", "config", "device", "dtype", "impl", "source", "tokenizer", "max_context"}
+    names = []
+    for cls in family_class(family).__mro__:
+        if "__init__" in vars(cls):
+            for p in inspect.signature(cls.__init__).parameters.values():
+                if p.kind is p.KEYWORD_ONLY and p.name not in own and p.name not in names:
+                    names.append(p.name)
+    return names
+
+
+def check_options(family: str, options: dict) -> None:
+    """Raise UsageError for an option the family does not take, or a page size it cannot use."""
+    known = family_options(family)
+    unknown = [k for k in options if k not in known]
+    if unknown:
+        raise UsageError(f"unknown option {unknown[0]!r} for the {family} family (known: {', '.join(known)})")
+    if "page_size" in options:
+        check_page_size(options["page_size"])
+
+
 def family_of(name_or_path) -> str:
     """The family a preset name or checkpoint folder belongs to (without building the model)."""
     path = Path(str(name_or_path))
@@ -74,13 +123,14 @@ def load(name_or_path, *, family: str | None = None, device=None, dtype=None, im
     device defaults to CUDA when available; dtype to bfloat16 on a GPU and float32 on the CPU;
     impl is "auto" (Triton on a GPU), "triton" or "ref". `options` go to the family (page_size, ...).
     """
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = parse_device(device)
     dtype = parse_dtype(dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     try:
         impl = resolve_impl(impl, device)
     except ValueError as e:
         raise UsageError(str(e)) from None
     family = family or family_of(name_or_path)
+    check_options(family, options)
     common = dict(device=device, dtype=dtype, impl=impl, **options)
     path = Path(str(name_or_path))
     if path.is_dir():
