@@ -121,6 +121,30 @@ def load_weights(folder: Path) -> dict[str, torch.Tensor]:
     raise CheckpointError(f"{folder}: no weights found (expected *.safetensors or pytorch_model.bin)")
 
 
+def check_weights_files(folder: Path) -> None:
+    """Without reading any tensor: raise CheckpointError unless the folder has weights and each
+    safetensors file holds a header and all the bytes it announces (a truncated download fails here,
+    before a command spends time on other work)."""
+    folder = Path(folder)
+    shards = sorted(folder.glob("*.safetensors"))
+    if not shards and not sorted(folder.glob("pytorch_model*.bin")):
+        raise CheckpointError(f"{folder}: no weights found (expected *.safetensors or pytorch_model.bin)")
+    for shard in shards:
+        size = shard.stat().st_size
+        with shard.open("rb") as f:
+            head = f.read(8)
+            length = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if not 0 < length <= size - 8:
+                raise CheckpointError(f"{shard}: not a safetensors file (no header)")
+            try:
+                header = json.loads(f.read(length))
+                end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+            except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+                raise CheckpointError(f"{shard}: not a safetensors file (unreadable header)") from None
+        if 8 + length + end > size:
+            raise CheckpointError(f"{shard}: truncated ({size} bytes, the header announces {8 + length + end})")
+
+
 def _read_weights(path: Path, read, kind: str) -> dict[str, torch.Tensor]:
     """The tensors `read()` returns from weights file `path`, checked to be a dict of tensors."""
     try:

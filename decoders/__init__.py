@@ -14,12 +14,12 @@ from pathlib import Path
 
 import torch
 
-from declab_arch.checkpoint import CheckpointError, CONFIG_DIR, preset_names, read_json
+from declab_arch.checkpoint import CheckpointError, CONFIG_DIR, check_weights_files, preset_names, read_json
 from decoders.base import Decoder, Generation, Memory, StepOut, UsageError
 from decoders.sampling import GREEDY, Sampling
 from declab_kernels import resolve_impl
 
-__all__ = ["load", "family_of", "parse_device", "check_page_size", "user_errors", "USER_ERRORS", "Decoder", "Generation", "Memory", "StepOut", "Sampling", "GREEDY", "UsageError", "CheckpointError", "FAMILIES"]
+__all__ = ["load", "family_of", "check_model", "parse_device", "check_page_size", "user_errors", "USER_ERRORS", "Decoder", "Generation", "Memory", "StepOut", "Sampling", "GREEDY", "UsageError", "CheckpointError", "FAMILIES"]
 
 # family -> class, imported on first use so that a family's optional dependencies stay optional.
 FAMILIES = {
@@ -114,6 +114,23 @@ def family_of(name_or_path) -> str:
     family = PRESET_FAMILY.get(name.split("-")[0])
     if family is None:
         raise UsageError(f"preset {name!r} names no known family")
+    return family
+
+
+def check_model(name_or_path, *, context: int | None = None) -> str:
+    """What a command checks of a model before it spends time: the preset exists or the folder is a
+    checkpoint of a known family with complete weights files, and `context` is within the config's
+    maximum (where it states one). Cheap: no tensor is read. Returns the family."""
+    family = family_of(name_or_path)
+    path = Path(str(name_or_path))
+    if path.is_dir():
+        check_weights_files(path)
+        config = read_json(path / "config.json")
+    else:
+        config = read_json(CONFIG_DIR / f"{name_or_path}.json")
+    limit = config.get("max_position_embeddings") if family in ("transformer", "maskpredict") else None
+    if context is not None and isinstance(limit, int) and context > limit:
+        raise UsageError(f"context of {context} tokens is over {name_or_path}'s maximum of {limit}")
     return family
 
 
