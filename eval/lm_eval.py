@@ -2,16 +2,34 @@
 
 lm-eval 0.4.x finds models only in its registry, filled from its own `lm_eval.models` package; it has
 no plugin entry point for an external package, so a bare `lm_eval --model declab` cannot see the lab.
-This module registers `declab` (by importing `eval.lm_model`) and then runs lm-eval's CLI main with
-the same arguments, so every lm-eval option works unchanged:
+This module registers `declab` (by importing `eval.lm_model`) and then runs lm-eval's CLI with the
+same arguments, so every lm-eval option works unchanged:
 
     python -m eval.lm_eval --model declab \
         --model_args pretrained=llama-tiny,dtype=float32,max_length=512,batch_size=8 \
         --include_path eval/tasks --tasks declab_mqar --limit 50
+
+With `--model declab` the model_args are checked before lm-eval indexes its tasks (an unknown preset
+or argument, an incomplete checkpoint); these and any preset, checkpoint or option the lab refuses
+later are one line on stderr and exit code 2.
 """
 
-import eval.lm_model  # noqa: F401  (registers the `declab` model)
-from lm_eval.__main__ import cli_evaluate
+import decoders
+import eval.lm_model  # (registers the `declab` model)
+
+
+def main() -> None:
+    from lm_eval._cli import HarnessCLI
+    from lm_eval.utils import setup_logging
+
+    setup_logging()
+    parser = HarnessCLI()
+    args = parser.parse_args()
+    with decoders.user_errors():
+        if getattr(args, "model", None) == "declab":
+            eval.lm_model.check_model_args(dict(getattr(args, "model_args", None) or {}))
+        parser.execute(args)
+
 
 if __name__ == "__main__":
-    cli_evaluate()
+    main()
