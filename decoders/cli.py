@@ -1,11 +1,12 @@
-"""What the command lines share: output paths checked before any work starts, and results that survive
-a write failing later.
+"""What the command lines share: output paths checked before any work starts, results that survive a
+write failing later, and an argument parser whose refusals are one line.
 
     out = cli.check_output_file(args.out, "--out")        # UsageError now, not after the sweep
     sink = cli.JsonlSink(out)
     sink.append(record)                                    # a failed write moves to a fallback file
 """
 
+import argparse
 import os
 import sys
 import tempfile
@@ -103,3 +104,12 @@ class JsonlSink:
                 print(f"warning: cannot write {self.path} ({e.strerror or e}); this and later records go to {self.fallback}", file=sys.stderr)
         append_jsonl(self.fallback, record)
 
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose refusals are one line (`error: ...`, exit code 2) like the lab's own checks,
+    not a usage block followed by the message."""
+
+    def error(self, message: str):
+        print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
+        raise SystemExit(2)

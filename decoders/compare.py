@@ -123,7 +123,9 @@ def defaults(on_gpu: bool) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m decoders.compare", description=__doc__.split("\n\n")[0])
+    from decoders.cli import Parser
+
+    p = Parser(prog="python -m decoders.compare", description=__doc__.split("\n\n")[0])
     p.add_argument("--models", help="comma list of presets or checkpoint folders")
     p.add_argument("--ctx", help="contexts: 4k..128k (doubling), 4k,6k,32k, or integers (k = 1024)")
     p.add_argument("--batch", default="1", help="comma list of batch sizes (default 1)")

@@ -183,13 +183,11 @@ def read_records(files: list[str]) -> list[dict]:
 
 def main(argv=None) -> int:
     """Redraw the figure from result files: `python -m decoders.plot results/a.jsonl ... --out scaling.png`."""
-    import argparse
-
     from decoders import user_errors
     from decoders.base import UsageError
-    from decoders.cli import check_figure_file
+    from decoders.cli import Parser, check_figure_file
 
-    p = argparse.ArgumentParser(prog="python -m decoders.plot", description=main.__doc__)
+    p = Parser(prog="python -m decoders.plot", description=main.__doc__)
     p.add_argument("files", nargs="+", help="JSON lines written by decoders.compare")
     p.add_argument("--out", required=True, help="figure to write (.png, .pdf, .svg)")
     a = p.parse_args(argv)

@@ -19,7 +19,6 @@ The record is appended to `--out` (default runs/profile.jsonl); options, model a
 checked before anything runs, and bad input is one line on stderr and exit code 2.
 """
 
-import argparse
 import json
 import os
 import statistics
@@ -35,7 +34,7 @@ from decoders.compare import parse_size
 from decoders.harness import ceilings, pin_cpu_threads
 from declab_kernels import gemv
 from declab_kernels.benchtools import environment
-from decoders.cli import JsonlSink, check_output_file
+from decoders.cli import JsonlSink, Parser, check_output_file
 
 
 def kernel_times(prof, on_gpu: bool) -> list[tuple[str, int, float]]:
@@ -166,7 +165,7 @@ def table(record: dict, top: int) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m decoders.profile", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m decoders.profile", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="preset or checkpoint folder")
     p.add_argument("--ctx", default="4k", help="context the step runs at (default 4k)")
     p.add_argument("--batch", type=int, default=1)

@@ -50,7 +50,7 @@ from tqdm import tqdm
 
 import decoders
 from declab_arch.checkpoint import CONFIG_DIR, read_json
-from decoders.cli import check_output_dir
+from decoders.cli import Parser, check_output_dir
 from eval.corpus import documents, shard_files
 from eval.tokenizer import BYTE_VOCAB, make_tokenizer, save_tokenizer
 from declab_kernels.benchtools import append_jsonl, environment
@@ -431,7 +431,7 @@ def train(args) -> Path:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m eval.train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="python -m eval.train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", required=True, help="size preset: configs/<name>.json (e.g. llama-30m, mamba2-tiny)")
     p.add_argument("--corpus", required=True, help="corpus folder (train-*.txt.gz, valid.txt.gz), a text/jsonl file, or a datasets name")
     p.add_argument("--out", required=True, help="output folder: the checkpoint (lab format), train_state.pt, train.jsonl")
