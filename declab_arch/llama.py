@@ -483,13 +483,19 @@ def is_hf_llama(hf: dict) -> bool:
     return any(a in HF_ARCHITECTURES for a in archs) or hf.get("model_type") in ("llama", "qwen2", "mistral")
 
 
-def load_hf(folder: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
-    """Config and state dict (HF names) of a Llama/Qwen2/Mistral checkpoint folder."""
+def read_config(folder: Path) -> LlamaConfig:
+    """The config of a Llama/Qwen2/Mistral checkpoint folder, checked, without reading its weights."""
     folder = Path(folder)
     hf = read_json(folder / "config.json")
     if not is_hf_llama(hf):
         raise CheckpointError(f"{folder}: unknown architecture {hf.get('architectures') or hf.get('model_type')}")
-    config = parse_config(config_from_hf, hf, str(folder))
+    return parse_config(config_from_hf, hf, str(folder))
+
+
+def load_hf(folder: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+    """Config and state dict (HF names) of a Llama/Qwen2/Mistral checkpoint folder."""
+    folder = Path(folder)
+    config = read_config(folder)
     tensors = load_weights(folder)
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)

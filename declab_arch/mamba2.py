@@ -497,9 +497,9 @@ def config_from_state_spaces(hf: dict, source: str) -> Mamba2Config:
     )
 
 
-def load(folder: Path) -> tuple[Mamba2Config, dict[str, torch.Tensor]]:
-    """Config and state dict (the lab's names) of a Mamba-2 folder: the lab's own format, HF
-    `Mamba2ForCausalLM`, or the state-spaces `mamba2-*` layout."""
+def read_config(folder: Path) -> Mamba2Config:
+    """The config of a Mamba-2 folder (the lab's own format, HF `Mamba2ForCausalLM`, or the
+    state-spaces `mamba2-*` layout), checked, without reading its weights."""
     folder = Path(folder)
     source = str(folder)
     hf = read_json(folder / "config.json")
@@ -512,6 +512,14 @@ def load(folder: Path) -> tuple[Mamba2Config, dict[str, torch.Tensor]]:
         config = parse_config(config_from_state_spaces, hf, source)
     else:
         raise CheckpointError(f"{source}: unknown architecture {hf.get('architectures') or hf.get('model_type') or 'nothing'}")
+    return config
+
+
+def load(folder: Path) -> tuple[Mamba2Config, dict[str, torch.Tensor]]:
+    """Config and state dict (the lab's names) of a Mamba-2 folder: the lab's own format, HF
+    `Mamba2ForCausalLM`, or the state-spaces `mamba2-*` layout."""
+    folder = Path(folder)
+    config = read_config(folder)
     tensors = load_weights(folder)
     if "backbone.embedding.weight" in tensors:
         tensors["backbone.embeddings.weight"] = tensors.pop("backbone.embedding.weight")

@@ -516,8 +516,8 @@ def config_from_hf(hf: dict, source: str) -> RWKV7Config:
     )
 
 
-def load(folder: Path) -> tuple[RWKV7Config, dict[str, torch.Tensor]]:
-    """Config and state dict of an fla RWKV-7 folder or one in the lab's own format."""
+def read_config(folder: Path) -> RWKV7Config:
+    """The config of an fla RWKV-7 folder or one in the lab's own format, checked, without its weights."""
     folder = Path(folder)
     hf = read_json(folder / "config.json")
     if hf.get("declab_family") == FAMILY:
@@ -527,6 +527,13 @@ def load(folder: Path) -> tuple[RWKV7Config, dict[str, torch.Tensor]]:
         config = parse_config(config_from_hf, hf, str(folder))
     else:
         raise CheckpointError(f"{folder}: unknown architecture {hf.get('architectures') or hf.get('model_type')}")
+    return config
+
+
+def load(folder: Path) -> tuple[RWKV7Config, dict[str, torch.Tensor]]:
+    """Config and state dict of an fla RWKV-7 folder or one in the lab's own format."""
+    folder = Path(folder)
+    config = read_config(folder)
     tensors = load_weights(folder)
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)

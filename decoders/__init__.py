@@ -28,6 +28,8 @@ FAMILIES = {
     "rwkv7": "decoders.rwkv7:RWKV7Decoder",
     "maskpredict": "decoders.maskpredict:MaskPredictDecoder",
 }
+# family -> its declab_arch module, whose read_config / preset_config check a config without weights.
+ARCH_MODULES = {"transformer": "declab_arch.llama", "mamba2": "declab_arch.mamba2", "rwkv7": "declab_arch.rwkv7", "maskpredict": "declab_arch.maskpredict"}
 # preset name prefix -> family
 PRESET_FAMILY = {"llama": "transformer", "mamba2": "mamba2", "rwkv7": "rwkv7", "maskpredict": "maskpredict"}
 # What a user can cause (a bad option, preset or checkpoint): reported in one line, not a traceback.
@@ -124,12 +126,12 @@ def check_model(name_or_path, *, context: int | None = None) -> str:
     family = family_of(name_or_path)
     path = Path(str(name_or_path))
     if path.is_dir():
+        config = importlib.import_module(ARCH_MODULES[family]).read_config(path)
         check_weights_files(path)
-        config = read_json(path / "config.json")
     else:
-        config = read_json(CONFIG_DIR / f"{name_or_path}.json")
-    limit = config.get("max_position_embeddings") if family in ("transformer", "maskpredict") else None
-    if context is not None and isinstance(limit, int) and context > limit:
+        config = importlib.import_module(ARCH_MODULES[family]).preset_config(read_json(CONFIG_DIR / f"{name_or_path}.json"), str(name_or_path))
+    limit = getattr(config, "max_position_embeddings", None)
+    if context is not None and limit is not None and context > limit:
         raise UsageError(f"context of {context} tokens is over {name_or_path}'s maximum of {limit}")
     return family
 
