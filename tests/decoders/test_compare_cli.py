@@ -74,9 +74,13 @@ def test_tiny_sweep_end_to_end(tmp_path):
         assert r["status"] == "ok" and r["impl"] == "ref" and r["family"] == "transformer"
         assert r["decode_tok_s"] > 0 and r["ttft_ms"] > 0 and r["mbu"] > 0 and r["git_sha"]
         assert r["step_ms_p50"] <= r["step_ms_p90"] <= r["step_ms_p99"]
+        # On the CPU each point is timed CPU_REPEATS times; the record keeps every run's rate and their spread.
+        assert r["repeats"] == harness.CPU_REPEATS and len(r["decode_tok_s_per_seq_runs"]) == r["repeats"] and r["spread"] >= 0
+        assert r["cpu_threads"] >= 1
     assert records[0]["decay"] == 1.0
     final = json.loads(result.stdout.strip().splitlines()[-1])
-    assert len(final["points"]) == 3
+    assert len(final["points"]) == 3 and final["out"] == str(tmp_path / "out.jsonl") and "config" not in final["points"][0]
+    assert "not performance measurements" in result.stdout
     assert "llama-tiny" in result.stdout and "tok/s" in result.stdout
     assert plot.stat().st_size > 0
     redrawn = tmp_path / "redrawn.png"
