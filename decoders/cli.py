@@ -64,18 +64,6 @@ def check_output_dir(path, option: str) -> Path:
     return path
 
 
-def check_input_path(path, option: str, *, folder: bool | None = None) -> Path:
-    """An input that must exist (`folder` True: a folder, False: a file, None: either)."""
-    path = Path(path)
-    if not path.exists():
-        raise UsageError(f"{option} {path}: no such file or folder")
-    if folder is True and not path.is_dir():
-        raise UsageError(f"{option} {path}: is a file, not a folder")
-    if folder is False and path.is_dir():
-        raise UsageError(f"{option} {path}: is a folder, not a file")
-    return path
-
-
 class JsonlSink:
     """JSON lines appended to `path` one record at a time; when a write fails (the disk filled, the
     folder went away) this and every later record go to a fallback file in the temporary folder, and

@@ -27,8 +27,6 @@ import matplotlib.pyplot as plt  # noqa: E402
 PEER_MARKERS = "s^vDP*X"
 # What makes two records of one series belong to different runs (a figure never mixes them).
 RUN_FIELDS = ("impl", "dtype", "device", "new_tokens", "git_sha")
-# Run fields a label or the title names (the others tell runs apart in the warnings only).
-SHOWN_FIELDS = ("device", "dtype", "impl")
 
 
 def series_key(r: dict) -> tuple:
