@@ -285,9 +285,8 @@ def measure_peer_point(args, dec, peer, peer_models, model, family, batch, ctx, 
 def run(args) -> int:
     import decoders
     from decoders import harness, peers
-    from declab_kernels.benchtools import environment
-
     from declab_kernels import resolve_impl
+    from declab_kernels.benchtools import environment
     from decoders.cli import JsonlSink, check_figure_file, check_output_file
 
     device = decoders.parse_device(args.device)
@@ -316,9 +315,12 @@ def run(args) -> int:
     decoders.parse_dtype(args.dtype)
     try:
         decoders.check_page_size(args.page_size)
+    except UsageError as e:
+        raise ArgError(f"--page-size: {e}") from None
+    try:
         resolve_impl(args.impl, device)
     except ValueError as e:
-        raise ArgError(f"--{'page-size' if 'page size' in str(e) else 'impl'}: {e}") from None
+        raise ArgError(f"--impl: {e}") from None
     sink = JsonlSink(check_output_file(args.out, "--out"))
     if args.plot:
         check_figure_file(args.plot, "--plot")
