@@ -10,12 +10,17 @@ same arguments, so every lm-eval option works unchanged:
         --include_path eval/tasks --tasks declab_mqar --limit 50
 
 With `--model declab` the model_args are checked before lm-eval indexes its tasks (an unknown preset
-or argument, an incomplete checkpoint); these and any preset, checkpoint or option the lab refuses
-later are one line on stderr and exit code 2.
+or argument, an incomplete checkpoint); these, any preset, checkpoint or option the lab refuses later,
+and a task lm-eval does not find are one line on stderr and exit code 2.
 """
+
+import sys
 
 import decoders
 import eval.lm_model  # (registers the `declab` model)
+
+# How lm-eval 0.4 words its refusal of a task name (a ValueError, which it leaves to a traceback).
+TASKS_NOT_FOUND = "Tasks not found"
 
 
 def main() -> None:
@@ -28,7 +33,13 @@ def main() -> None:
     with decoders.user_errors():
         if getattr(args, "model", None) == "declab":
             eval.lm_model.check_model_args(dict(getattr(args, "model_args", None) or {}))
-        parser.execute(args)
+        try:
+            parser.execute(args)
+        except ValueError as e:
+            if not str(e).startswith(TASKS_NOT_FOUND):
+                raise
+            print(f"error: {e} (the lab's tasks: --include_path eval/tasks after python -m eval.tasks.make)", file=sys.stderr)
+            raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

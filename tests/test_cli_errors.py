@@ -159,6 +159,7 @@ def test_lm_eval_refuses_bad_model_args(bad):
         ("eval.lm_eval", head + ["pretrained=llama-tiny,device=banana"], "unknown device 'banana'"),
         ("eval.lm_eval", head + [f"pretrained={bad['garbage']}"], "not a safetensors file"),
         ("eval.lm_eval", head + ["dtype=float32"], "need pretrained="),
+        ("eval.lm_eval", ["--model", "declab", "--model_args", "pretrained=llama-tiny", "--tasks", "no_such_task"], "Tasks not found"),
     ])
 
 
