@@ -341,6 +341,18 @@ def check_args(args) -> None:
     if size > values["vocab_size"]:
         raise decoders.UsageError(f"--tokenizer {args.tokenizer} has {size} tokens, more than {args.preset}'s vocab_size {values['vocab_size']}")
     check_saved_tokenizer(args.tokenizer, Path(args.tokenizer_dir or args.out) / "tokenizer")
+    check_resumable(args)
+
+
+def check_resumable(args) -> None:
+    """A train_state.pt already in --out must be a run of the same preset and steps (a rerun resumes
+    it); read memory-mapped, so only its two small fields are loaded."""
+    state_path = Path(args.out) / "train_state.pt"
+    if state_path.exists():
+        state = torch.load(state_path, map_location="cpu", weights_only=False, mmap=True)
+        steps = max(1, args.tokens // (args.batch * args.seq_len))
+        if state["preset"] != args.preset or state["steps"] != steps:
+            raise decoders.UsageError(f"{state_path} is a run of {state['preset']} for {state['steps']} steps, not {args.preset} for {steps}: use another --out")
 
 
 def train(args) -> Path:
@@ -375,8 +387,6 @@ def train(args) -> Path:
     state_path = out / "train_state.pt"
     if state_path.exists():
         state = torch.load(state_path, map_location=device, weights_only=False)
-        if state["preset"] != args.preset or state["steps"] != steps:
-            raise decoders.UsageError(f"{state_path} is a run of {state['preset']} for {state['steps']} steps, not {args.preset} for {steps}: use another --out")
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"])

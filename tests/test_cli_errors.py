@@ -181,6 +181,9 @@ def test_train_refuses_before_writing_into_out(bad):
     (stale / "tokenizer").mkdir(parents=True)
     (stale / "tokenizer" / "tokenizer.json").write_text("{}")
     (stale / "tokenizer" / "declab_tokenizer_spec.json").write_text(json.dumps({"spec": "bpe:300"}))
+    other_run = bad["root"] / "other_run"
+    other_run.mkdir()
+    torch.save({"preset": "mamba2-tiny", "steps": 99}, other_run / "train_state.pt")
     check([
         ("eval.train", args(preset="no-such-preset"), "unknown preset"),
         ("eval.train", args(corpus=str(bad["root"] / "missing")), "no such file or folder"),
@@ -192,6 +195,7 @@ def test_train_refuses_before_writing_into_out(bad):
         ("eval.train", args(tokenizer="bpe:lots"), "a BPE size must be a whole number"),
         ("eval.train", args(device="banana"), "unknown device"),
         ("eval.train", args(out=str(stale), tokenizer="byte"), "made from --tokenizer bpe:300, not byte"),
+        ("eval.train", args(out=str(other_run)), "is a run of mamba2-tiny for 99 steps, not llama-tiny for 8"),
     ])
     assert not out.exists()
 
