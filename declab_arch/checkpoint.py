@@ -27,12 +27,18 @@ def preset_names() -> list[str]:
 
 
 def read_json(path: Path) -> dict:
+    """A JSON object from a file; a missing file, invalid JSON or another JSON value is a CheckpointError."""
     try:
-        return json.loads(Path(path).read_text())
+        values = json.loads(Path(path).read_text())
     except FileNotFoundError:
         raise CheckpointError(f"{path}: file not found") from None
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    except (UnicodeDecodeError, IsADirectoryError) as e:
+        raise CheckpointError(f"{path}: not a JSON text file ({type(e).__name__})") from None
+    if not isinstance(values, dict):
+        raise CheckpointError(f"{path}: holds a JSON {type(values).__name__}, not an object of config fields")
+    return values
 
 
 def config_from_dict(cls, values: dict, source: str):
@@ -191,4 +197,9 @@ def load_tokenizer(folder: Path):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except Exception as e:
+        # transformers and tokenizers fail on a broken tokenizer file in many ways; it is the user's file.
+        text = str(e).strip().splitlines()
+        raise CheckpointError(f"{folder}: its tokenizer files cannot be read ({type(e).__name__}: {text[0] if text else 'no detail'})") from None

@@ -87,9 +87,10 @@ def bad(tmp_path_factory) -> dict[str, Path]:
         if data is not None:
             (folder / "model.safetensors").write_bytes(data)
         paths[name] = folder
-    (root / "bad_json").mkdir()
-    (root / "bad_json" / "config.json").write_text("{not json")
-    paths["bad_json"] = root / "bad_json"
+    for name, text in (("bad_json", "{not json"), ("list_json", "[1, 2]")):
+        (root / name).mkdir()
+        (root / name / "config.json").write_text(text)
+        paths[name] = root / name
     paths["file"] = root / "a_file.txt"
     paths["file"].write_text("a file, not a folder\n")
     corpus = root / "corpus"
@@ -122,6 +123,7 @@ def test_compare_refuses_before_measuring(bad):
         (["--models", str(bad["wrong_type"])], "hidden_size = '64' is not of type int"),
         (["--models", str(bad["negative"])], "num_hidden_layers = -2 must be at least 1"),
         (["--models", str(bad["bad_json"])], "not valid JSON"),
+        (["--models", str(bad["list_json"])], "holds a JSON list, not an object"),
         (["--models", str(bad["no_weights"])], "no weights found"),
         (["--models", f"llama-tiny,{bad['truncated']}"], "truncated"),
     ]

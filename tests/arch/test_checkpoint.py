@@ -41,6 +41,12 @@ def test_unreadable_and_truncated_weights_files_are_named(tmp_path):
         checkpoint.load_weights(tmp_path)
 
 
+def test_a_broken_tokenizer_file_is_named(tmp_path):
+    (tmp_path / "tokenizer.json").write_text("{broken")
+    with pytest.raises(CheckpointError, match="tokenizer files cannot be read"):
+        checkpoint.load_tokenizer(tmp_path)
+
+
 def test_mamba2_scan_chunk_is_the_labs_choice():
     assert [mamba2.scan_chunk(c, "triton") for c in (8, 16, 48, 256)] == [16, 16, 64, 256]
     assert [mamba2.scan_chunk(c, "ref") for c in (8, 256)] == [8, mamba2.REF_CHUNK]
