@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from declab_arch.checkpoint import CheckpointError, assign_weights, config_from_dict, load_weights, read_json
+from declab_arch.checkpoint import CheckpointError, assign_weights, check_fields, config_from_dict, load_weights, parse_config, read_json
 from declab_kernels import gemv, paged_attention, rmsnorm, rotary
 
 # Packed rows up to which the Triton path runs each RMSNorm inside the GEMV after it and each residual
@@ -61,6 +61,7 @@ class LlamaConfig:
     eos_token_id: int | list[int] | None = None
 
     def __post_init__(self):
+        check_fields(self)
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.num_attention_heads % self.num_key_value_heads:
@@ -482,13 +483,19 @@ def is_hf_llama(hf: dict) -> bool:
     return any(a in HF_ARCHITECTURES for a in archs) or hf.get("model_type") in ("llama", "qwen2", "mistral")
 
 
-def load_hf(folder: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
-    """Config and state dict (HF names) of a Llama/Qwen2/Mistral checkpoint folder."""
+def read_config(folder: Path) -> LlamaConfig:
+    """The config of a Llama/Qwen2/Mistral checkpoint folder, checked, without reading its weights."""
     folder = Path(folder)
     hf = read_json(folder / "config.json")
     if not is_hf_llama(hf):
         raise CheckpointError(f"{folder}: unknown architecture {hf.get('architectures') or hf.get('model_type')}")
-    config = config_from_hf(hf, str(folder))
+    return parse_config(config_from_hf, hf, str(folder))
+
+
+def load_hf(folder: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+    """Config and state dict (HF names) of a Llama/Qwen2/Mistral checkpoint folder."""
+    folder = Path(folder)
+    config = read_config(folder)
     tensors = load_weights(folder)
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)

@@ -24,6 +24,7 @@ dtype, device, impl, max_length, batch_size, family, seed, samples (Mask-Predict
 samples); any other argument goes to the family (`decoders.load(..., **options)`, e.g. page_size).
 """
 
+import inspect
 import logging
 
 # lm-eval fills its model registry from lm_eval.models only while the registry is empty: import it
@@ -90,6 +91,7 @@ class DecLabLM(TemplateLM):
         # CUDA that default is dropped (a device in model_args is always obeyed).
         if str(extra.get("device", "")).startswith("cuda") and not torch.cuda.is_available():
             log.warning("no CUDA device: ignoring lm-eval's device=%s (put device=... in model_args to choose)", extra.pop("device"))
+        check_model_args(arg_dict)
         return cls(**arg_dict, **extra)
 
     @property
@@ -248,6 +250,41 @@ class DecLabLM(TemplateLM):
 def rolling_windows(tokens: list[int], prefix: int, max_length: int):
     """lm-eval's rolling windows with context 1: (input, predicted) pairs covering each token once."""
     return utils.get_rolling_token_windows(token_list=tokens, prefix_token=prefix, max_seq_len=max_length, context_len=1)
+
+
+# model_args DecLabLM reads as whole numbers (each at least 1, seed at least 0).
+INT_ARGS = ("max_length", "max_batch_size", "seed", "samples")
+
+
+def check_model_args(args: dict) -> None:
+    """Raise UsageError for model_args the `declab` model cannot take, before anything is built: no
+    pretrained, a preset or checkpoint that does not exist or is incomplete, an argument neither the
+    model nor the family takes, a count that is not a whole number, a batch size that is neither a
+    number nor "auto"."""
+    if not args.get("pretrained"):
+        raise decoders.UsageError("model_args need pretrained=<preset or checkpoint folder>")
+    family = args.get("family") or decoders.check_model(str(args["pretrained"]))
+    if args.get("family"):
+        decoders.family_class(family)
+    own = [p for p in inspect.signature(DecLabLM.__init__).parameters if p not in ("self", "options")]
+    options = decoders.family_options(family)
+    unknown = [k for k in args if k not in own and k not in options]
+    if unknown:
+        raise decoders.UsageError(f"unknown model argument {unknown[0]!r} for declab (known: {', '.join(own + options)})")
+    for key in INT_ARGS:
+        value = args.get(key)
+        least = 0 if key == "seed" else 1
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+            raise decoders.UsageError(f"model argument {key}={value!r} must be a whole number >= {least}")
+    batch = args.get("batch_size")
+    if batch is not None and not str(batch).startswith("auto") and (not str(batch).isdigit() or int(batch) < 1):
+        raise decoders.UsageError(f"model argument batch_size={batch!r} must be a whole number >= 1 or auto")
+    if "page_size" in args:
+        decoders.check_page_size(args["page_size"])
+    if args.get("device") is not None:
+        decoders.parse_device(str(args["device"]))
+    if args.get("dtype") not in (None, "auto"):
+        decoders.parse_dtype(str(args["dtype"]))
 
 
 def parse_batch_size(batch_size, max_batch_size) -> int:
