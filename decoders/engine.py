@@ -1029,7 +1029,7 @@ def build_parser():
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--page-size", type=int, default=16, help="KV cache page size (transformer)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="results/engine.jsonl", help="JSON lines file the result is appended to")
+    p.add_argument("--out", default="runs/engine.jsonl", help="JSON lines file the result is appended to (default runs/engine.jsonl)")
     return p
 
 
@@ -1064,11 +1064,13 @@ def main(argv=None) -> int:
 
     import decoders
     from declab_kernels.benchtools import append_jsonl, environment
+    from decoders.cli import check_output_file
 
     args = build_parser().parse_args(argv)
     with decoders.user_errors():
         if args.batch < 1 or args.new_tokens < 1 or args.new_tokens >= args.ctx:
             raise UsageError(f"need --batch >= 1 and 1 <= --new-tokens < --ctx, got {args.batch}, {args.new_tokens}, {args.ctx}")
+        out = check_output_file(args.out, "--out")
         if decoders.family_of(args.model) == "maskpredict":
             raise UsageError("the measuring command runs the autoregressive families (a Mask-Predict cohort is a static "
                              "batch: python -m decoders.compare measures it)")
