@@ -251,6 +251,7 @@ class SpecState:
     verified: int = 0  # (sequence, verification) pairs of sequences still generating
     committed_total: int = 0  # tokens those verifications committed
     accepted_at: list[int] = field(default_factory=list)  # [k] how often draft position j+1 was accepted
+    offered_at: list[int] = field(default_factory=list)  # [k] ... of how many verifications it could be committed in
 
 
 class SpeculativeDecoder(Decoder):
@@ -334,6 +335,7 @@ class SpeculativeDecoder(Decoder):
             generator=generator,
             prompt_lens=lens,
             accepted_at=[0] * self.k,
+            offered_at=[0] * self.k,
         )
 
     @torch.inference_mode()
@@ -357,8 +359,10 @@ class SpeculativeDecoder(Decoder):
             if left > 0:
                 state.verified += 1
                 state.committed_total += len(new)
-                for j in range(n):
-                    state.accepted_at[j] += 1
+                # Draft j can be committed only while the budget has room for it.
+                for j in range(min(k, left)):
+                    state.offered_at[j] += 1
+                    state.accepted_at[j] += j < n
             # A finished sequence keeps nothing: its caches stay where they were.
             keep.append(min(n + 1, left))
             gained.append(new)
@@ -422,9 +426,10 @@ class SpeculativeDecoder(Decoder):
 
     def acceptance(self, state: SpecState) -> dict:
         """Mean tokens committed per verification (per sequence still generating) and how often
-        each draft position was accepted."""
+        each draft position was accepted (of the verifications whose budget could commit it)."""
         v = max(1, state.verified)
-        return {"mean_accepted_length": state.committed_total / v, "acceptance_by_position": [a / v for a in state.accepted_at],
+        by_position = [a / max(1, o) for a, o in zip(state.accepted_at, state.offered_at)]
+        return {"mean_accepted_length": state.committed_total / v, "acceptance_by_position": by_position,
                 "verifications": state.verified, "rounds": state.rounds}
 
 

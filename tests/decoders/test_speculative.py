@@ -1,0 +1,232 @@
+"""Speculative decoding (decoders.speculative): greedy output equals plain greedy decoding for every
+target/draft family pair and k = 1..6, the rejection rule keeps the target's distribution, and
+rollback leaks no KV blocks. CPU, float32, impl="ref", tiny presets."""
+
+import pytest
+import torch
+from scipy.stats import chi2
+
+import decoders
+from declab_arch.checkpoint import CONFIG_DIR, read_json
+from decoders.sampling import Sampling
+from decoders.transformer import TransformerDecoder
+from decoders.speculative import Draft, ModelDraft, NgramDraft, Proposal, accept_sampling
+
+FAMILIES = ["llama-tiny", "mamba2-tiny", "rwkv7-tiny"]
+PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [1, 2, 3], [40, 41, 42, 43, 44]]
+NEW = 14
+# Per chi-square test: the chance a correct rule fails it (the seed is fixed, so a pass is stable).
+FALSE_ALARM = 1e-3
+
+
+def load(name, seed=0, **options):
+    return decoders.load(name, device="cpu", dtype="float32", impl="ref", seed=seed, **options)
+
+
+@pytest.fixture(scope="module")
+def targets():
+    return {name: load(name) for name in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def drafts():
+    # Other weights than the targets' (seed 1), so drafts are wrong as well as right.
+    return {name: load(name, seed=1) for name in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def plain(targets):
+    return {name: t.generate(PROMPTS, max_new_tokens=NEW).tokens for name, t in targets.items()}
+
+
+class Oracle(Draft):
+    """Proposes the target's own greedy continuation (every draft accepted), or with `wrong` that
+    continuation plus one (every draft rejected)."""
+
+    name = "oracle"
+
+    def __init__(self, plain_tokens, vocab, wrong=False):
+        self.plain, self.vocab, self.wrong = plain_tokens, vocab, wrong
+
+    def start(self, prompts, max_len):
+        return None
+
+    def propose(self, state, pending, positions, contexts, k, sampling, generator):
+        rows = []
+        for b, ctx in enumerate(contexts):
+            done = len(ctx) - len(PROMPTS[b])
+            future = (self.plain[b] + [0] * (k + 1))[done : done + k]
+            rows.append([(t + 1) % self.vocab if self.wrong else t for t in future])
+        return Proposal(torch.tensor(rows), None)
+
+
+@pytest.mark.parametrize("k", range(1, 7))
+@pytest.mark.parametrize("draft", FAMILIES)
+@pytest.mark.parametrize("target", FAMILIES)
+def test_greedy_equals_plain(targets, drafts, plain, target, draft, k):
+    spec = decoders.speculative(targets[target], drafts[draft], k=k)
+    assert spec.generate(PROMPTS, max_new_tokens=NEW).tokens == plain[target]
+
+
+@pytest.mark.parametrize("target", FAMILIES)
+def test_greedy_equals_plain_ngram_and_recurrent_steps(targets, drafts, plain, target):
+    for k in (2, 5):
+        assert decoders.speculative(targets[target], "ngram", k=k).generate(PROMPTS, max_new_tokens=NEW).tokens == plain[target]
+    if target != "llama-tiny":
+        spec = decoders.speculative(targets[target], drafts["llama-tiny"], k=3, recurrent_verify="steps")
+        assert spec.generate(PROMPTS, max_new_tokens=NEW).tokens == plain[target]
+
+
+@pytest.mark.parametrize("k", range(1, 7))
+@pytest.mark.parametrize("target", FAMILIES)
+def test_always_right_and_always_wrong_drafts(targets, plain, target, k):
+    t = targets[target]
+    right = decoders.speculative(t, Oracle(plain[target], t.vocab_size), k=k)
+    state = right.prefill(PROMPTS, max_new_tokens=NEW)
+    while not right.finished(state):
+        committed = right.step(state).committed.tolist()
+        # Every draft accepted: k + 1 tokens a step until the budget cuts the last one.
+        assert all(c == min(k + 1, NEW - len(toks) + c) for c, toks in zip(committed, state.new_tokens))
+    assert right.output(state, []) == plain[target]
+    assert right.acceptance(state)["acceptance_by_position"] == [1.0] * k
+    right.release(state)
+    wrong = decoders.speculative(t, Oracle(plain[target], t.vocab_size, wrong=True), k=k)
+    gen = wrong.generate(PROMPTS, max_new_tokens=NEW)
+    assert gen.tokens == plain[target]
+    assert gen.passes == NEW - 1 and all(c == 1 for c in gen.committed)
+
+
+def test_no_block_leaks_after_many_rejections(plain):
+    target = load("llama-tiny", num_blocks=64)
+    pool = target.pool.pool
+    spec = decoders.speculative(target, Oracle(plain["llama-tiny"], target.vocab_size, wrong=True), k=6)
+    for _ in range(3):
+        state = spec.prefill(PROMPTS, max_new_tokens=NEW)
+        while not spec.finished(state):
+            spec.step(state)
+            held = sum(target.pool.blocks_needed(p) for p in state.positions)
+            assert pool.num_blocks - pool.num_free == held
+            assert [target.pool.lengths[s] for s in state.cache.seqs] == state.positions
+        assert spec.output(state, []) == plain["llama-tiny"]
+        spec.release(state)
+        assert pool.num_free == pool.num_blocks
+
+
+def test_ngram_lookup():
+    draft = NgramDraft(max_ngram=3)
+    assert draft.lookup([1, 2, 3, 9, 7, 1, 2, 3], 3) == [9, 7, 1]
+    # The latest earlier occurrence wins, and a short continuation is padded with its last token.
+    assert draft.lookup([4, 5, 1, 6, 5, 1, 8, 1], 3) == [8, 1, 1]
+    assert draft.lookup([4, 5, 6], 2) == [6, 6]
+
+
+def rule_samples(p, q, n, seed=0, rule=accept_sampling):
+    """Committed tokens of n independent verifications: drafts drawn from q [k, V], target p [k+1, V]."""
+    g = torch.Generator().manual_seed(seed)
+    k, V = q.shape
+    drafted = torch.multinomial(q, n, replacement=True, generator=g).T  # [n, k]
+    accepted, nxt = rule(p.expand(n, k + 1, V), q.expand(n, k, V), drafted, g)
+    return drafted, accepted, nxt
+
+
+def position_counts(drafted, accepted, nxt, j, V):
+    """Counts over V of the token committed at position j, among verifications committing > j tokens."""
+    rows = accepted >= j
+    token = torch.where(accepted[rows] == j, nxt[rows], drafted[rows, min(j, drafted.shape[1] - 1)])
+    return torch.bincount(token, minlength=V).double()
+
+
+def chi_square_ok(counts, probs):
+    expected = counts.sum() * probs.double()
+    keep = expected > 0
+    if counts[~keep].sum() > 0:
+        return False
+    stat = ((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum().item()
+    return stat < chi2.ppf(1 - FALSE_ALARM, int(keep.sum()) - 1)
+
+
+def test_rejection_rule_keeps_target_distribution():
+    V, k, n = 6, 3, 60000
+    p = torch.tensor([[0.5, 0.2, 0.1, 0.1, 0.1, 0.0], [0.05, 0.05, 0.3, 0.3, 0.2, 0.1], [0.1, 0.1, 0.1, 0.1, 0.1, 0.5], [0.2] * 5 + [0.0]])
+    q = torch.tensor([[0.1, 0.1, 0.2, 0.2, 0.2, 0.2], [0.3, 0.3, 0.1, 0.1, 0.1, 0.1], [1 / 6] * 6])
+    drafted, accepted, nxt = rule_samples(p, q, n)
+    for j in range(k + 1):
+        assert chi_square_ok(position_counts(drafted, accepted, nxt, j, V), p[j]), f"position {j}"
+
+    def accept_all(p, q, drafted, g):
+        return torch.full((drafted.shape[0],), drafted.shape[1]), p[:, -1].multinomial(1, generator=g).squeeze(1)
+
+    # The same test refuses a rule that keeps the draft's distribution instead.
+    drafted, accepted, nxt = rule_samples(p, q, n, rule=accept_all)
+    assert not chi_square_ok(position_counts(drafted, accepted, nxt, 0, V), p[0])
+
+
+def test_sampling_with_the_target_as_its_own_draft_accepts_everything(targets):
+    t = targets["mamba2-tiny"]
+    spec = decoders.speculative(t, load("mamba2-tiny"), k=3)
+    state = spec.prefill(PROMPTS, max_new_tokens=NEW, sampling=Sampling(temperature=0.8, top_k=50, seed=3))
+    while not spec.finished(state):
+        spec.step(state)
+    # p == q: min(1, p/q) = 1 at every position.
+    assert spec.acceptance(state)["acceptance_by_position"] == [1.0] * 3
+    assert [len(x) for x in spec.output(state, [])] == [NEW] * len(PROMPTS)
+    spec.release(state)
+
+
+def test_usage_errors(targets):
+    with pytest.raises(decoders.UsageError, match="k must be"):
+        decoders.speculative(targets["llama-tiny"], "ngram", k=0)
+    small = TransformerDecoder.from_preset({**read_json(CONFIG_DIR / "llama-tiny.json"), "vocab_size": 256}, "llama-tiny-256",
+                                           device="cpu", dtype=torch.float32, impl="ref")
+    with pytest.raises(decoders.UsageError, match="vocab_size"):
+        decoders.speculative(targets["llama-tiny"], small, k=2)
+    with pytest.raises(decoders.UsageError, match="autoregressive"):
+        decoders.speculative(load("maskpredict-tiny"), "ngram", k=2)
+    with pytest.raises(decoders.UsageError, match="draft"):
+        decoders.speculative(targets["llama-tiny"], "medusa", k=2)
+
+
+class SecondWrong(ModelDraft):
+    """A draft model whose second proposal is always changed: one draft is accepted a step."""
+
+    def propose(self, *args):
+        proposal = super().propose(*args)
+        proposal.tokens[:, 1] = (proposal.tokens[:, 1] + 1) % self.decoder.vocab_size
+        return proposal
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_draft_rollback_with_the_target_weights(targets, plain, family):
+    # The draft has the target's weights, so its first proposal is right whenever its rollback
+    # (recurrent state after the kept tokens, transformer position) left it in the right state.
+    spec = decoders.speculative(targets[family], SecondWrong(load(family)), k=4)
+    state = spec.prefill(PROMPTS, max_new_tokens=NEW)
+    while not spec.finished(state):
+        spec.step(state)
+    assert spec.output(state, []) == plain[family]
+    assert spec.acceptance(state)["acceptance_by_position"] == [1.0, 0.0, 0.0, 0.0]
+    spec.release(state)
+
+
+def recurrent_state(cache):
+    # Mamba-2's conv ring holds, beside the window, a slot no step reads: compare the SSM state.
+    return [cache.ssm] if hasattr(cache, "ssm") else [cache.shift, cache.wkv]
+
+
+@pytest.mark.parametrize("verify", ["chunk", "steps"])
+@pytest.mark.parametrize("pair", [("mamba2-tiny", "rwkv7-tiny"), ("rwkv7-tiny", "mamba2-tiny")])
+def test_rolled_back_states_equal_a_fresh_prefill(targets, pair, verify):
+    """After every step the target's and the draft's recurrent states are those of the context
+    (prompt + committed tokens but the pending one) consumed from scratch."""
+    target, draft = targets[pair[0]], load(pair[1])
+    spec = decoders.speculative(target, SecondWrong(draft), k=4, recurrent_verify=verify)
+    state = spec.prefill(PROMPTS, max_new_tokens=NEW)
+    while not spec.finished(state):
+        spec.step(state)
+        consumed = [c[:-1] for c in state.contexts]
+        for dec, cache in ((target, state.cache), (draft, state.draft_state.cache)):
+            fresh = dec.new_cache([len(c) for c in consumed], max(map(len, consumed)))
+            dec.prefill_forward(fresh, consumed)
+            for got, want in zip(recurrent_state(cache), recurrent_state(fresh)):
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    spec.release(state)
