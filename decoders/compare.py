@@ -28,6 +28,7 @@ import time
 import torch
 
 from decoders.base import UsageError
+from decoders.speculative import parse_spec
 
 K = 1024
 
@@ -134,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block", type=int, default=None, help="Mask-Predict: semi-autoregressive block length")
     p.add_argument("--peers", default=None, help="comma list of peers run on the same points: hf, mamba_ssm, fla")
     p.add_argument("--peers-only", action="store_true", help="run only the peers' points (the lab's own rows come from another sweep)")
+    p.add_argument("--spec", default=None, help="speculative decoding of every autoregressive model: draft=PRESET_OR_FOLDER|ngram,k=4[,verify=chunk|steps]")
     p.add_argument("--out", default="results/compare.jsonl", help="JSON lines file, appended point by point")
     p.add_argument("--plot", default=None, help="PNG: decode tokens/s against context, one line per model and peer")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -285,6 +287,7 @@ def run(args) -> int:
     if args.point_timeout is not None and not args.point_timeout > 0:
         raise ArgError(f"--point-timeout must be a positive number of seconds, got {args.point_timeout}")
     device = torch.device(args.device or ("cuda" if on_gpu else "cpu"))
+    spec = parse_spec(args.spec, targets=models, peers=peer_names) if args.spec else None
 
     plan = list(plan_points(models, ctxs, batches, iterations, peer_names, device, own=not args.peers_only))
     env = environment(device)
@@ -322,6 +325,9 @@ def run(args) -> int:
                     gate = harness.check_against_reference(dec, new_tokens=args.new_tokens, seed=args.seed)
                 except RuntimeError as e:
                     gate = {"ok": False, "rel_rms": None, "tolerance": None, "error": first_line(e)}
+                if spec is not None:
+                    # The gate checked the target's kernels; the points time it decoding speculatively.
+                    dec = spec.wrap(dec)
                 loaded[key] = (dec, gate)
             dec, gate = loaded[key]
             try:

@@ -499,3 +499,55 @@ def speculative(target: AutoregressiveDecoder, draft, k: int = 4, **options) -> 
     """`target` decoding speculatively with `draft` (an autoregressive Decoder with the same vocabulary,
     'ngram', or a `Draft`) proposing k tokens per step. options: recurrent_verify="chunk" | "steps"."""
     return SpeculativeDecoder(target, draft, k, **options)
+
+
+@dataclass
+class SpecOption:
+    """A command line's `--spec draft=PRESET_OR_FOLDER|ngram,k=4[,verify=chunk|steps]`, parsed."""
+
+    draft: str
+    k: int = 4
+    recurrent_verify: str = "chunk"
+    loaded: dict = field(default_factory=dict, repr=False)
+
+    def wrap(self, target: AutoregressiveDecoder) -> SpeculativeDecoder:
+        """`target` decoding speculatively; a draft model is loaded once, on the target's device, dtype and impl."""
+        draft = self.draft
+        if draft != "ngram":
+            if draft not in self.loaded:
+                import decoders
+
+                self.loaded[draft] = decoders.load(draft, device=target.device, dtype=target.dtype, impl=target.impl)
+            draft = self.loaded[draft]
+        return speculative(target, draft, self.k, recurrent_verify=self.recurrent_verify)
+
+
+def parse_spec(text: str, *, targets: list[str] = (), peers: list[str] = ()) -> SpecOption:
+    """'draft=llama-tiny,k=4' (draft a preset, a checkpoint folder or 'ngram'; verify=chunk|steps) -> SpecOption.
+    `targets` (presets or folders) must be autoregressive; `peers` must be empty (they do not speculate)."""
+    fields = {}
+    for part in filter(None, text.split(",")):
+        key, eq, value = part.partition("=")
+        if not eq or key.strip() not in ("draft", "k", "verify"):
+            raise UsageError(f"--spec {text!r}: expected draft=PRESET_OR_FOLDER|ngram,k=N[,verify=chunk|steps], got {part!r}")
+        fields[key.strip()] = value.strip()
+    if "draft" not in fields:
+        raise UsageError(f"--spec {text!r} names no draft (draft=PRESET_OR_FOLDER or draft=ngram)")
+    try:
+        k = int(fields.get("k", 4))
+    except ValueError:
+        raise UsageError(f"--spec k must be an integer, got {fields['k']!r}") from None
+    if not 1 <= k <= MAX_K:
+        raise UsageError(f"--spec k must be from 1 to {MAX_K}, got {k}")
+    verify = fields.get("verify", "chunk")
+    if verify not in ("chunk", "steps"):
+        raise UsageError(f"--spec verify must be chunk or steps, got {verify!r}")
+    if peers:
+        raise UsageError("--spec times the lab's own speculative decoding: leave out --peers")
+    import decoders
+
+    for role, name in [("draft", fields["draft"])] * (fields["draft"] != "ngram") + [("model", t) for t in targets]:
+        family = decoders.family_of(name)
+        if family not in FAMILIES:
+            raise UsageError(f"--spec: {role} {name!r} is {family}, not autoregressive ({', '.join(FAMILIES)})")
+    return SpecOption(fields["draft"], k, verify)

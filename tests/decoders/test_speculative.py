@@ -2,6 +2,10 @@
 target/draft family pair and k = 1..6, the rejection rule keeps the target's distribution, and
 rollback leaks no KV blocks. CPU, float32, impl="ref", tiny presets."""
 
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
 from scipy.stats import chi2
@@ -230,3 +234,17 @@ def test_rolled_back_states_equal_a_fresh_prefill(targets, pair, verify):
             for got, want in zip(recurrent_state(cache), recurrent_state(fresh)):
                 torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     spec.release(state)
+
+
+def test_compare_spec_option(tmp_path):
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "decoders.compare", "--no-progress", "--models", "llama-tiny", "--ctx", "64",
+                               "--new-tokens", "12", "--out", str(tmp_path / "out.jsonl"), *args], capture_output=True, text=True, timeout=300)
+
+    done = run("--spec", "draft=mamba2-tiny,k=3")
+    assert done.returncode == 0, done.stderr
+    (point,) = json.loads(done.stdout.splitlines()[-1])["points"]
+    assert point["status"] == "ok" and point["speculative"]["k"] == 3 and point["speculative"]["draft"]["family"] == "mamba2"
+    assert 1 <= point["tokens_per_pass"] <= 4
+    bad = run("--spec", "draft=maskpredict-tiny,k=3")
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == ["error: --spec: draft 'maskpredict-tiny' is maskpredict, not autoregressive (transformer, mamba2, rwkv7)"]
