@@ -3,6 +3,7 @@ them all in one forward, and each step commits 1..k+1 tokens drawn from the targ
 
     spec = decoders.speculative(target, draft, k=4)     # draft: a Decoder with the target's vocabulary
     spec = decoders.speculative(target, "ngram", k=4)   # prompt lookup: no second model
+    spec = decoders.speculative(target, "heads:runs/llama-30m-heads", k=4)   # trained draft heads (eval.train_heads)
     gen = spec.generate(prompts, max_new_tokens=64)     # the same Generation as any decoder's
 
 Any of transformer / Mamba-2 / RWKV-7 drafts for any of them. One `step`, for every sequence:
@@ -10,7 +11,8 @@ Any of transformer / Mamba-2 / RWKV-7 drafts for any of them. One `step`, for ev
 1. draft: from the pending token t0 (committed, not yet in the target's cache) the draft proposes
    d1..dk (a draft model runs k+1 decode steps: the last only consumes dk, so that every prefix of
    the proposal has a state to return to; prompt lookup copies what followed the latest earlier
-   occurrence of the context's last n-gram).
+   occurrence of the context's last n-gram; draft heads read the target's hidden state at the
+   position that chose t0, kept from the previous verification).
 2. verify: the target consumes [t0, d1..dk] in one forward and gives logits at all k+1 positions:
    the transformer's chunked-prefill path (the K/V written into the pages, attending over the
    prefix), the recurrent families' chunked scan resumed from the carried state.
@@ -225,14 +227,62 @@ class NgramDraft(Draft):
         return Proposal(tokens, None)
 
 
-def as_draft(draft) -> Draft:
+@dataclass
+class HeadsDraftState:
+    hidden: torch.Tensor | None = None  # [B, d] the target's hidden state that chose each pending token
+
+
+class HeadsDraft(Draft):
+    """Medusa-style heads (`declab_arch.draft_heads`) on a transformer target's final hidden state:
+    head j proposes the token j positions after the pending one, all k from one hidden state. The
+    first step, before any verification has given a hidden state, proposes the pending token repeated."""
+
+    name = "heads"
+    wants_hidden = True
+
+    def __init__(self, heads, target: AutoregressiveDecoder, source: str = ""):
+        if target.family != "transformer":
+            raise UsageError(f"draft heads read a transformer's hidden states; the target is {target.family}")
+        if heads.hidden_size != target.config.hidden_size:
+            raise UsageError(f"draft heads of hidden size {heads.hidden_size} do not fit {target.source} ({target.config.hidden_size})")
+        self.heads = heads.to(device=target.device, dtype=target.dtype).eval()
+        self.target, self.source = target, source
+
+    def describe(self) -> dict:
+        return {"kind": self.name, "model": self.source, "heads": self.heads.k}
+
+    def start(self, prompts, max_len):
+        return HeadsDraftState()
+
+    def propose(self, state, pending, positions, contexts, k, sampling, generator):
+        if k > self.heads.k:
+            raise UsageError(f"k = {k} is more than the {self.heads.k} trained draft heads")
+        if state.hidden is None:
+            return Proposal(pending.unsqueeze(1).expand(-1, k).contiguous(), None)
+        logits = self.heads(state.hidden, self.target.model.head)[:k]  # [k, B, V]
+        if sampling.greedy:
+            return Proposal(logits.argmax(-1).T.contiguous(), None)
+        q = filtered_probs(logits.flatten(0, 1), sampling).view(*logits.shape).transpose(0, 1)  # [B, k, V]
+        return Proposal(race(q, generator), q.contiguous())
+
+    def observe(self, state, hidden: torch.Tensor, accepted: torch.Tensor) -> None:
+        """hidden [B, T, d] of the verified positions; the next pending token came from position accepted[b]."""
+        state.hidden = hidden[torch.arange(hidden.shape[0], device=hidden.device), accepted]
+
+
+def as_draft(draft, target: AutoregressiveDecoder) -> Draft:
     if isinstance(draft, Draft):
         return draft
     if draft == "ngram":
         return NgramDraft()
+    if isinstance(draft, str) and draft.startswith("heads:"):
+        from declab_arch import draft_heads
+
+        folder = draft.removeprefix("heads:")
+        return HeadsDraft(draft_heads.load(folder), target, source=folder)
     if isinstance(draft, AutoregressiveDecoder):
         return ModelDraft(draft)
-    raise UsageError(f"a draft is an autoregressive Decoder or 'ngram', got {draft!r}")
+    raise UsageError(f"a draft is an autoregressive Decoder, 'ngram' or 'heads:FOLDER', got {draft!r}")
 
 
 @dataclass
@@ -266,7 +316,7 @@ class SpeculativeDecoder(Decoder):
             raise UsageError(f"k must be from 1 to {MAX_K}, got {k}")
         if recurrent_verify not in ("chunk", "steps"):
             raise UsageError(f"recurrent_verify must be 'chunk' or 'steps', got {recurrent_verify!r}")
-        self.draft = as_draft(draft)
+        self.draft = as_draft(draft, target)
         if isinstance(self.draft, ModelDraft):
             d = self.draft.decoder
             if d.family not in FAMILIES:
@@ -343,7 +393,7 @@ class SpeculativeDecoder(Decoder):
         k, T = self.k, self.k + 1
         proposal = self.draft.propose(state.draft_state, state.pending, state.positions, state.contexts, k, state.sampling, state.generator)
         fed = torch.cat([state.pending.unsqueeze(1), proposal.tokens], dim=1)  # [B, T]
-        logits, saved = self.verify(state.cache, fed, state.positions)  # [B, T, V]
+        logits, saved, hidden = self.verify(state.cache, fed, state.positions)  # [B, T, V]
         if state.sampling.greedy:
             accepted, nxt = accept_greedy(logits, proposal.tokens, self.impl)
         else:
@@ -351,6 +401,8 @@ class SpeculativeDecoder(Decoder):
             p = filtered_probs(logits.reshape(B * T, V), state.sampling).view(B, T, V)
             q = proposal.probs if proposal.probs is not None else torch.nn.functional.one_hot(proposal.tokens, V).float()
             accepted, nxt = accept_sampling(p, q, proposal.tokens, state.generator)
+        if hidden is not None:
+            self.draft.observe(state.draft_state, hidden, accepted)
         accepted_host, nxt_host, drafted_host = accepted.tolist(), nxt.tolist(), proposal.tokens.tolist()
         keep, gained = [], []
         for b, n in enumerate(accepted_host):
@@ -381,19 +433,23 @@ class SpeculativeDecoder(Decoder):
 
     def verify(self, cache, fed: torch.Tensor, positions: list[int]):
         """Target logits [B, T, V] of the fed tokens [B, T] at positions[b].., consumed into the cache;
-        and what rollback needs (recurrent: the checkpoint, or the state after each position)."""
+        what rollback needs (recurrent: the checkpoint, or the state after each position); and, for
+        draft heads, the transformer's hidden states [B, T, d]."""
         t = self.target
         if t.family == "transformer":
-            return verify_transformer(t, cache, fed, positions), None
+            if getattr(self.draft, "wants_hidden", False):
+                logits, hidden = verify_transformer(t, cache, fed, positions, return_hidden=True)
+                return logits, None, hidden
+            return verify_transformer(t, cache, fed, positions), None, None
         if self.recurrent_verify == "steps":
             pos = torch.tensor(positions, device=t.device)
             saved, logits = [snapshot(cache)], []
             for j in range(fed.shape[1]):
                 logits.append(t.decode_forward(cache, fed[:, j], pos + j))
                 saved.append(snapshot(cache) if j < fed.shape[1] - 1 else None)
-            return torch.stack(logits, 1), saved
+            return torch.stack(logits, 1), saved, None
         saved = snapshot(cache)
-        return chunk_forward(t, cache, fed, positions, [fed.shape[1]] * fed.shape[0], all_positions=True), saved
+        return chunk_forward(t, cache, fed, positions, [fed.shape[1]] * fed.shape[0], all_positions=True), saved, None
 
     def rollback(self, cache, saved, fed: torch.Tensor, positions: list[int], keep: list[int]) -> None:
         """Each target sequence b keeps the first keep[b] fed tokens."""
@@ -439,9 +495,10 @@ def restore_subset(cache, saved: list[torch.Tensor], rows: list[int]) -> None:
         t.index_copy_(dim, index, s.index_select(dim, index))
 
 
-def verify_transformer(dec, cache, fed: torch.Tensor, positions: list[int]) -> torch.Tensor:
+def verify_transformer(dec, cache, fed: torch.Tensor, positions: list[int], *, return_hidden: bool = False):
     """The fed tokens [B, T] through the chunked-prefill path: K/V written into newly claimed slots of
-    the paged cache, each query attending over its sequence's prefix and the fed tokens before it."""
+    the paged cache, each query attending over its sequence's prefix and the fed tokens before it.
+    Logits [B, T, V] (and with return_hidden the hidden states [B, T, d])."""
     from declab_arch import llama
 
     B, T = fed.shape
@@ -462,6 +519,9 @@ def verify_transformer(dec, cache, fed: torch.Tensor, positions: list[int]) -> t
         impl=dec.impl,
     )
     pos = (start.unsqueeze(1) + torch.arange(T, device=dev)).flatten()
+    if return_hidden:
+        logits, hidden = dec.model.forward_paged(fed.flatten(), pos, batch, return_hidden=True)
+        return logits.view(B, T, -1), hidden.view(B, T, -1)
     return dec.model.forward_paged(fed.flatten(), pos, batch).view(B, T, -1)
 
 
@@ -497,13 +557,13 @@ def chunk_forward(dec, cache, tokens: torch.Tensor, positions: list[int], length
 
 def speculative(target: AutoregressiveDecoder, draft, k: int = 4, **options) -> SpeculativeDecoder:
     """`target` decoding speculatively with `draft` (an autoregressive Decoder with the same vocabulary,
-    'ngram', or a `Draft`) proposing k tokens per step. options: recurrent_verify="chunk" | "steps"."""
+    'ngram', 'heads:FOLDER' for trained draft heads, or a `Draft`) proposing k tokens per step. options: recurrent_verify="chunk" | "steps"."""
     return SpeculativeDecoder(target, draft, k, **options)
 
 
 @dataclass
 class SpecOption:
-    """A command line's `--spec draft=PRESET_OR_FOLDER|ngram,k=4[,verify=chunk|steps]`, parsed."""
+    """A command line's `--spec draft=PRESET_OR_FOLDER|ngram|heads:FOLDER,k=4[,verify=chunk|steps]`, parsed."""
 
     draft: str
     k: int = 4
@@ -513,7 +573,7 @@ class SpecOption:
     def wrap(self, target: AutoregressiveDecoder) -> SpeculativeDecoder:
         """`target` decoding speculatively; a draft model is loaded once, on the target's device, dtype and impl."""
         draft = self.draft
-        if draft != "ngram":
+        if draft != "ngram" and not draft.startswith("heads:"):
             if draft not in self.loaded:
                 import decoders
 
@@ -523,13 +583,13 @@ class SpecOption:
 
 
 def parse_spec(text: str, *, targets: list[str] = (), peers: list[str] = ()) -> SpecOption:
-    """'draft=llama-tiny,k=4' (draft a preset, a checkpoint folder or 'ngram'; verify=chunk|steps) -> SpecOption.
+    """'draft=llama-tiny,k=4' (draft a preset, a checkpoint folder, 'ngram' or 'heads:FOLDER'; verify=chunk|steps) -> SpecOption.
     `targets` (presets or folders) must be autoregressive; `peers` must be empty (they do not speculate)."""
     fields = {}
     for part in filter(None, text.split(",")):
         key, eq, value = part.partition("=")
         if not eq or key.strip() not in ("draft", "k", "verify"):
-            raise UsageError(f"--spec {text!r}: expected draft=PRESET_OR_FOLDER|ngram,k=N[,verify=chunk|steps], got {part!r}")
+            raise UsageError(f"--spec {text!r}: expected draft=PRESET_OR_FOLDER|ngram|heads:FOLDER,k=N[,verify=chunk|steps], got {part!r}")
         fields[key.strip()] = value.strip()
     if "draft" not in fields:
         raise UsageError(f"--spec {text!r} names no draft (draft=PRESET_OR_FOLDER or draft=ngram)")
@@ -546,7 +606,8 @@ def parse_spec(text: str, *, targets: list[str] = (), peers: list[str] = ()) -> 
         raise UsageError("--spec times the lab's own speculative decoding: leave out --peers")
     import decoders
 
-    for role, name in [("draft", fields["draft"])] * (fields["draft"] != "ngram") + [("model", t) for t in targets]:
+    model_draft = fields["draft"] != "ngram" and not fields["draft"].startswith("heads:")
+    for role, name in [("draft", fields["draft"])] * model_draft + [("model", t) for t in targets]:
         family = decoders.family_of(name)
         if family not in FAMILIES:
             raise UsageError(f"--spec: {role} {name!r} is {family}, not autoregressive ({', '.join(FAMILIES)})")

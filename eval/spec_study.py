@@ -14,7 +14,8 @@ acceptance and wall speedup against plain decoding of the same target, in one pr
    speculatively (one untimed run of each first), recording the wall time of both, whether the
    outputs are identical, the mean tokens committed per verification and the acceptance at each
    draft position; for a state-space target both rollbacks (checkpoint and recompute, per-position
-   states) are measured.
+   states) are measured; the transformer target also with Medusa-style draft heads trained on its
+   hidden states for --heads-seconds (`eval.train_heads`, into <work>/runs/<target>-heads).
 
 Every record is a JSON line appended to --out as it finishes (with environment()); the table is
 printed at the end and the last stdout line is one JSON document with every point.
@@ -30,7 +31,7 @@ import torch
 
 import decoders
 from decoders.speculative import MAX_K, SpeculativeDecoder
-from eval import train
+from eval import train, train_heads
 from declab_kernels.benchtools import append_jsonl, environment
 
 TARGET = "llama-30m"
@@ -122,14 +123,16 @@ def measure(a, targets: dict, drafts: dict, prompts: list[list[int]], device) ->
             plain_tokens, plain_s = plain_run(target, batches, a.new_tokens)
             n_tokens = len(plain_tokens) * a.new_tokens
             for draft_name, draft in drafts.items():
+                if draft == "heads" and target.family != "transformer":
+                    continue
                 for k in a.ks:
                     for verify in verifies:
-                        spec = decoders.speculative(target, draft, k=k, recurrent_verify=verify)
+                        spec = decoders.speculative(target, f"heads:{a.heads_dir}" if draft == "heads" else draft, k=k, recurrent_verify=verify)
                         spec_run(spec, batches[:1], a.new_tokens)
                         tokens, spec_s, stats = spec_run(spec, batches, a.new_tokens)
                         record = {
                             "kind": "point", "target": target_name, "target_family": target.family,
-                            "draft": draft_name, "draft_family": draft.family if draft_name != "ngram" else "ngram",
+                            "draft": draft_name, "draft_family": draft if isinstance(draft, str) else draft.family,
                             "k": k, "batch": batch, "recurrent_verify": verify if target.family != "transformer" else None,
                             "prompts": len(plain_tokens), "prompt_tokens": a.prompt_tokens, "new_tokens": a.new_tokens,
                             "plain_s": plain_s, "spec_s": spec_s, "plain_tok_s": n_tokens / plain_s, "spec_tok_s": n_tokens / spec_s,
@@ -162,6 +165,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--drafts", default=",".join(DRAFTS), help="comma list of draft presets (prompt lookup is always measured)")
     p.add_argument("--train-seconds", type=float, default=120.0, help="training seconds of each target")
     p.add_argument("--draft-seconds", type=float, default=25.0, help="training seconds of each draft")
+    p.add_argument("--heads-seconds", type=float, default=20.0, help="training seconds of the transformer target's draft heads (0: none)")
     p.add_argument("--tokens", type=int, help="training tokens of every model instead of the seconds (no throughput probe)")
     p.add_argument("--tokenizer", default="bpe:8192", help='"byte", "bpe:<vocab>" or a folder with tokenizer files')
     p.add_argument("--seq-len", type=int, default=512)
@@ -217,12 +221,26 @@ def run(a) -> list[dict]:
                              "val_loss": last_val["val_loss"], "val_bpb": last_val["val_bpb"], **environment(device)})
         runs[preset] = run_dir
 
+    a.heads_dir = None
+    if a.target and (a.heads_seconds > 0 or a.tokens is not None):
+        a.heads_dir = work / "runs" / f"{a.target}-heads"
+        budget = ["--tokens", str(tokens[a.target])] if a.tokens is not None else ["--seconds", str(a.heads_seconds)]
+        train_heads.train_heads(train_heads.parser().parse_args([
+            "--target", str(runs[a.target]), "--corpus", str(a.corpus), "--out", str(a.heads_dir), *budget, "--k", str(max(a.ks)),
+            "--data", str(work / "data"), "--seq-len", str(a.seq_len), "--batch", str(a.batch_train), "--seed", str(a.seed),
+            "--device", device.type,
+        ]))
+        end = json.loads((a.heads_dir / "heads_train.jsonl").read_text().splitlines()[-1])
+        append_jsonl(a.out, {"kind": "trained", "preset": f"{a.target}-heads", "tokens": end["tokens"], "checkpoint": str(a.heads_dir),
+                             "head_accuracy": end["head_accuracy"], **environment(device)})
     valid = np.fromfile(work / "data" / "valid.bin", dtype=np.int32)
     prompts = held_out_prompts(valid, tokenizer.bos_token_id, a.prompts, a.prompt_tokens)
     load = dict(device=device, dtype=a.dtype, impl=a.impl)
     targets = {n: decoders.load(runs[n], **load) for n in target_names}
     drafts = {n: decoders.load(runs[n], **load) for n in draft_names}
     drafts["ngram"] = "ngram"
+    if a.heads_dir is not None:
+        drafts["heads"] = "heads"
     print(HEADER, flush=True)
     return measure(a, targets, drafts, prompts, device)
 

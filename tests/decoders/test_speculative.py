@@ -14,6 +14,7 @@ import decoders
 from declab_arch.checkpoint import CONFIG_DIR, read_json
 from decoders.sampling import Sampling
 from decoders.transformer import TransformerDecoder
+from declab_arch.draft_heads import DraftHeads
 from decoders.speculative import Draft, ModelDraft, NgramDraft, Proposal, accept_sampling
 
 FAMILIES = ["llama-tiny", "mamba2-tiny", "rwkv7-tiny"]
@@ -248,3 +249,38 @@ def test_compare_spec_option(tmp_path):
     assert 1 <= point["tokens_per_pass"] <= 4
     bad = run("--spec", "draft=maskpredict-tiny,k=3")
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == ["error: --spec: draft 'maskpredict-tiny' is maskpredict, not autoregressive (transformer, mamba2, rwkv7)"]
+
+
+@pytest.fixture(scope="module")
+def heads_folder(tmp_path_factory):
+    heads = DraftHeads(64, 6)
+    torch.manual_seed(0)
+    for block in heads.blocks:
+        torch.nn.init.normal_(block.weight, std=0.5)
+    folder = tmp_path_factory.mktemp("heads")
+    heads.save(folder)
+    return folder
+
+
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_draft_heads_greedy_equals_plain(targets, plain, heads_folder, k):
+    target = targets["llama-tiny"]
+    spec = decoders.speculative(target, f"heads:{heads_folder}", k=k)
+    state = spec.prefill(PROMPTS, max_new_tokens=NEW)
+    while not spec.finished(state):
+        spec.step(state)
+        # The heads keep the hidden state of the last consumed token (the one that chose the pending token).
+        for b, ctx in enumerate(state.contexts):
+            if state.remaining[b] > 0:
+                fresh = target.model.hidden(torch.tensor([ctx[:-1]]))[0, -1]
+                torch.testing.assert_close(state.draft_state.hidden[b], fresh, rtol=1e-4, atol=1e-5)
+    assert spec.output(state, []) == plain["llama-tiny"]
+    spec.release(state)
+
+
+def test_draft_heads_refusals(targets, heads_folder):
+    with pytest.raises(decoders.UsageError, match="transformer"):
+        decoders.speculative(targets["mamba2-tiny"], f"heads:{heads_folder}", k=2)
+    spec = decoders.speculative(targets["llama-tiny"], f"heads:{heads_folder}", k=7)
+    with pytest.raises(decoders.UsageError, match="more than the 6"):
+        spec.generate(PROMPTS, max_new_tokens=4)

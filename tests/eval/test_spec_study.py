@@ -16,12 +16,12 @@ def test_tiny_study_records_every_point(tmp_path, write_corpus, capsys):
                      "--prompts", "2", "--prompt-tokens", "12", "--new-tokens", "10", "--batch", "1,2", "--k", "2", "--impl", "ref",
                      "--device", "cpu"])
     records = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["preset"] for r in records if r["kind"] == "trained"] == ["llama-tiny", "mamba2-tiny", "rwkv7-tiny"]
+    assert [r["preset"] for r in records if r["kind"] == "trained"] == ["llama-tiny", "mamba2-tiny", "rwkv7-tiny", "llama-tiny-heads"]
     points = [r for r in records if r["kind"] == "point"]
-    # llama: 2 drafts x 2 batches; mamba2: 2 drafts x 2 rollbacks x 2 batches.
-    assert len(points) == 4 + 8
+    # llama: 3 drafts (model, prompt lookup, heads) x 2 batches; mamba2: 2 drafts x 2 rollbacks x 2 batches.
+    assert len(points) == 6 + 8
     assert {(p["target"], p["draft"], p["recurrent_verify"]) for p in points if p["batch"] == 2} == {
-        ("llama-tiny", "rwkv7-tiny", None), ("llama-tiny", "ngram", None),
+        ("llama-tiny", "rwkv7-tiny", None), ("llama-tiny", "ngram", None), ("llama-tiny", "heads", None),
         ("mamba2-tiny", "rwkv7-tiny", "chunk"), ("mamba2-tiny", "rwkv7-tiny", "steps"),
         ("mamba2-tiny", "ngram", "chunk"), ("mamba2-tiny", "ngram", "steps")}
     for p in points:
