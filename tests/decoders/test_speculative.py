@@ -284,3 +284,24 @@ def test_draft_heads_refusals(targets, heads_folder):
     spec = decoders.speculative(targets["llama-tiny"], f"heads:{heads_folder}", k=7)
     with pytest.raises(decoders.UsageError, match="more than the 6"):
         spec.generate(PROMPTS, max_new_tokens=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("draft", FAMILIES + ["ngram"])
+@pytest.mark.parametrize("target", FAMILIES)
+def test_gpu_triton_greedy_equals_plain(target, draft):
+    """On the Triton kernels (float32): the verify forward (chunked prefill / scan) against plain decode steps."""
+    t = decoders.load(target, device="cuda", dtype="float32", impl="triton")
+    d = draft if draft == "ngram" else decoders.load(draft, device="cuda", dtype="float32", impl="triton", seed=1)
+    want = t.generate(PROMPTS, max_new_tokens=NEW).tokens
+    for verify in ("chunk", "steps") if target != "llama-tiny" else ("chunk",):
+        assert decoders.speculative(t, d, k=4, recurrent_verify=verify).generate(PROMPTS, max_new_tokens=NEW).tokens == want
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_sampling_and_heads_run(heads_folder):
+    t = decoders.load("llama-tiny", device="cuda", impl="triton")
+    for draft in (decoders.load("rwkv7-tiny", device="cuda", impl="triton"), f"heads:{heads_folder}"):
+        gen = decoders.speculative(t, draft, k=4).generate(PROMPTS, max_new_tokens=NEW, sampling=Sampling(temperature=1.0, seed=1))
+        assert [len(x) for x in gen.tokens] == [NEW] * len(PROMPTS)
+        assert all(0 <= tok < t.vocab_size for seq in gen.tokens for tok in seq)
