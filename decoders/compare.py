@@ -135,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block", type=int, default=None, help="Mask-Predict: semi-autoregressive block length")
     p.add_argument("--peers", default=None, help="comma list of peers run on the same points: hf, mamba_ssm, fla")
     p.add_argument("--peers-only", action="store_true", help="run only the peers' points (the lab's own rows come from another sweep)")
-    p.add_argument("--spec", default=None, help="speculative decoding of every autoregressive model: draft=PRESET_OR_FOLDER|ngram|heads:FOLDER,k=4[,verify=chunk|steps]")
+    p.add_argument("--spec", default=None, help="speculative decoding of every autoregressive model: draft=PRESET_OR_FOLDER|ngram|heads:FOLDER,k=4[,verify=chunk|steps][,graphs=1]")
     p.add_argument("--out", default="results/compare.jsonl", help="JSON lines file, appended point by point")
     p.add_argument("--plot", default=None, help="PNG: decode tokens/s against context, one line per model and peer")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from decoders.base import AutoregressiveDecoder, Decoder, Memory, StepOut, UsageError
+from decoders.base import AutoregressiveDecoder, Decoder, Memory, StepOut, UsageError, record_graph
 from decoders.sampling import GREEDY, Sampling, filtered_probs, sample
 
 MAX_K = 16
@@ -46,6 +46,31 @@ FAMILIES = ("transformer",) + RECURRENT
 def race(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """One categorical draw per row of probs [..., V] (the exponential race of `decoders.sampling`)."""
     return (probs / torch.empty_like(probs).exponential_(generator=generator)).argmax(-1)
+
+
+class Replay:
+    """`fn(*inputs)` (tensors in, tensors out, no host synchronisation) run eagerly on its first call,
+    which compiles and tunes every kernel; recorded into a CUDA graph on the second, its inputs then
+    copied into static buffers; replayed from then on. The outputs are the graph's static tensors,
+    valid until the next call. Without `enabled` every call is eager."""
+
+    def __init__(self, fn, device, generator=None, *, enabled: bool):
+        self.fn, self.device, self.generator, self.enabled = fn, device, generator, enabled
+        self.calls, self.graph, self.inputs, self.outputs = 0, None, None, None
+
+    def __call__(self, *inputs):
+        self.calls += 1
+        if not self.enabled or self.calls == 1:
+            return self.fn(*inputs)
+        if self.graph is None:
+            self.inputs = [x.clone() for x in inputs]
+            # Recording runs nothing: the replay below is this call's work.
+            self.graph, self.outputs = record_graph(self.device, self.generator, lambda: self.fn(*self.inputs))
+        else:
+            for static, x in zip(self.inputs, inputs):
+                static.copy_(x)
+        self.graph.replay()
+        return self.outputs
 
 
 def accept_greedy(target_logits: torch.Tensor, drafted: torch.Tensor, impl: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,6 +162,7 @@ class ModelDraftState:
     cache: object
     positions: list[int]  # tokens each sequence's cache holds
     saved: list = field(default_factory=list)  # recurrent: state before the proposal and after each draft step
+    replay: Replay | None = None  # the k+1 draft steps, graph-captured with cuda_graphs
 
 
 class ModelDraft(Draft):
@@ -146,6 +172,7 @@ class ModelDraft(Draft):
 
     def __init__(self, decoder: AutoregressiveDecoder):
         self.decoder = decoder
+        self.cuda_graphs = False  # set by the SpeculativeDecoder
 
     def describe(self) -> dict:
         return {"kind": self.name, **self.decoder.describe()}
@@ -156,16 +183,25 @@ class ModelDraft(Draft):
         return ModelDraftState(cache, [len(p) for p in prompts])
 
     def propose(self, state, pending, positions, contexts, k, sampling, generator):
+        if state.replay is None:
+            state.replay = Replay(lambda token, pos: self.draft_steps(state.cache, token, pos, k, sampling, generator),
+                                  self.decoder.device, generator, enabled=self.cuda_graphs)
+        tokens, probs, saved = state.replay(pending, torch.tensor(state.positions, device=self.decoder.device))
+        state.saved = saved
+        return Proposal(tokens, probs)
+
+    def draft_steps(self, cache, token, pos, k, sampling, generator):
+        """k+1 decode steps from token [B] at pos [B]: (drafted [B, k], their distributions [B, k, V] or
+        None when greedy, the recurrent states before the first step and after each but the last)."""
         dec = self.decoder
         recurrent = dec.family in RECURRENT
-        state.saved = [snapshot(state.cache)] if recurrent else []
-        pos = torch.tensor(state.positions, device=dec.device)
-        token, drafted, probs = pending, [], []
+        saved = [snapshot(cache)] if recurrent else []
+        drafted, probs = [], []
         for j in range(k + 1):
-            logits = dec.decode_forward(state.cache, token, pos + j)
+            logits = dec.decode_forward(cache, token, pos + j)
             if recurrent:
                 # After the last step the live cache is that state: nothing to copy.
-                state.saved.append(snapshot(state.cache) if j < k else None)
+                saved.append(snapshot(cache) if j < k else None)
             if j == k:
                 break
             if sampling.greedy:
@@ -175,7 +211,7 @@ class ModelDraft(Draft):
                 token = race(q, generator)
                 probs.append(q)
             drafted.append(token)
-        return Proposal(torch.stack(drafted, 1), torch.stack(probs, 1) if probs else None)
+        return torch.stack(drafted, 1), torch.stack(probs, 1) if probs else None, saved
 
     def rollback(self, state, keep):
         if self.decoder.family in RECURRENT:
@@ -300,6 +336,7 @@ class SpecState:
     rounds: int = 0  # verifications that had at least one sequence still generating
     verified: int = 0  # (sequence, verification) pairs of sequences still generating
     committed_total: int = 0  # tokens those verifications committed
+    replay: Replay | None = None  # the target's verify forward, graph-captured with cuda_graphs
     accepted_at: list[int] = field(default_factory=list)  # [k] how often draft position j+1 was accepted
     offered_at: list[int] = field(default_factory=list)  # [k] ... of how many verifications it could be committed in
 
@@ -309,7 +346,7 @@ class SpeculativeDecoder(Decoder):
 
     family = "speculative"
 
-    def __init__(self, target: AutoregressiveDecoder, draft, k: int = 4, *, recurrent_verify: str = "chunk"):
+    def __init__(self, target: AutoregressiveDecoder, draft, k: int = 4, *, recurrent_verify: str = "chunk", cuda_graphs: bool = False):
         if not isinstance(target, AutoregressiveDecoder) or target.family not in FAMILIES:
             raise UsageError(f"speculative decoding needs an autoregressive target ({', '.join(FAMILIES)}), got {getattr(target, 'family', target)!r}")
         if not 1 <= k <= MAX_K:
@@ -325,14 +362,20 @@ class SpeculativeDecoder(Decoder):
                 raise UsageError(f"draft {d.source} has vocab_size {d.vocab_size}, the target {target.source} {target.vocab_size}: they must match")
             if d.device != target.device:
                 raise UsageError(f"draft on {d.device}, target on {target.device}: put them on one device")
+        if cuda_graphs and target.device.type != "cuda":
+            raise UsageError(f"cuda_graphs needs a CUDA device, the target is on {target.device}")
         self.target, self.k, self.recurrent_verify = target, k, recurrent_verify
+        if isinstance(self.draft, ModelDraft):
+            self.draft.cuda_graphs = cuda_graphs
         self.model, self.config, self.device, self.dtype = target.model, target.config, target.device, target.dtype
         self.impl, self.tokenizer, self.max_context = target.impl, target.tokenizer, target.max_context
         self.source = f"{target.source}+spec({self.draft.describe().get('model', self.draft.name)},k={k})"
-        self.cuda_graphs = False
+        # Graph-captured: a model draft's k+1 steps, the transformer's verify forward and the
+        # recurrent "steps" verification (the "chunk" one groups rows on the host and stays eager).
+        self.cuda_graphs = cuda_graphs
 
     def describe(self) -> dict:
-        return {**self.target.describe(), "family": self.target.family, "model": self.source, "cuda_graphs": False,
+        return {**self.target.describe(), "family": self.target.family, "model": self.source, "cuda_graphs": self.cuda_graphs,
                 "speculative": {"k": self.k, "recurrent_verify": self.recurrent_verify, "draft": self.draft.describe()}}
 
     @property
@@ -393,7 +436,7 @@ class SpeculativeDecoder(Decoder):
         k, T = self.k, self.k + 1
         proposal = self.draft.propose(state.draft_state, state.pending, state.positions, state.contexts, k, state.sampling, state.generator)
         fed = torch.cat([state.pending.unsqueeze(1), proposal.tokens], dim=1)  # [B, T]
-        logits, saved, hidden = self.verify(state.cache, fed, state.positions)  # [B, T, V]
+        logits, saved, hidden = self.verify(state, fed)  # [B, T, V]
         if state.sampling.greedy:
             accepted, nxt = accept_greedy(logits, proposal.tokens, self.impl)
         else:
@@ -431,23 +474,27 @@ class SpeculativeDecoder(Decoder):
         committed = torch.tensor([len(g) for g in gained], dtype=torch.int32, device=self.device)
         return StepOut(tokens=tokens, committed=committed, logits=logits[:, -1])
 
-    def verify(self, cache, fed: torch.Tensor, positions: list[int]):
-        """Target logits [B, T, V] of the fed tokens [B, T] at positions[b].., consumed into the cache;
-        what rollback needs (recurrent: the checkpoint, or the state after each position); and, for
-        draft heads, the transformer's hidden states [B, T, d]."""
-        t = self.target
+    def verify(self, state: SpecState, fed: torch.Tensor):
+        """Target logits [B, T, V] of the fed tokens [B, T] at state.positions[b].., consumed into the
+        cache; what rollback needs (recurrent: the checkpoint, or the state after each position); and,
+        for draft heads, the transformer's hidden states [B, T, d]."""
+        t, cache, positions = self.target, state.cache, state.positions
+        start = torch.tensor(positions, device=t.device)
         if t.family == "transformer":
-            if getattr(self.draft, "wants_hidden", False):
-                logits, hidden = verify_transformer(t, cache, fed, positions, return_hidden=True)
-                return logits, None, hidden
-            return verify_transformer(t, cache, fed, positions), None, None
+            wants_hidden = getattr(self.draft, "wants_hidden", False)
+            # Host side: claim the slots (new blocks as needed); the forward reads them as tensors.
+            slots = torch.cat([cache.kv.append(s, fed.shape[1]) for s in cache.seqs]).to(t.device)
+            tables = cache.kv.block_table(cache.seqs, width=cache.block_tables.shape[1])
+            if state.replay is None:
+                state.replay = Replay(lambda *x: verify_transformer(t, cache, *x, return_hidden=wants_hidden), t.device,
+                                      enabled=self.cuda_graphs)
+            out = state.replay(fed, start, slots, tables)
+            return (out[0], None, out[1]) if wants_hidden else (out, None, None)
         if self.recurrent_verify == "steps":
-            pos = torch.tensor(positions, device=t.device)
-            saved, logits = [snapshot(cache)], []
-            for j in range(fed.shape[1]):
-                logits.append(t.decode_forward(cache, fed[:, j], pos + j))
-                saved.append(snapshot(cache) if j < fed.shape[1] - 1 else None)
-            return torch.stack(logits, 1), saved, None
+            if state.replay is None:
+                state.replay = Replay(lambda fed, start: verify_steps(t, cache, fed, start), t.device, enabled=self.cuda_graphs)
+            logits, saved = state.replay(fed, start)
+            return logits, saved, None
         saved = snapshot(cache)
         return chunk_forward(t, cache, fed, positions, [fed.shape[1]] * fed.shape[0], all_positions=True), saved, None
 
@@ -495,22 +542,29 @@ def restore_subset(cache, saved: list[torch.Tensor], rows: list[int]) -> None:
         t.index_copy_(dim, index, s.index_select(dim, index))
 
 
-def verify_transformer(dec, cache, fed: torch.Tensor, positions: list[int], *, return_hidden: bool = False):
-    """The fed tokens [B, T] through the chunked-prefill path: K/V written into newly claimed slots of
-    the paged cache, each query attending over its sequence's prefix and the fed tokens before it.
-    Logits [B, T, V] (and with return_hidden the hidden states [B, T, d])."""
+def verify_steps(dec, cache, fed: torch.Tensor, start: torch.Tensor):
+    """A recurrent target's verification as decode steps: logits [B, T, V] and the states before the
+    first and after each step but the last (the live cache is the state after it)."""
+    saved, logits = [snapshot(cache)], []
+    for j in range(fed.shape[1]):
+        logits.append(dec.decode_forward(cache, fed[:, j], start + j))
+        saved.append(snapshot(cache) if j < fed.shape[1] - 1 else None)
+    return torch.stack(logits, 1), saved
+
+
+def verify_transformer(dec, cache, fed: torch.Tensor, start: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor, *,
+                       return_hidden: bool = False):
+    """The fed tokens [B, T] at positions start [B].. through the chunked-prefill path: K/V written into
+    the claimed slots [B * T] (block tables [B, W]), each query attending over its sequence's prefix
+    and the fed tokens before it. Logits [B, T, V] (and with return_hidden the hidden states [B, T, d])."""
     from declab_arch import llama
 
     B, T = fed.shape
     kv, dev = cache.kv, dec.device
-    slots = torch.cat([kv.append(s, T) for s in cache.seqs]).to(dev)
-    # Claiming slots may have taken new blocks: the table is rebuilt at its fixed width.
-    cache.block_tables = kv.block_table(cache.seqs, width=cache.block_tables.shape[1])
-    start = torch.tensor(positions, device=dev)
     batch = llama.PagedBatch(
         k_cache=kv.k,
         v_cache=kv.v,
-        block_tables=cache.block_tables,
+        block_tables=tables,
         seq_lens=(start + T).to(torch.int32),
         slot_mapping=slots,
         decode=False,
@@ -557,17 +611,19 @@ def chunk_forward(dec, cache, tokens: torch.Tensor, positions: list[int], length
 
 def speculative(target: AutoregressiveDecoder, draft, k: int = 4, **options) -> SpeculativeDecoder:
     """`target` decoding speculatively with `draft` (an autoregressive Decoder with the same vocabulary,
-    'ngram', 'heads:FOLDER' for trained draft heads, or a `Draft`) proposing k tokens per step. options: recurrent_verify="chunk" | "steps"."""
+    'ngram', 'heads:FOLDER' for trained draft heads, or a `Draft`) proposing k tokens per step. options: recurrent_verify="chunk" | "steps",
+    cuda_graphs=True (on a GPU: the draft steps and the verify forward graph-captured)."""
     return SpeculativeDecoder(target, draft, k, **options)
 
 
 @dataclass
 class SpecOption:
-    """A command line's `--spec draft=PRESET_OR_FOLDER|ngram|heads:FOLDER,k=4[,verify=chunk|steps]`, parsed."""
+    """A command line's `--spec draft=PRESET_OR_FOLDER|ngram|heads:FOLDER,k=4[,verify=chunk|steps][,graphs=0|1]`, parsed."""
 
     draft: str
     k: int = 4
     recurrent_verify: str = "chunk"
+    cuda_graphs: bool = False
     loaded: dict = field(default_factory=dict, repr=False)
 
     def wrap(self, target: AutoregressiveDecoder) -> SpeculativeDecoder:
@@ -579,17 +635,18 @@ class SpecOption:
 
                 self.loaded[draft] = decoders.load(draft, device=target.device, dtype=target.dtype, impl=target.impl)
             draft = self.loaded[draft]
-        return speculative(target, draft, self.k, recurrent_verify=self.recurrent_verify)
+        return speculative(target, draft, self.k, recurrent_verify=self.recurrent_verify, cuda_graphs=self.cuda_graphs)
 
 
 def parse_spec(text: str, *, targets: list[str] = (), peers: list[str] = ()) -> SpecOption:
-    """'draft=llama-tiny,k=4' (draft a preset, a checkpoint folder, 'ngram' or 'heads:FOLDER'; verify=chunk|steps) -> SpecOption.
+    """'draft=llama-tiny,k=4' (draft a preset, a checkpoint folder, 'ngram' or 'heads:FOLDER'; verify=chunk|steps;
+    graphs=1: CUDA graphs) -> SpecOption.
     `targets` (presets or folders) must be autoregressive; `peers` must be empty (they do not speculate)."""
     fields = {}
     for part in filter(None, text.split(",")):
         key, eq, value = part.partition("=")
-        if not eq or key.strip() not in ("draft", "k", "verify"):
-            raise UsageError(f"--spec {text!r}: expected draft=PRESET_OR_FOLDER|ngram|heads:FOLDER,k=N[,verify=chunk|steps], got {part!r}")
+        if not eq or key.strip() not in ("draft", "k", "verify", "graphs"):
+            raise UsageError(f"--spec {text!r}: expected draft=PRESET_OR_FOLDER|ngram|heads:FOLDER,k=N[,verify=chunk|steps][,graphs=0|1], got {part!r}")
         fields[key.strip()] = value.strip()
     if "draft" not in fields:
         raise UsageError(f"--spec {text!r} names no draft (draft=PRESET_OR_FOLDER or draft=ngram)")
@@ -602,6 +659,9 @@ def parse_spec(text: str, *, targets: list[str] = (), peers: list[str] = ()) -> 
     verify = fields.get("verify", "chunk")
     if verify not in ("chunk", "steps"):
         raise UsageError(f"--spec verify must be chunk or steps, got {verify!r}")
+    graphs = fields.get("graphs", "0")
+    if graphs not in ("0", "1"):
+        raise UsageError(f"--spec graphs must be 0 or 1, got {graphs!r}")
     if peers:
         raise UsageError("--spec times the lab's own speculative decoding: leave out --peers")
     import decoders
@@ -611,4 +671,4 @@ def parse_spec(text: str, *, targets: list[str] = (), peers: list[str] = ()) -> 
         family = decoders.family_of(name)
         if family not in FAMILIES:
             raise UsageError(f"--spec: {role} {name!r} is {family}, not autoregressive ({', '.join(FAMILIES)})")
-    return SpecOption(fields["draft"], k, verify)
+    return SpecOption(fields["draft"], k, verify, graphs == "1")

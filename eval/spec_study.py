@@ -16,6 +16,9 @@ acceptance and wall speedup against plain decoding of the same target, in one pr
    draft position; for a state-space target both rollbacks (checkpoint and recompute, per-position
    states) are measured; the transformer target also with Medusa-style draft heads trained on its
    hidden states for --heads-seconds (`eval.train_heads`, into <work>/runs/<target>-heads).
+   On a GPU every point is measured eager, then again graph-captured (a model draft's k+1 steps
+   and the verify forward in CUDA graphs; a state-space target verifying as decode steps); a
+   graphed point that fails is recorded with its reason, not raised (--no-graphs: eager only).
 
 Every record is a JSON line appended to --out as it finishes (with environment()); the table is
 printed at the end and the last stdout line is one JSON document with every point.
@@ -111,47 +114,63 @@ def spec_run(spec: SpeculativeDecoder, batches: list[list[list[int]]], new_token
 
 
 def measure(a, targets: dict, drafts: dict, prompts: list[list[int]], device) -> list[dict]:
-    records = []
+    """Every point eager first, then (on a GPU) graph-captured, so that a capture that fails costs
+    only the graphed points; a graphed point that raises is recorded with its reason."""
+    records, plain = [], {}
     env = environment(device)
-    for target_name, target in targets.items():
-        verifies = ["chunk", "steps"] if target.family in ("mamba2", "rwkv7") else ["chunk"]
-        for batch in a.batches:
-            batches = [prompts[i : i + batch] for i in range(0, len(prompts) - batch + 1, batch)]
-            if not batches:
-                raise decoders.UsageError(f"--prompts {len(prompts)} is fewer than --batch {batch}")
-            plain_run(target, batches[:1], a.new_tokens)
-            plain_tokens, plain_s = plain_run(target, batches, a.new_tokens)
-            n_tokens = len(plain_tokens) * a.new_tokens
-            for draft_name, draft in drafts.items():
-                if draft == "heads" and target.family != "transformer":
-                    continue
-                for k in a.ks:
-                    for verify in verifies:
-                        spec = decoders.speculative(target, f"heads:{a.heads_dir}" if draft == "heads" else draft, k=k, recurrent_verify=verify)
-                        spec_run(spec, batches[:1], a.new_tokens)
-                        tokens, spec_s, stats = spec_run(spec, batches, a.new_tokens)
-                        record = {
-                            "kind": "point", "target": target_name, "target_family": target.family,
-                            "draft": draft_name, "draft_family": draft if isinstance(draft, str) else draft.family,
-                            "k": k, "batch": batch, "recurrent_verify": verify if target.family != "transformer" else None,
-                            "prompts": len(plain_tokens), "prompt_tokens": a.prompt_tokens, "new_tokens": a.new_tokens,
-                            "plain_s": plain_s, "spec_s": spec_s, "plain_tok_s": n_tokens / plain_s, "spec_tok_s": n_tokens / spec_s,
-                            "speedup": plain_s / spec_s,
-                            "identical": sum(x == y for x, y in zip(tokens, plain_tokens)) / len(plain_tokens),
-                            **stats, "describe": spec.describe(), **env,
-                        }
-                        append_jsonl(a.out, record)
-                        records.append(record)
-                        print(format_row(record), flush=True)
+    for graphs in [False, True] if device.type == "cuda" and a.graphs else [False]:
+        for target_name, target in targets.items():
+            verifies = ["chunk", "steps"] if target.family in ("mamba2", "rwkv7") else ["chunk"]
+            for batch in a.batches:
+                batches = [prompts[i : i + batch] for i in range(0, len(prompts) - batch + 1, batch)]
+                if not batches:
+                    raise decoders.UsageError(f"--prompts {len(prompts)} is fewer than --batch {batch}")
+                if (target_name, batch) not in plain:
+                    plain_run(target, batches[:1], a.new_tokens)
+                    plain[target_name, batch] = plain_run(target, batches, a.new_tokens)
+                plain_tokens, plain_s = plain[target_name, batch]
+                n_tokens = len(plain_tokens) * a.new_tokens
+                for draft_name, draft in drafts.items():
+                    if draft == "heads" and target.family != "transformer":
+                        continue
+                    for k in a.ks:
+                        # Graphs capture the recurrent verification only as decode steps.
+                        for verify in verifies if not (graphs and target.family != "transformer") else ["steps"]:
+                            record = {
+                                "kind": "point", "target": target_name, "target_family": target.family,
+                                "draft": draft_name, "draft_family": draft if isinstance(draft, str) else draft.family,
+                                "k": k, "batch": batch, "recurrent_verify": verify if target.family != "transformer" else None,
+                                "cuda_graphs": graphs, "prompts": len(plain_tokens), "prompt_tokens": a.prompt_tokens,
+                                "new_tokens": a.new_tokens, "plain_s": plain_s, "plain_tok_s": n_tokens / plain_s,
+                            }
+                            spec = decoders.speculative(target, f"heads:{a.heads_dir}" if draft == "heads" else draft, k=k,
+                                                        recurrent_verify=verify, cuda_graphs=graphs)
+                            try:
+                                spec_run(spec, batches[:1], a.new_tokens)
+                                tokens, spec_s, stats = spec_run(spec, batches, a.new_tokens)
+                            except RuntimeError as e:
+                                if not graphs:
+                                    raise
+                                record.update(status="error", reason=str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__,
+                                              describe=spec.describe(), **env)
+                                append_jsonl(a.out, record)
+                                print(f"{target_name} {draft_name} k={k} batch={batch} graphs: error: {record['reason']}", flush=True)
+                                continue
+                            record.update(status="ok", spec_s=spec_s, spec_tok_s=n_tokens / spec_s, speedup=plain_s / spec_s,
+                                          identical=sum(x == y for x, y in zip(tokens, plain_tokens)) / len(plain_tokens),
+                                          **stats, describe=spec.describe(), **env)
+                            append_jsonl(a.out, record)
+                            records.append(record)
+                            print(format_row(record), flush=True)
     return records
 
 
-HEADER = f"{'target':>12} {'draft':>10} {'verify':>6} {'k':>2} {'batch':>5} {'accepted':>8} {'by position':>24} {'identical':>9} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>7}"
+HEADER = f"{'target':>12} {'draft':>10} {'verify':>6} {'graphs':>6} {'k':>2} {'batch':>5} {'accepted':>8} {'by position':>24} {'identical':>9} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>7}"
 
 
 def format_row(r: dict) -> str:
     by_position = " ".join(f"{x:.2f}" for x in r["acceptance_by_position"])
-    return (f"{r['target']:>12} {r['draft']:>10} {r['recurrent_verify'] or '-':>6} {r['k']:>2} {r['batch']:>5} {r['mean_accepted_length']:>8.2f} "
+    return (f"{r['target']:>12} {r['draft']:>10} {r['recurrent_verify'] or '-':>6} {'yes' if r['cuda_graphs'] else 'no':>6} {r['k']:>2} {r['batch']:>5} {r['mean_accepted_length']:>8.2f} "
             f"{by_position:>24} {r['identical']:>9.2f} {r['plain_tok_s']:>11.1f} {r['spec_tok_s']:>10.1f} {r['speedup']:>6.2f}x")
 
 
@@ -176,6 +195,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", type=int, default=8, help="held-out prompts (run in batches of each --batch)")
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--no-graphs", dest="graphs", action="store_false", help="on a GPU, measure only the eager speculative step "
+                   "(by default every point is measured eager, then with the draft steps and verify forward graph-captured)")
     p.add_argument("--dtype", default=None, help="decoding dtype (default: bf16 on a GPU, fp32 on a CPU)")
     p.add_argument("--impl", default="auto", choices=["auto", "triton", "ref"])
     p.add_argument("--device", default=None)

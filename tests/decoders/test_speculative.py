@@ -189,6 +189,8 @@ def test_usage_errors(targets):
         decoders.speculative(load("maskpredict-tiny"), "ngram", k=2)
     with pytest.raises(decoders.UsageError, match="draft"):
         decoders.speculative(targets["llama-tiny"], "medusa", k=2)
+    with pytest.raises(decoders.UsageError, match="CUDA"):
+        decoders.speculative(targets["llama-tiny"], "ngram", k=2, cuda_graphs=True)
 
 
 class SecondWrong(ModelDraft):
@@ -290,18 +292,22 @@ def test_draft_heads_refusals(targets, heads_folder):
 @pytest.mark.parametrize("draft", FAMILIES + ["ngram"])
 @pytest.mark.parametrize("target", FAMILIES)
 def test_gpu_triton_greedy_equals_plain(target, draft):
-    """On the Triton kernels (float32): the verify forward (chunked prefill / scan) against plain decode steps."""
+    """On the Triton kernels (float32): the verify forward (chunked prefill / scan) against plain
+    decode steps, eager and with the draft steps and verify forward graph-captured."""
     t = decoders.load(target, device="cuda", dtype="float32", impl="triton")
     d = draft if draft == "ngram" else decoders.load(draft, device="cuda", dtype="float32", impl="triton", seed=1)
     want = t.generate(PROMPTS, max_new_tokens=NEW).tokens
     for verify in ("chunk", "steps") if target != "llama-tiny" else ("chunk",):
-        assert decoders.speculative(t, d, k=4, recurrent_verify=verify).generate(PROMPTS, max_new_tokens=NEW).tokens == want
+        for graphs in (False, True):
+            spec = decoders.speculative(t, d, k=4, recurrent_verify=verify, cuda_graphs=graphs)
+            assert spec.generate(PROMPTS, max_new_tokens=NEW).tokens == want, (verify, graphs)
 
 
 @pytest.mark.gpu
 def test_gpu_bf16_sampling_and_heads_run(heads_folder):
     t = decoders.load("llama-tiny", device="cuda", impl="triton")
     for draft in (decoders.load("rwkv7-tiny", device="cuda", impl="triton"), f"heads:{heads_folder}"):
-        gen = decoders.speculative(t, draft, k=4).generate(PROMPTS, max_new_tokens=NEW, sampling=Sampling(temperature=1.0, seed=1))
+        spec = decoders.speculative(t, draft, k=4, cuda_graphs=True)
+        gen = spec.generate(PROMPTS, max_new_tokens=NEW, sampling=Sampling(temperature=1.0, seed=1))
         assert [len(x) for x in gen.tokens] == [NEW] * len(PROMPTS)
         assert all(0 <= tok < t.vocab_size for seq in gen.tokens for tok in seq)
