@@ -26,8 +26,9 @@ Any of transformer / Mamba-2 / RWKV-7 drafts for any of them. One `step`, for ev
    (recurrent_verify="chunk") or verifies with k+1 decode steps keeping the state after each
    ("steps"); a recurrent draft keeps the state after each of its steps.
 
-The step is eager (one host synchronisation per step, to learn how many tokens each sequence
-kept); CUDA graphs are off for the wrapper whatever the families use on their own.
+Each step synchronises with the host once, to learn how many tokens each sequence kept. The eager
+step is the reference; with cuda_graphs=True (GPU) a model draft's k+1 steps, the transformer's
+verify forward and the recurrent "steps" verification are captured on the second step and replayed.
 """
 
 from abc import ABC, abstractmethod
@@ -291,8 +292,6 @@ class HeadsDraft(Draft):
         return HeadsDraftState()
 
     def propose(self, state, pending, positions, contexts, k, sampling, generator):
-        if k > self.heads.k:
-            raise UsageError(f"k = {k} is more than the {self.heads.k} trained draft heads")
         if state.hidden is None:
             return Proposal(pending.unsqueeze(1).expand(-1, k).contiguous(), None)
         logits = self.heads(state.hidden, self.target.model.head)[:k]  # [k, B, V]
@@ -362,6 +361,8 @@ class SpeculativeDecoder(Decoder):
                 raise UsageError(f"draft {d.source} has vocab_size {d.vocab_size}, the target {target.source} {target.vocab_size}: they must match")
             if d.device != target.device:
                 raise UsageError(f"draft on {d.device}, target on {target.device}: put them on one device")
+        if isinstance(self.draft, HeadsDraft) and k > self.draft.heads.k:
+            raise UsageError(f"k = {k} is more than the {self.draft.heads.k} trained draft heads")
         if cuda_graphs and target.device.type != "cuda":
             raise UsageError(f"cuda_graphs needs a CUDA device, the target is on {target.device}")
         self.target, self.k, self.recurrent_verify = target, k, recurrent_verify
