@@ -447,7 +447,9 @@ class SpeculativeDecoder(Decoder):
             accepted, nxt = accept_sampling(p, q, proposal.tokens, state.generator)
         if hidden is not None:
             self.draft.observe(state.draft_state, hidden, accepted)
-        accepted_host, nxt_host, drafted_host = accepted.tolist(), nxt.tolist(), proposal.tokens.tolist()
+        # One copy to the host: [B, 2 + k] of accepted count, next token, drafts.
+        host = torch.cat([accepted.unsqueeze(1), nxt.unsqueeze(1), proposal.tokens], dim=1).tolist()
+        accepted_host, nxt_host, drafted_host = [h[0] for h in host], [h[1] for h in host], [h[2:] for h in host]
         keep, gained = [], []
         for b, n in enumerate(accepted_host):
             left = state.remaining[b]

@@ -310,3 +310,35 @@ def test_gpu_bf16_sampling_and_heads_run(heads_folder):
         gen = spec.generate(PROMPTS, max_new_tokens=NEW, sampling=Sampling(temperature=1.0, seed=1))
         assert [len(x) for x in gen.tokens] == [NEW] * len(PROMPTS)
         assert all(0 <= tok < t.vocab_size for seq in gen.tokens for tok in seq)
+
+
+def tiny_vocab(name, vocab, seed):
+    family = decoders.family_of(name)
+    values = {**read_json(CONFIG_DIR / f"{name}.json"), "vocab_size": vocab, "bos_token_id": 0, "eos_token_id": 1}
+    if family == "mamba2":
+        # The reference scan pads every row to a whole chunk: short chunks keep thousands of rows cheap.
+        values["chunk_size"] = 4
+    return decoders.family_class(family).from_preset(values, f"{name}-v{vocab}", seed=seed, device="cpu", dtype=torch.float32, impl="ref")
+
+
+@pytest.mark.parametrize("target_name, draft_name", [("llama-tiny", "mamba2-tiny"), ("mamba2-tiny", "llama-tiny")])
+def test_sampled_continuations_follow_the_target(target_name, draft_name):
+    """2500 sampled 3-token continuations (k = 2, so the first step verifies both later tokens) against
+    the target's exact joint distribution over all 4^3 continuations, chi-square at FALSE_ALARM."""
+    V, n, prompt = 4, 2500, [1, 2, 3]
+    target, draft = tiny_vocab(target_name, V, 0), tiny_vocab(draft_name, V, 1)
+    sampling = Sampling(temperature=1.0, seed=5)
+    gen = decoders.speculative(target, draft, k=2).generate([prompt] * n, max_new_tokens=3, sampling=sampling)
+    seqs = torch.tensor(gen.tokens)
+    counts = torch.bincount(seqs[:, 0] * V * V + seqs[:, 1] * V + seqs[:, 2], minlength=V**3).double()
+    grid = torch.cartesian_prod(*[torch.arange(V)] * 3)  # [V^3, 3] every continuation
+    with torch.no_grad():
+        probs = torch.softmax(target.logits(torch.cat([torch.tensor(prompt).expand(len(grid), -1), grid], 1)).double(), -1)
+    L = len(prompt)
+    exact = probs[:, L - 1].gather(1, grid[:, :1]) * probs[:, L].gather(1, grid[:, 1:2]) * probs[:, L + 1].gather(1, grid[:, 2:])
+    exact = exact.squeeze(1)
+    # Cells expected fewer than 5 times are pooled into one, as the chi-square approximation needs.
+    small = exact * n < 5
+    pooled_counts = torch.cat([counts[~small], counts[small].sum().view(1)])
+    pooled_exact = torch.cat([exact[~small], exact[small].sum().view(1)])
+    assert chi_square_ok(pooled_counts, pooled_exact)
