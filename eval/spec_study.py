@@ -52,15 +52,22 @@ def parse_list(text: str, name: str, cast=str) -> list:
     return values
 
 
-def budgets(a, presets: dict[str, float], tokenizer, device) -> dict[str, int]:
-    """Training tokens per preset (whole steps): --tokens, or its seconds times its measured training tokens/s."""
+def budgets(a, presets: dict[str, float], tokenizer, device, work: Path) -> dict[str, int]:
+    """Training tokens per preset (whole steps): --tokens, or its seconds times its measured training
+    tokens/s. Probed budgets are kept in <work>/budgets.json, so that a rerun resumes the same runs."""
     step = a.batch_train * a.seq_len
     if a.tokens is not None:
         return {p: max(1, a.tokens // step) * step for p in presets}
-    rates = {p: train.throughput(p, tokenizer, batch=a.batch_train, seq_len=a.seq_len, device=device, seed=a.seed) for p in presets}
-    tokens = {p: max(1, int(seconds * rates[p]) // step) * step for p, seconds in presets.items()}
-    append_jsonl(a.out, {"kind": "throughput", "tokens_per_s": rates, "seconds": presets, "tokens": tokens, **environment(device)})
-    return tokens
+    saved = work / "budgets.json"
+    known = json.loads(saved.read_text()) if saved.exists() else {}
+    missing = {p: seconds for p, seconds in presets.items() if p not in known}
+    if missing:
+        rates = {p: train.throughput(p, tokenizer, batch=a.batch_train, seq_len=a.seq_len, device=device, seed=a.seed) for p in missing}
+        probed = {p: max(1, int(seconds * rates[p]) // step) * step for p, seconds in missing.items()}
+        append_jsonl(a.out, {"kind": "throughput", "tokens_per_s": rates, "seconds": missing, "tokens": probed, **environment(device)})
+        known.update(probed)
+        saved.write_text(json.dumps(known, indent=2) + "\n")
+    return {p: known[p] for p in presets}
 
 
 def held_out_prompts(valid: np.ndarray, bos: int, n: int, length: int) -> list[list[int]]:
@@ -178,7 +185,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m eval.spec_study", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--corpus", required=True, help="corpus folder (train-*.txt.gz + valid.txt.gz), file or datasets name")
     p.add_argument("--out", type=Path, default=Path("results/spec.jsonl"), help="JSON lines, appended point by point")
-    p.add_argument("--work", type=Path, help="tokenizer, data and trained runs (default: <out without .jsonl>_runs)")
+    p.add_argument("--work", type=Path, default=Path("runs/spec_study"), help="tokenizer, data and trained runs (reused by a rerun)")
     p.add_argument("--target", default=TARGET, help="transformer target preset")
     p.add_argument("--state-target", default=STATE_TARGET, help="state-space target preset (empty: none)")
     p.add_argument("--drafts", default=",".join(DRAFTS), help="comma list of draft presets (prompt lookup is always measured)")
@@ -221,13 +228,13 @@ def run(a) -> list[dict]:
     if bad := [n for n in draft_names if families[n] not in ("transformer", "mamba2", "rwkv7")]:
         raise decoders.UsageError(f"--drafts {', '.join(bad)}: not autoregressive")
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    work = a.work or a.out.with_name(a.out.stem + "_runs")
+    work = a.work
     work.mkdir(parents=True, exist_ok=True)
     a.out.parent.mkdir(parents=True, exist_ok=True)
 
     tokenizer = train.load_or_make_tokenizer(a.tokenizer, str(a.corpus), work)
     seconds = {**{n: a.train_seconds for n in target_names}, **{n: a.draft_seconds for n in draft_names}}
-    tokens = budgets(a, seconds, tokenizer, device)
+    tokens = budgets(a, seconds, tokenizer, device, work)
     runs = {}
     for preset in seconds:
         run_dir = work / "runs" / preset

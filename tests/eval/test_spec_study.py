@@ -11,7 +11,7 @@ from eval import spec_study
 def test_tiny_study_records_every_point(tmp_path, write_corpus, capsys):
     corpus = write_corpus(tmp_path / "corpus", docs=40)
     out = tmp_path / "spec.jsonl"
-    spec_study.main(["--corpus", str(corpus), "--out", str(out), "--target", "llama-tiny", "--state-target", "mamba2-tiny",
+    spec_study.main(["--corpus", str(corpus), "--out", str(out), "--work", str(tmp_path / "work"), "--target", "llama-tiny", "--state-target", "mamba2-tiny",
                      "--drafts", "rwkv7-tiny", "--tokens", "2048", "--tokenizer", "byte", "--seq-len", "32", "--batch-train", "4",
                      "--prompts", "2", "--prompt-tokens", "12", "--new-tokens", "10", "--batch", "1,2", "--k", "2", "--impl", "ref",
                      "--device", "cpu"])
