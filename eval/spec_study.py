@@ -1,7 +1,7 @@
 """The speculative-decoding study: train a target and smaller drafts on one corpus, then measure
 acceptance and wall speedup against plain decoding of the same target, in one process.
 
-    python -m eval.spec_study --corpus CORPUS --out results/spec.jsonl --train-seconds 100 --draft-seconds 20
+    python -m eval.spec_study --corpus CORPUS --out results/spec.jsonl --train-seconds 90 --draft-seconds 15
 
 1. one tokenizer (--tokenizer, trained once on the corpus, or a folder) and one tokenised data cache
    in --work;
@@ -189,8 +189,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default=TARGET, help="transformer target preset")
     p.add_argument("--state-target", default=STATE_TARGET, help="state-space target preset (empty: none)")
     p.add_argument("--drafts", default=",".join(DRAFTS), help="comma list of draft presets (prompt lookup is always measured)")
-    p.add_argument("--train-seconds", type=float, default=100.0, help="training seconds of each target")
-    p.add_argument("--draft-seconds", type=float, default=20.0, help="training seconds of each draft")
+    p.add_argument("--train-seconds", type=float, default=90.0, help="training seconds of each target")
+    p.add_argument("--draft-seconds", type=float, default=15.0, help="training seconds of each draft")
     p.add_argument("--heads-seconds", type=float, default=15.0, help="training seconds of the transformer target's draft heads (0: none)")
     p.add_argument("--tokens", type=int, help="training tokens of every model instead of the seconds (no throughput probe)")
     p.add_argument("--tokenizer", default="bpe:8192", help='"byte", "bpe:<vocab>" or a folder with tokenizer files')

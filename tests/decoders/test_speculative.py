@@ -308,6 +308,18 @@ def test_gpu_triton_greedy_equals_plain(target, draft):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("target", FAMILIES)
+def test_gpu_bf16_graphs_equal_eager(target):
+    """In bf16 the captured draft steps and verify forward replay exactly what the eager step computes."""
+    t = decoders.load(target, device="cuda", impl="triton")
+    for draft in [decoders.load(d, device="cuda", impl="triton", seed=1) for d in FAMILIES] + ["ngram"]:
+        for verify in ("chunk", "steps") if target != "llama-tiny" else ("chunk",):
+            eager, graphed = (decoders.speculative(t, draft, k=3, recurrent_verify=verify, cuda_graphs=g).generate(PROMPTS, max_new_tokens=NEW).tokens
+                              for g in (False, True))
+            assert graphed == eager, (getattr(draft, "source", draft), verify)
+
+
+@pytest.mark.gpu
 def test_gpu_bf16_sampling_and_heads_run(heads_folder):
     t = decoders.load("llama-tiny", device="cuda", impl="triton")
     for draft in (decoders.load("rwkv7-tiny", device="cuda", impl="triton"), f"heads:{heads_folder}"):
