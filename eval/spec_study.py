@@ -191,7 +191,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--drafts", default=",".join(DRAFTS), help="comma list of draft presets (prompt lookup is always measured)")
     p.add_argument("--train-seconds", type=float, default=90.0, help="training seconds of each target")
     p.add_argument("--draft-seconds", type=float, default=15.0, help="training seconds of each draft")
-    p.add_argument("--heads-seconds", type=float, default=15.0, help="training seconds of the transformer target's draft heads (0: none)")
+    p.add_argument("--heads-seconds", type=float, default=15.0, help="training seconds of the transformer target's draft heads (0: none; with --tokens, that budget)")
     p.add_argument("--tokens", type=int, help="training tokens of every model instead of the seconds (no throughput probe)")
     p.add_argument("--tokenizer", default="bpe:8192", help='"byte", "bpe:<vocab>" or a folder with tokenizer files')
     p.add_argument("--seq-len", type=int, default=512)
@@ -250,7 +250,7 @@ def run(a) -> list[dict]:
         runs[preset] = run_dir
 
     a.heads_dir = None
-    if a.target and (a.heads_seconds > 0 or a.tokens is not None):
+    if a.target and a.heads_seconds > 0:
         a.heads_dir = work / "runs" / f"{a.target}-heads"
         budget = ["--tokens", str(tokens[a.target])] if a.tokens is not None else ["--seconds", str(a.heads_seconds)]
         train_heads.train_heads(train_heads.parser().parse_args([
