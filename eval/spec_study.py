@@ -130,8 +130,6 @@ def measure(a, targets: dict, drafts: dict, prompts: list[list[int]], device) ->
             verifies = ["chunk", "steps"] if target.family in ("mamba2", "rwkv7") else ["chunk"]
             for batch in a.batches:
                 batches = [prompts[i : i + batch] for i in range(0, len(prompts) - batch + 1, batch)]
-                if not batches:
-                    raise decoders.UsageError(f"--prompts {len(prompts)} is fewer than --batch {batch}")
                 if (target_name, batch) not in plain:
                     plain_run(target, batches[:1], a.new_tokens)
                     plain[target_name, batch] = plain_run(target, batches, a.new_tokens)
@@ -218,6 +216,8 @@ def run(a) -> list[dict]:
     for name in ("prompts", "prompt_tokens", "new_tokens"):
         if getattr(a, name) < 1:
             raise decoders.UsageError(f"--{name.replace('_', '-')} must be >= 1")
+    if max(a.batches) > a.prompts:
+        raise decoders.UsageError(f"--prompts {a.prompts} is fewer than --batch {max(a.batches)}")
     draft_names = parse_list(a.drafts, "drafts")
     target_names = [n for n in (a.target, a.state_target) if n]
     families = {n: decoders.family_of(n) for n in target_names + draft_names}

@@ -33,7 +33,7 @@ def test_tiny_study_records_every_point(tmp_path, write_corpus, capsys):
 
 def test_bad_options_exit_2_before_training(tmp_path):
     for args, message in [(["--k", "0"], "--k: every value must be >= 1"), (["--drafts", "maskpredict-tiny"], "not autoregressive"),
-                          (["--target", "mamba2-tiny"], "not a transformer")]:
+                          (["--target", "mamba2-tiny"], "not a transformer"), (["--prompts", "4", "--batch", "1,8"], "fewer than --batch 8")]:
         done = subprocess.run([sys.executable, "-m", "eval.spec_study", "--corpus", str(tmp_path), "--out", str(tmp_path / "o.jsonl"), *args],
                               capture_output=True, text=True, timeout=120)
         assert done.returncode == 2 and message in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
