@@ -308,13 +308,14 @@ class Mamba2LM(nn.Module):
             r = r + out
         return self.head(r)
 
-    def forward_chunk(self, tokens, conv, ssm, rows, impl: str, start: int):
+    def forward_chunk(self, tokens, conv, ssm, rows, impl: str, start: int, *, all_positions: bool = False):
         """Prefill chunk tokens [b, T], at positions start..start+T-1, of the sequences in rows [b] of the
         state buffers.
 
         conv [L, B, conv_dim, W] (the rings of the decode step: the input at position p in slot p % W,
         `ssd.conv_window_slots`) and ssm [L, B, H, P, N] hold each sequence's state before the chunk and
-        receive the state after it. Returns the last position's residual [b, d] (fp32).
+        receive the state after it. Returns the last position's residual [b, d] (fp32), or every
+        position's [b, T, d] with `all_positions` (speculative verification).
         """
         W = conv.shape[-1]
         before = ssd.conv_window_slots(start, W)
@@ -330,7 +331,7 @@ class Mamba2LM(nn.Module):
             conv[i, rows] = ring
             ssm[i, rows] = ssm_final
             r = r + out
-        return r[:, -1]
+        return r if all_positions else r[:, -1]
 
     def step(self, tokens, conv, ssm, impl: str, *, positions, state_ready: bool = False):
         """One token per sequence, tokens [B] at positions [B]; conv and ssm ([L, B, ...]; conv the rings of

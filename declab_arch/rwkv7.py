@@ -368,10 +368,11 @@ class RWKV7(nn.Module):
             x = x + block.ffn(h, shifted(h, zeros))
         return self.head(x)
 
-    def forward_chunk(self, tokens, lengths, shift, wkv, *, impl):
+    def forward_chunk(self, tokens, lengths, shift, wkv, *, impl, all_positions: bool = False):
         """Continue B sequences by a chunk each. tokens `[B, T]` right-padded, lengths (host ints,
         each >= 1) real tokens per row; shift `[L, 2, B, C]` and wkv `[L, B, H, K, V]` are read and
-        updated in place. Returns logits `[B, V]` of each row's last real token."""
+        updated in place. Returns logits `[B, V]` of each row's last real token, or `[B, T, V]` of
+        every position with `all_positions` (speculative verification)."""
         B, T = tokens.shape
         lens = torch.tensor(lengths, device=tokens.device)
         mask = None
@@ -391,6 +392,8 @@ class RWKV7(nn.Module):
             prev = shifted(h, shift[i, 1])
             shift[i, 1].copy_(h.gather(1, last.expand(B, 1, h.shape[-1])).squeeze(1))
             x = x + block.ffn(h, prev)
+        if all_positions:
+            return self.head(x)
         return self.head(x.gather(1, last.expand(B, 1, x.shape[-1])).squeeze(1))
 
     def forward_step(self, tokens, shift, wkv, *, impl):

@@ -17,9 +17,10 @@ import torch
 from declab_arch.checkpoint import CheckpointError, CONFIG_DIR, check_weights_files, preset_names, read_json
 from decoders.base import Decoder, Generation, Memory, StepOut, UsageError
 from decoders.sampling import GREEDY, Sampling
+from decoders.speculative import speculative
 from declab_kernels import resolve_impl
 
-__all__ = ["load", "family_of", "check_model", "parse_device", "check_page_size", "user_errors", "USER_ERRORS", "Decoder", "Generation", "Memory", "StepOut", "Sampling", "GREEDY", "UsageError", "CheckpointError", "FAMILIES"]
+__all__ = ["load", "speculative", "family_of", "check_model", "parse_device", "check_page_size", "user_errors", "USER_ERRORS", "Decoder", "Generation", "Memory", "StepOut", "Sampling", "GREEDY", "UsageError", "CheckpointError", "FAMILIES"]
 
 # family -> class, imported on first use so that a family's optional dependencies stay optional.
 FAMILIES = {

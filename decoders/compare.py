@@ -31,6 +31,7 @@ import time
 import torch
 
 from decoders.base import UsageError
+from decoders.speculative import parse_spec
 
 K = 1024
 
@@ -139,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block", type=int, default=None, help="Mask-Predict: semi-autoregressive block length")
     p.add_argument("--peers", default=None, help="comma list of peers run on the same points: hf, mamba_ssm, fla")
     p.add_argument("--peers-only", action="store_true", help="run only the peers' points (the lab's own rows come from another sweep)")
+    p.add_argument("--spec", default=None, help="speculative decoding of every autoregressive model: draft=PRESET_OR_FOLDER|ngram|heads:FOLDER,k=4[,verify=chunk|steps][,graphs=1]")
     p.add_argument("--out", default="runs/compare.jsonl", help="JSON lines file, appended point by point (default runs/compare.jsonl)")
     p.add_argument("--plot", default=None, help="figure (.png, .pdf, .svg): decode tokens/s against context, one line per model and peer")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -321,6 +323,7 @@ def run(args) -> int:
         resolve_impl(args.impl, device)
     except ValueError as e:
         raise ArgError(f"--impl: {e}") from None
+    spec = parse_spec(args.spec, targets=models, peers=peer_names) if args.spec else None
     sink = JsonlSink(check_output_file(args.out, "--out"))
     if args.plot:
         check_figure_file(args.plot, "--plot")
@@ -368,6 +371,9 @@ def run(args) -> int:
                     gate = harness.check_against_reference(dec, new_tokens=args.new_tokens, seed=args.seed)
                 except RuntimeError as e:
                     gate = {"ok": False, "rel_rms": None, "tolerance": None, "error": first_line(e)}
+                if spec is not None:
+                    # The gate checked the target's kernels; the points time it decoding speculatively.
+                    dec = spec.wrap(dec)
                 loaded[key] = (dec, gate)
             dec, gate = loaded[key]
             try:
