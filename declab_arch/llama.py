@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from declab_arch.checkpoint import CheckpointError, assign_weights, config_from_dict, load_weights, read_json
+from declab_arch.checkpoint import CheckpointError, assign_weights, check_fields, config_from_dict, load_weights, parse_config, read_json
 from declab_kernels import gemv, paged_attention, rmsnorm, rotary
 
 # Packed rows up to which the Triton path runs each RMSNorm inside the GEMV after it and each residual
@@ -61,6 +61,7 @@ class LlamaConfig:
     eos_token_id: int | list[int] | None = None
 
     def __post_init__(self):
+        check_fields(self)
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.num_attention_heads % self.num_key_value_heads:
@@ -383,18 +384,19 @@ class Llama(nn.Module):
         """Logits [B, T, V] of one parallel forward."""
         return self.head(self.hidden(tokens))
 
-    def forward_paged(self, tokens, positions, batch: PagedBatch, logit_index=None):
-        """Packed tokens [N] at positions [N]; logits [len(logit_index), V] (all N if None)."""
+    def forward_paged(self, tokens, positions, batch: PagedBatch, logit_index=None, *, return_hidden: bool = False):
+        """Packed tokens [N] at positions [N]; logits [len(logit_index), V] (all N if None), and with
+        `return_hidden` the final hidden states of those rows before the norm (draft heads read them)."""
         if batch.impl == "triton":
-            return self.forward_paged_fused(tokens, positions, batch, logit_index)
+            return self.forward_paged_fused(tokens, positions, batch, logit_index, return_hidden=return_hidden)
         x = self.model.embed_tokens(tokens)
         for i, block in enumerate(self.model.layers):
             x = block(x, lambda h, b=block, i=i: b.self_attn.forward_paged(h, positions, self.rotary, batch, i))
         if logit_index is not None:
             x = x[logit_index]
-        return self.head(x)
+        return (self.head(x), x) if return_hidden else self.head(x)
 
-    def forward_paged_fused(self, tokens, positions, batch: PagedBatch, logit_index=None):
+    def forward_paged_fused(self, tokens, positions, batch: PagedBatch, logit_index=None, *, return_hidden: bool = False):
         """`forward_paged` on the fused Triton kernels. Up to `FOLD_ROWS` rows every norm runs inside
         the GEMV after it and every residual add inside the GEMV before it (`Block.forward_fused_rows`);
         more rows keep the norm kernels, each fused with the residual add before it. The head reads
@@ -408,15 +410,17 @@ class Llama(nn.Module):
             if logit_index is not None:
                 x = x[logit_index]
             final = self.model.norm
-            return gemv.rms_norm_linear(x, final.weight, final.eps, self.head_weight, impl="triton")
+            logits = gemv.rms_norm_linear(x, final.weight, final.eps, self.head_weight, impl="triton")
+            return (logits, x) if return_hidden else logits
         first = layers[0].input_layernorm
         h = rmsnorm.rms_norm(x, first.weight, first.eps, impl="triton")
         for i, block in enumerate(layers):
             next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
             h, x = block.forward_fused(h, x, lambda h, b=block, i=i: b.self_attn.forward_paged(h, positions, self.rotary, batch, i), next_norm)
         if logit_index is not None:
-            h = h[logit_index]
-        return gemv.linear(h, self.head_weight, impl="triton")
+            h, x = h[logit_index], x[logit_index]
+        logits = gemv.linear(h, self.head_weight, impl="triton")
+        return (logits, x) if return_hidden else logits
 
     def init_random(self, seed: int = 0):
         """Random weights with the usual 0.02-std normal init (norms at 1), deterministic in `seed`."""
@@ -482,13 +486,19 @@ def is_hf_llama(hf: dict) -> bool:
     return any(a in HF_ARCHITECTURES for a in archs) or hf.get("model_type") in ("llama", "qwen2", "mistral")
 
 
-def load_hf(folder: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
-    """Config and state dict (HF names) of a Llama/Qwen2/Mistral checkpoint folder."""
+def read_config(folder: Path) -> LlamaConfig:
+    """The config of a Llama/Qwen2/Mistral checkpoint folder, checked, without reading its weights."""
     folder = Path(folder)
     hf = read_json(folder / "config.json")
     if not is_hf_llama(hf):
         raise CheckpointError(f"{folder}: unknown architecture {hf.get('architectures') or hf.get('model_type')}")
-    config = config_from_hf(hf, str(folder))
+    return parse_config(config_from_hf, hf, str(folder))
+
+
+def load_hf(folder: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+    """Config and state dict (HF names) of a Llama/Qwen2/Mistral checkpoint folder."""
+    folder = Path(folder)
+    config = read_config(folder)
     tensors = load_weights(folder)
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from declab_arch.checkpoint import CheckpointError, assign_weights, config_from_dict, load_weights, read_json
+from declab_arch.checkpoint import CheckpointError, assign_weights, check_fields, config_from_dict, load_weights, parse_config, read_json
 from declab_arch.llama import RMSNorm
 from declab_kernels import gemv, mamba2_norm, ssd
 
@@ -65,6 +65,16 @@ EARLY_TILES_ROWS = 1
 # chunk_size). Its intermediates cost about H (L + P N / L) floats per token, the [L, L] decays against the
 # per-chunk states: least near L = sqrt(P N), 64 for mamba2-30m; the config's 128 costs ~6% more time.
 REF_CHUNK = 64
+
+
+def scan_chunk(chunk_size: int, impl: str) -> int:
+    """The chunk the lab's SSD scan runs with for a config's `chunk_size`. A checkpoint's chunk size is a
+    choice of its training run, and the scan's result does not depend on it (up to rounding), so the
+    Triton scan takes the smallest power of two >= 16 at or above it (a checkpoint's 8 runs as 16), the
+    reference at most REF_CHUNK."""
+    if impl == "ref":
+        return min(chunk_size, REF_CHUNK)
+    return max(16, 1 << (chunk_size - 1).bit_length())
 
 
 @dataclass
@@ -88,6 +98,7 @@ class Mamba2Config:
     eos_token_id: int | list[int] | None = None
 
     def __post_init__(self):
+        check_fields(self)
         if self.d_inner % self.headdim:
             raise CheckpointError(f"expand * d_model = {self.d_inner} is not a multiple of headdim {self.headdim}")
         if self.nheads % self.ngroups:
@@ -163,7 +174,7 @@ class Mixer(nn.Module):
             -torch.exp(self.A_log.float()),
             B.reshape(b, T, c.ngroups, c.d_state),
             C.reshape(b, T, c.ngroups, c.d_state),
-            chunk_size=min(c.chunk_size, REF_CHUNK) if impl == "ref" else c.chunk_size,
+            chunk_size=scan_chunk(c.chunk_size, impl),
             D=self.D,
             dt_bias=self.dt_bias,
             dt_softplus=True,
@@ -297,13 +308,14 @@ class Mamba2LM(nn.Module):
             r = r + out
         return self.head(r)
 
-    def forward_chunk(self, tokens, conv, ssm, rows, impl: str, start: int):
+    def forward_chunk(self, tokens, conv, ssm, rows, impl: str, start: int, *, all_positions: bool = False):
         """Prefill chunk tokens [b, T], at positions start..start+T-1, of the sequences in rows [b] of the
         state buffers.
 
         conv [L, B, conv_dim, W] (the rings of the decode step: the input at position p in slot p % W,
         `ssd.conv_window_slots`) and ssm [L, B, H, P, N] hold each sequence's state before the chunk and
-        receive the state after it. Returns the last position's residual [b, d] (fp32).
+        receive the state after it. Returns the last position's residual [b, d] (fp32), or every
+        position's [b, T, d] with `all_positions` (speculative verification).
         """
         W = conv.shape[-1]
         before = ssd.conv_window_slots(start, W)
@@ -319,7 +331,7 @@ class Mamba2LM(nn.Module):
             conv[i, rows] = ring
             ssm[i, rows] = ssm_final
             r = r + out
-        return r[:, -1]
+        return r if all_positions else r[:, -1]
 
     def step(self, tokens, conv, ssm, impl: str, *, positions, state_ready: bool = False):
         """One token per sequence, tokens [B] at positions [B]; conv and ssm ([L, B, ...]; conv the rings of
@@ -486,9 +498,9 @@ def config_from_state_spaces(hf: dict, source: str) -> Mamba2Config:
     )
 
 
-def load(folder: Path) -> tuple[Mamba2Config, dict[str, torch.Tensor]]:
-    """Config and state dict (the lab's names) of a Mamba-2 folder: the lab's own format, HF
-    `Mamba2ForCausalLM`, or the state-spaces `mamba2-*` layout."""
+def read_config(folder: Path) -> Mamba2Config:
+    """The config of a Mamba-2 folder (the lab's own format, HF `Mamba2ForCausalLM`, or the
+    state-spaces `mamba2-*` layout), checked, without reading its weights."""
     folder = Path(folder)
     source = str(folder)
     hf = read_json(folder / "config.json")
@@ -496,11 +508,19 @@ def load(folder: Path) -> tuple[Mamba2Config, dict[str, torch.Tensor]]:
         values = {k: v for k, v in hf.items() if k != "declab_family"}
         config = config_from_dict(Mamba2Config, values, source)
     elif is_hf_mamba2(hf):
-        config = config_from_hf(hf, source)
+        config = parse_config(config_from_hf, hf, source)
     elif is_state_spaces_mamba2(hf):
-        config = config_from_state_spaces(hf, source)
+        config = parse_config(config_from_state_spaces, hf, source)
     else:
         raise CheckpointError(f"{source}: unknown architecture {hf.get('architectures') or hf.get('model_type') or 'nothing'}")
+    return config
+
+
+def load(folder: Path) -> tuple[Mamba2Config, dict[str, torch.Tensor]]:
+    """Config and state dict (the lab's names) of a Mamba-2 folder: the lab's own format, HF
+    `Mamba2ForCausalLM`, or the state-spaces `mamba2-*` layout."""
+    folder = Path(folder)
+    config = read_config(folder)
     tensors = load_weights(folder)
     if "backbone.embedding.weight" in tensors:
         tensors["backbone.embeddings.weight"] = tensors.pop("backbone.embedding.weight")

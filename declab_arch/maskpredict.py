@@ -26,13 +26,14 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from declab_arch import llama
-from declab_arch.checkpoint import CheckpointError, assign_weights, config_from_dict, load_weights, read_json
+from declab_arch.checkpoint import CheckpointError, assign_weights, config_from_dict, load_weights, parse_config, read_json
 
 FAMILY = "maskpredict"
 
@@ -42,6 +43,8 @@ class MaskPredictConfig(llama.LlamaConfig):
     mask_token_id: int | None = None
     # Largest target length the length head predicts (classes 0..max); 0 means no length head.
     max_predicted_length: int = 0
+    # Fields `check_fields` lets be 0 (no length head).
+    ZERO_OK: ClassVar[tuple[str, ...]] = ("max_predicted_length",)
 
     def __post_init__(self):
         super().__post_init__()
@@ -276,23 +279,31 @@ def preset_config(values: dict, source: str) -> MaskPredictConfig:
     return config_from_dict(MaskPredictConfig, values, source)
 
 
-def load(folder: Path) -> tuple[MaskPredictConfig, MaskPredictLM]:
-    """Config and model of a checkpoint folder: the lab's own format or LLaDA-style HF Llama weights."""
+def read_config(folder: Path) -> MaskPredictConfig:
+    """The config of a Mask-Predict folder (the lab's own format or LLaDA-style), checked, without its weights."""
     folder = Path(folder)
     hf = read_json(folder / "config.json")
     source = str(folder)
     if hf.get("declab_family") is not None:
         if hf["declab_family"] != FAMILY:
             raise CheckpointError(f"{source}: a {hf['declab_family']} checkpoint, not {FAMILY}")
-        config = config_from_dict(MaskPredictConfig, {k: v for k, v in hf.items() if k != "declab_family"}, source)
-        return config, build(config, load_weights(folder), source)
+        return config_from_dict(MaskPredictConfig, {k: v for k, v in hf.items() if k != "declab_family"}, source)
     if not is_masked_diffusion(hf):
         raise CheckpointError(f"{source}: config.json does not describe a masked-diffusion model (no mask_token_id, model_type {hf.get('model_type')!r})")
+    return parse_config(config_from_llada if "d_model" in hf else config_from_hf, hf, source)
+
+
+def load(folder: Path) -> tuple[MaskPredictConfig, MaskPredictLM]:
+    """Config and model of a checkpoint folder: the lab's own format or LLaDA-style HF Llama weights."""
+    folder = Path(folder)
+    source = str(folder)
+    config = read_config(folder)
+    hf = read_json(folder / "config.json")
+    if hf.get("declab_family") is not None:
+        return config, build(config, load_weights(folder), source)
     if "d_model" in hf:
-        config = config_from_llada(hf, source)
         tensors = rename_llada(load_weights(folder), source)
     else:
-        config = config_from_hf(hf, source)
         tensors = load_weights(folder)
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)

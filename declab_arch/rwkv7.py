@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from declab_arch.checkpoint import CheckpointError, assign_weights, config_from_dict, load_weights, read_json
+from declab_arch.checkpoint import CheckpointError, assign_weights, check_fields, config_from_dict, load_weights, parse_config, read_json
 from declab_kernels import gemv
 from declab_kernels.rwkv7_fused import add_norm_shift, gate_output, lora_hidden, time_mix_inputs
 from declab_kernels.wkv7 import wkv7_chunk, wkv7_chunk_factored, wkv7_step
@@ -105,6 +105,7 @@ class RWKV7Config:
     eos_token_id: int | list[int] | None = None
 
     def __post_init__(self):
+        check_fields(self)
         if self.hidden_size % self.head_dim:
             raise CheckpointError(f"hidden_size {self.hidden_size} is not a multiple of head_dim {self.head_dim}")
         if self.intermediate_size is None:
@@ -367,10 +368,11 @@ class RWKV7(nn.Module):
             x = x + block.ffn(h, shifted(h, zeros))
         return self.head(x)
 
-    def forward_chunk(self, tokens, lengths, shift, wkv, *, impl):
+    def forward_chunk(self, tokens, lengths, shift, wkv, *, impl, all_positions: bool = False):
         """Continue B sequences by a chunk each. tokens `[B, T]` right-padded, lengths (host ints,
         each >= 1) real tokens per row; shift `[L, 2, B, C]` and wkv `[L, B, H, K, V]` are read and
-        updated in place. Returns logits `[B, V]` of each row's last real token."""
+        updated in place. Returns logits `[B, V]` of each row's last real token, or `[B, T, V]` of
+        every position with `all_positions` (speculative verification)."""
         B, T = tokens.shape
         lens = torch.tensor(lengths, device=tokens.device)
         mask = None
@@ -390,6 +392,8 @@ class RWKV7(nn.Module):
             prev = shifted(h, shift[i, 1])
             shift[i, 1].copy_(h.gather(1, last.expand(B, 1, h.shape[-1])).squeeze(1))
             x = x + block.ffn(h, prev)
+        if all_positions:
+            return self.head(x)
         return self.head(x.gather(1, last.expand(B, 1, x.shape[-1])).squeeze(1))
 
     def forward_step(self, tokens, shift, wkv, *, impl):
@@ -515,17 +519,24 @@ def config_from_hf(hf: dict, source: str) -> RWKV7Config:
     )
 
 
-def load(folder: Path) -> tuple[RWKV7Config, dict[str, torch.Tensor]]:
-    """Config and state dict of an fla RWKV-7 folder or one in the lab's own format."""
+def read_config(folder: Path) -> RWKV7Config:
+    """The config of an fla RWKV-7 folder or one in the lab's own format, checked, without its weights."""
     folder = Path(folder)
     hf = read_json(folder / "config.json")
     if hf.get("declab_family") == FAMILY:
         values = {k: v for k, v in hf.items() if k != "declab_family"}
         config = config_from_dict(RWKV7Config, values, str(folder))
     elif is_fla_rwkv7(hf):
-        config = config_from_hf(hf, str(folder))
+        config = parse_config(config_from_hf, hf, str(folder))
     else:
         raise CheckpointError(f"{folder}: unknown architecture {hf.get('architectures') or hf.get('model_type')}")
+    return config
+
+
+def load(folder: Path) -> tuple[RWKV7Config, dict[str, torch.Tensor]]:
+    """Config and state dict of an fla RWKV-7 folder or one in the lab's own format."""
+    folder = Path(folder)
+    config = read_config(folder)
     tensors = load_weights(folder)
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)

@@ -12,6 +12,7 @@
 
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -96,6 +97,14 @@ def git_state() -> tuple[str, bool]:
         return "unknown", False
 
 
+def command_line() -> str:
+    """This process's command as it can be pasted back into a shell: `python -m module args` for a
+    module run with -m (the script's path otherwise), each argument quoted where it needs it."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    head = ["python", "-m", spec.name.removesuffix(".__main__")] if spec is not None and spec.name else ["python", sys.argv[0]]
+    return shlex.join(head + sys.argv[1:])
+
+
 def environment(device) -> dict:
     """What every result record carries about where it was measured."""
     device = torch.device(device)
@@ -121,7 +130,7 @@ def environment(device) -> dict:
         "python": sys.version.split()[0],
         "pdl": pdl(device),
         **({"pdl_off": list(off)} if off else {}),
-        "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+        "command": command_line(),
     }
 
 

@@ -7,18 +7,20 @@
 """
 
 import importlib
+import inspect
 import sys
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-from declab_arch.checkpoint import CheckpointError, CONFIG_DIR, preset_names, read_json
+from declab_arch.checkpoint import CheckpointError, CONFIG_DIR, check_weights_files, preset_names, read_json
 from decoders.base import Decoder, Generation, Memory, StepOut, UsageError
 from decoders.sampling import GREEDY, Sampling
+from decoders.speculative import speculative
 from declab_kernels import resolve_impl
 
-__all__ = ["load", "family_of", "user_errors", "USER_ERRORS", "Decoder", "Generation", "Memory", "StepOut", "Sampling", "GREEDY", "UsageError", "CheckpointError", "FAMILIES"]
+__all__ = ["load", "speculative", "family_of", "check_model", "parse_device", "check_page_size", "user_errors", "USER_ERRORS", "Decoder", "Generation", "Memory", "StepOut", "Sampling", "GREEDY", "UsageError", "CheckpointError", "FAMILIES"]
 
 # family -> class, imported on first use so that a family's optional dependencies stay optional.
 FAMILIES = {
@@ -27,6 +29,8 @@ FAMILIES = {
     "rwkv7": "decoders.rwkv7:RWKV7Decoder",
     "maskpredict": "decoders.maskpredict:MaskPredictDecoder",
 }
+# family -> its declab_arch module, whose read_config / preset_config check a config without weights.
+ARCH_MODULES = {"transformer": "declab_arch.llama", "mamba2": "declab_arch.mamba2", "rwkv7": "declab_arch.rwkv7", "maskpredict": "declab_arch.maskpredict"}
 # preset name prefix -> family
 PRESET_FAMILY = {"llama": "transformer", "mamba2": "mamba2", "rwkv7": "rwkv7", "maskpredict": "maskpredict"}
 # What a user can cause (a bad option, preset or checkpoint): reported in one line, not a traceback.
@@ -49,6 +53,54 @@ def parse_dtype(dtype) -> torch.dtype | None:
     return DTYPES[dtype]
 
 
+def parse_device(device) -> torch.device:
+    """The device a user named ("cpu", "cuda", "cuda:1"; None: CUDA when available), checked to exist here."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise UsageError(f"unknown device {device!r} (expected cpu, cuda or cuda:N)") from None
+    if parsed.type not in ("cpu", "cuda"):
+        raise UsageError(f"device {device!r} is not supported (expected cpu, cuda or cuda:N)")
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+            raise UsageError(f"device {device!r}: no CUDA device is available (torch {torch.__version__}, {build})")
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            raise UsageError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) here")
+    return parsed
+
+
+def check_page_size(page_size) -> int:
+    """A KV cache page size: a power of two from 16 to 256 tokens (what the paged attention kernels take)."""
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or not 16 <= page_size <= 256 or page_size & (page_size - 1):
+        raise UsageError(f"page size must be a power of two from 16 to 256, got {page_size!r}")
+    return page_size
+
+
+def family_options(family: str) -> list[str]:
+    """The keyword options a family's decoder takes beyond what `load` passes itself (page_size, ...)."""
+    own = {"self", "model", "config", "device", "dtype", "impl", "source", "tokenizer", "max_context"}
+    names = []
+    for cls in family_class(family).__mro__:
+        if "__init__" in vars(cls):
+            for p in inspect.signature(cls.__init__).parameters.values():
+                if p.kind is p.KEYWORD_ONLY and p.name not in own and p.name not in names:
+                    names.append(p.name)
+    return names
+
+
+def check_options(family: str, options: dict) -> None:
+    """Raise UsageError for an option the family does not take, or a page size it cannot use."""
+    known = family_options(family)
+    unknown = [k for k in options if k not in known]
+    if unknown:
+        raise UsageError(f"unknown option {unknown[0]!r} for the {family} family (known: {', '.join(known)})")
+    if "page_size" in options:
+        check_page_size(options["page_size"])
+
+
 def family_of(name_or_path) -> str:
     """The family a preset name or checkpoint folder belongs to (without building the model)."""
     path = Path(str(name_or_path))
@@ -68,19 +120,37 @@ def family_of(name_or_path) -> str:
     return family
 
 
+def check_model(name_or_path, *, context: int | None = None) -> str:
+    """What a command checks of a model before it spends time: the preset exists or the folder is a
+    checkpoint of a known family with complete weights files, and `context` is within the config's
+    maximum (where it states one). Cheap: no tensor is read. Returns the family."""
+    family = family_of(name_or_path)
+    path = Path(str(name_or_path))
+    if path.is_dir():
+        config = importlib.import_module(ARCH_MODULES[family]).read_config(path)
+        check_weights_files(path)
+    else:
+        config = importlib.import_module(ARCH_MODULES[family]).preset_config(read_json(CONFIG_DIR / f"{name_or_path}.json"), str(name_or_path))
+    limit = getattr(config, "max_position_embeddings", None)
+    if context is not None and limit is not None and context > limit:
+        raise UsageError(f"context of {context} tokens is over {name_or_path}'s maximum of {limit}")
+    return family
+
+
 def load(name_or_path, *, family: str | None = None, device=None, dtype=None, impl: str = "auto", seed: int = 0, **options) -> Decoder:
     """A decoder from a preset name (random weights) or a checkpoint folder.
 
     device defaults to CUDA when available; dtype to bfloat16 on a GPU and float32 on the CPU;
     impl is "auto" (Triton on a GPU), "triton" or "ref". `options` go to the family (page_size, ...).
     """
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = parse_device(device)
     dtype = parse_dtype(dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     try:
         impl = resolve_impl(impl, device)
     except ValueError as e:
         raise UsageError(str(e)) from None
     family = family or family_of(name_or_path)
+    check_options(family, options)
     common = dict(device=device, dtype=dtype, impl=impl, **options)
     path = Path(str(name_or_path))
     if path.is_dir():

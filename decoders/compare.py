@@ -13,8 +13,11 @@ Each finished point is appended to `--out` as one JSON object (an interrupted sw
 wrote); a point that does not fit in memory is recorded as skipped and the sweep goes on, and with
 `--point-timeout S` a point (a peer's first one includes building it and its compiling) that has no
 result after S seconds is recorded as `timeout` and the sweep goes on. The table
-is printed at the end and the last stdout line is one JSON document with every point. Bad input is
-one line on stderr and exit code 2.
+is printed at the end and the last stdout line is one short JSON document (where the records are, and
+each point's status and headline figures; the full records are in `--out`). Every option, model and
+output path is checked before anything is measured: bad input is one line on stderr and exit code 2.
+On the CPU the figures exercise the code path and are not performance measurements (the table says
+so; each point is timed a few times and the spread recorded, see `decoders.harness`).
 """
 
 import argparse
@@ -28,6 +31,7 @@ import time
 import torch
 
 from decoders.base import UsageError
+from decoders.speculative import parse_spec
 
 K = 1024
 
@@ -120,7 +124,9 @@ def defaults(on_gpu: bool) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m decoders.compare", description=__doc__.split("\n\n")[0])
+    from decoders.cli import Parser
+
+    p = Parser(prog="python -m decoders.compare", description=__doc__.split("\n\n")[0])
     p.add_argument("--models", help="comma list of presets or checkpoint folders")
     p.add_argument("--ctx", help="contexts: 4k..128k (doubling), 4k,6k,32k, or integers (k = 1024)")
     p.add_argument("--batch", default="1", help="comma list of batch sizes (default 1)")
@@ -134,8 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block", type=int, default=None, help="Mask-Predict: semi-autoregressive block length")
     p.add_argument("--peers", default=None, help="comma list of peers run on the same points: hf, mamba_ssm, fla")
     p.add_argument("--peers-only", action="store_true", help="run only the peers' points (the lab's own rows come from another sweep)")
-    p.add_argument("--out", default="results/compare.jsonl", help="JSON lines file, appended point by point")
-    p.add_argument("--plot", default=None, help="PNG: decode tokens/s against context, one line per model and peer")
+    p.add_argument("--spec", default=None, help="speculative decoding of every autoregressive model: draft=PRESET_OR_FOLDER|ngram|heads:FOLDER,k=4[,verify=chunk|steps][,graphs=1]")
+    p.add_argument("--out", default="runs/compare.jsonl", help="JSON lines file, appended point by point (default runs/compare.jsonl)")
+    p.add_argument("--plot", default=None, help="figure (.png, .pdf, .svg): decode tokens/s against context, one line per model and peer")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--point-timeout", type=float, default=None,
                    help="seconds after which a point (warm-up and measurement; a peer's first point also its build) is recorded as timeout")
@@ -175,15 +182,31 @@ def format_table(records: list[dict]) -> str:
     cols = [
         ("model", "{}"), ("T", "{}"), ("batch", "{}"), ("ctx", "{}"), ("status", "{}"), ("ttft ms", "{:.1f}"),
         ("p50 ms", "{:.2f}"), ("p99 ms", "{:.2f}"), ("tok/s/seq", "{:.1f}"), ("tok/s", "{:.1f}"),
-        ("prefill tok/s", "{:.0f}"), ("MBU", "{:.2f}"), ("decay", "{:.2f}"),
+        ("prefill tok/s", "{:.0f}"), ("MBU", "{:.2f}"), ("decay", "{:.2f}"), ("spread", "{:.0%}"),
     ]
     keys = ["model", "iterations", "batch", "ctx", "status", "ttft_ms", "step_ms_p50", "step_ms_p99", "decode_tok_s_per_seq",
-            "decode_tok_s", "prefill_tok_s", "mbu", "decay"]
+            "decode_tok_s", "prefill_tok_s", "mbu", "decay", "spread"]
     rows = [[name for name, _ in cols]]
     for r in records:
         rows.append(["-" if r.get(k) is None else fmt.format(r[k]) for (_, fmt), k in zip(cols, keys)])
     widths = [max(len(row[i]) for row in rows) for i in range(len(cols))]
     return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows)
+
+
+def cpu_note(records: list[dict], threads: int) -> str:
+    """What the table's CPU figures are, in words: the code path exercised, not a measurement."""
+    spreads = [r["spread"] for r in records if r.get("spread") is not None]
+    worst = f"; the repeated runs of a point differ by up to {max(spreads):.0%}" if spreads else ""
+    return (f"CPU: these figures exercise the code path ({threads} thread(s)){worst}; "
+            "they are not performance measurements (run on a GPU for those)")
+
+
+def summary(records: list[dict], where: str) -> dict:
+    """The last stdout line: where the full records are, and each point's status and headline figures."""
+    keep = ("model", "peer", "iterations", "batch", "ctx", "status", "decode_tok_s_per_seq", "step_ms_p50", "ttft_ms", "mbu", "decay", "spread")
+    # Four significant digits: a headline, not the record.
+    points = [{k: float(f"{r[k]:.4g}") if isinstance(r[k], float) else r[k] for k in keep if r.get(k) is not None} for r in records]
+    return {"out": where, "points": points, "ok": sum(r.get("status") == "ok" for r in records)}
 
 
 def format_reasons(records: list[dict]) -> str:
@@ -264,14 +287,19 @@ def measure_peer_point(args, dec, peer, peer_models, model, family, batch, ctx, 
 def run(args) -> int:
     import decoders
     from decoders import harness, peers
-    from declab_kernels.benchtools import append_jsonl, environment
+    from declab_kernels import resolve_impl
+    from declab_kernels.benchtools import environment
+    from decoders.cli import JsonlSink, check_figure_file, check_output_file
 
-    on_gpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
+    device = decoders.parse_device(args.device)
+    on_gpu = device.type == "cuda"
     chosen = defaults(on_gpu)
     said = [f"--{k} {v}" for k, v in chosen.items() if getattr(args, k) is None]
     if said:
         print(f"defaults for this {'GPU' if on_gpu else 'CPU'}: {' '.join(said)}", file=sys.stderr)
-    models = [m for m in (args.models or chosen["models"]).split(",") if m]
+    models = list(dict.fromkeys(m.strip() for m in (args.models or chosen["models"]).split(",") if m.strip()))
+    if not models:
+        raise ArgError(f"--models {args.models!r} names no model")
     ctxs = parse_ctx(args.ctx or chosen["ctx"])
     batches = parse_ints(args.batch, "batch")
     iterations = parse_ints(args.iterations, "iterations")
@@ -284,10 +312,27 @@ def run(args) -> int:
         raise ArgError("--peers-only needs --peers")
     if args.point_timeout is not None and not args.point_timeout > 0:
         raise ArgError(f"--point-timeout must be a positive number of seconds, got {args.point_timeout}")
-    device = torch.device(args.device or ("cuda" if on_gpu else "cpu"))
+    if args.block is not None and args.block < 1:
+        raise ArgError(f"--block must be >= 1, got {args.block}")
+    decoders.parse_dtype(args.dtype)
+    try:
+        decoders.check_page_size(args.page_size)
+    except UsageError as e:
+        raise ArgError(f"--page-size: {e}") from None
+    try:
+        resolve_impl(args.impl, device)
+    except ValueError as e:
+        raise ArgError(f"--impl: {e}") from None
+    spec = parse_spec(args.spec, targets=models, peers=peer_names) if args.spec else None
+    sink = JsonlSink(check_output_file(args.out, "--out"))
+    if args.plot:
+        check_figure_file(args.plot, "--plot")
+    for model in models:
+        decoders.check_model(model, context=max(ctxs))
 
     plan = list(plan_points(models, ctxs, batches, iterations, peer_names, device, own=not args.peers_only))
-    env = environment(device)
+    threads = harness.pin_cpu_threads() if device.type == "cpu" else None
+    env = {**environment(device), **({"cpu_threads": threads} if threads else {})}
     ceiling = harness.ceilings(device)
     print(f"ceilings on {env['device']}: copy {ceiling['copy_bytes_per_s'] / 1e12:.2f} TB/s, matmul {ceiling['matmul_flops'] / 1e12:.1f} TFLOP/s", file=sys.stderr)
     records, base_tok_s = [], {}
@@ -302,7 +347,7 @@ def run(args) -> int:
             if isinstance(peer, peers.Absent):
                 record = {"iterations": None, **peers.describe(peer, None, model, family), **env, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
                 record.update(status=peer.status, reason=peer.reason, ctx=None, batch=None)
-                append_jsonl(args.out, record)
+                sink.append(record)
                 records.append(record)
                 if progress:
                     progress.update()
@@ -316,12 +361,19 @@ def run(args) -> int:
                 options = {"page_size": args.page_size} if family in ("transformer", "maskpredict") else {}
                 if family == "maskpredict":
                     options.update(iterations=it, block_length=args.block)
-                dec = decoders.load(model, device=device, dtype=args.dtype, impl=args.impl, seed=args.seed, **options)
-                dec.check_context(max(ctxs))
+                try:
+                    dec = decoders.load(model, device=device, dtype=args.dtype, impl=args.impl, seed=args.seed, **options)
+                    dec.check_context(max(ctxs))
+                except decoders.USER_ERRORS as e:
+                    # Found only when its weights are read (a mis-shaped tensor): the points before it stay.
+                    raise type(e)(f"{e} ({len(records)} finished point(s) kept in {sink.where})") from None
                 try:
                     gate = harness.check_against_reference(dec, new_tokens=args.new_tokens, seed=args.seed)
                 except RuntimeError as e:
                     gate = {"ok": False, "rel_rms": None, "tolerance": None, "error": first_line(e)}
+                if spec is not None:
+                    # The gate checked the target's kernels; the points time it decoding speculatively.
+                    dec = spec.wrap(dec)
                 loaded[key] = (dec, gate)
             dec, gate = loaded[key]
             try:
@@ -338,25 +390,33 @@ def run(args) -> int:
             if record.get("decode_tok_s_per_seq"):
                 base = base_tok_s.setdefault((record["model"], it, batch), record["decode_tok_s_per_seq"])
                 record["decay"] = record["decode_tok_s_per_seq"] / base
-            append_jsonl(args.out, record)
+            sink.append(record)
             records.append(record)
             if progress:
                 progress.update()
     except KeyboardInterrupt:
-        print(f"interrupted: {len(records)} finished point(s) kept in {args.out}", file=sys.stderr)
+        print(f"interrupted: {len(records)} finished point(s) kept in {sink.where}", file=sys.stderr)
     finally:
         if progress:
             progress.close()
     print(format_table(records))
     if reasons := format_reasons(records):
         print(reasons)
+    if threads:
+        print(cpu_note(records, threads))
+    code = 0 if len(records) == len(plan) else 130
     if args.plot:
         from decoders.plot import plot_context_scaling
 
-        plot_context_scaling(records, args.plot)
-        print(f"plot written to {args.plot}", file=sys.stderr)
-    print(json.dumps({"environment": env, "ceilings": ceiling, "points": records}))
-    return 0 if len(records) == len(plan) else 130
+        try:
+            plot_context_scaling(records, args.plot)
+            print(f"plot written to {args.plot}", file=sys.stderr)
+        except OSError as e:
+            print(f"error: --plot {args.plot} could not be written ({e.strerror or e}); the points are in {sink.where}, "
+                  f"redraw with python -m decoders.plot", file=sys.stderr)
+            code = code or 1
+    print(json.dumps(summary(records, sink.where)))
+    return code
 
 
 def main(argv=None) -> int:

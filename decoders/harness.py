@@ -8,12 +8,19 @@ the copy bandwidth measured in the same run) and MBU (roofline time / measured m
 Warm-up (compilation, autotuning: the timed generation once, untimed) runs before the timed
 generation and is reported separately.
 
+On the CPU (the reference path, or Triton's interpreter) the figures exercise the code path and are
+not performance measurements: other processes share the cores and a step's time can swing many
+times over between runs. `pin_cpu_threads` fixes the thread counts, and each point is timed
+`CPU_REPEATS` times: the record is the run with the median decode rate, with every run's rate and
+their spread ((max - min) / median), so the swing is in the record, not hidden in it.
+
 `check_against_reference` is the correctness gate: a decoder whose kernels disagree with the
 reference path after a short or a long prompt is not timed.
 """
 
 import copy
 import math
+import os
 import statistics
 import time
 
@@ -21,6 +28,31 @@ import torch
 
 from decoders.base import Decoder
 from declab_kernels import benchtools
+
+
+# Timed generations of a point on the CPU (one on a GPU, where CUDA events time a quiet device).
+CPU_REPEATS = 3
+
+
+def pin_cpu_threads() -> int:
+    """Fix the CPU thread counts for a run: half the cores this process may use, at least one
+    (OMP_NUM_THREADS when the user set it), and one inter-op thread. Returns the intra-op count,
+    which the records carry."""
+    if "OMP_NUM_THREADS" in os.environ:
+        threads = torch.get_num_threads()
+    else:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        # Half: the default (one thread per core) on a shared two-core machine made the tiny presets'
+        # steps 10x slower and their repeats differ by up to 40x; one thread there ran at 1-1.5 ms
+        # with repeats within 5-30%.
+        threads = max(1, cores // 2)
+    torch.set_num_threads(threads)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:
+        # Settable once, before any inter-op work: a second sweep in one process keeps the first's.
+        pass
+    return threads
 
 
 def ceilings(device) -> dict:
@@ -114,8 +146,10 @@ def fits(decoder: Decoder, batch: int, ctx: int, new_tokens: int) -> str | None:
     return None
 
 
-def measure(decoder: Decoder, *, ctx: int, batch: int, new_tokens: int, ceiling: dict, seed: int = 0) -> dict:
-    """Measure one point; returns the record (without environment fields)."""
+def measure(decoder: Decoder, *, ctx: int, batch: int, new_tokens: int, ceiling: dict, seed: int = 0, repeats: int | None = None) -> dict:
+    """Measure one point; returns the record (without environment fields). `repeats` timed
+    generations (default: one on a GPU, CPU_REPEATS on the CPU); the record is the one with the
+    median decode rate, beside every run's rate and their spread."""
     prompt_len = ctx - new_tokens
     if prompt_len < 1:
         raise ValueError(f"context {ctx} leaves no prompt for {new_tokens} new tokens")
@@ -132,14 +166,21 @@ def measure(decoder: Decoder, *, ctx: int, batch: int, new_tokens: int, ceiling:
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(decoder.device)
-    gen = decoder.generate(prompts, max_new_tokens=new_tokens)
+    runs = []
+    for _ in range(repeats or (1 if cuda else CPU_REPEATS)):
+        gen = decoder.generate(prompts, max_new_tokens=new_tokens)
+        steps = gen.step_s
+        first_step_ms = None
+        if decoder.cuda_graphs and len(steps) > 1:
+            # The first step runs eagerly and captures the graph: reported apart, like the warm-up.
+            first_step_ms, steps = steps[0] * 1e3, steps[1:]
+        rate = statistics.fmean(gen.committed) / statistics.median(steps) if steps else 0.0
+        runs.append((rate, gen, steps, first_step_ms))
+    rates = [r[0] for r in runs]
+    # The median run (the lower middle of an even count), so one disturbed run does not set the figure.
+    _, gen, steps, first_step_ms = sorted(runs, key=lambda r: r[0])[(len(runs) - 1) // 2]
 
     mem = decoder.memory(batch, ctx, new_tokens=new_tokens)
-    steps = gen.step_s
-    first_step_ms = None
-    if decoder.cuda_graphs and len(steps) > 1:
-        # The first step runs eagerly and captures the graph: reported apart, like the warm-up.
-        first_step_ms, steps = steps[0] * 1e3, steps[1:]
     record = {
         "ctx": ctx,
         "batch": batch,
@@ -154,7 +195,11 @@ def measure(decoder: Decoder, *, ctx: int, batch: int, new_tokens: int, ceiling:
         "state_bytes": mem.state_bytes,
         "step_bytes": mem.step_bytes,
         "peak_memory_bytes": torch.cuda.max_memory_allocated(decoder.device) if cuda else None,
+        "repeats": len(runs),
     }
+    if len(runs) > 1 and steps:
+        record["decode_tok_s_per_seq_runs"] = rates
+        record["spread"] = (max(rates) - min(rates)) / statistics.median(rates)
     if steps:
         step_median = statistics.median(steps)
         tokens_per_pass = statistics.fmean(gen.committed)

@@ -148,3 +148,14 @@ class PagedKVCache:
     def state_bytes(self, lengths: list[int]) -> int:
         """Bytes of K/V that sequences of these lengths hold (whole blocks)."""
         return sum(self.blocks_needed(n) for n in lengths) * self.bytes_per_block
+
+    def truncate(self, seq: int, length: int) -> None:
+        """Keep the first `length` positions of `seq` and release every block past them (speculative
+        decoding's rollback of rejected tokens)."""
+        if not 0 <= length <= self.lengths[seq]:
+            raise ValueError(f"cannot truncate sequence {seq} of {self.lengths[seq]} positions to {length}")
+        keep = self.blocks_needed(length)
+        for b in self.blocks[seq][keep:]:
+            self.pool.release(b)
+        del self.blocks[seq][keep:]
+        self.lengths[seq] = length

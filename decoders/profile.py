@@ -1,7 +1,7 @@
 """`python -m decoders.profile`: where one decode step's time goes, kernel by kernel.
 
     python -m decoders.profile --model llama-1b --ctx 4k
-    python -m decoders.profile --model mamba2-1.3b --ctx 4k --batch 16 --out results/profile.jsonl
+    python -m decoders.profile --model mamba2-1.3b --ctx 4k --batch 16 --out runs/profile.jsonl
 
 Prefills a random prompt, takes the first decode step (eager; with CUDA graphs it also captures the
 graph), times `--steps` steps with the same timer as the harness, then records `--steps` more under
@@ -15,9 +15,10 @@ the charges add up to the step), and DECLAB_PDL=0 gives a breakdown without the 
 The record also lists `gemv_choices`: what `declab_kernels.gemv` picked for each projection shape (cuBLAS
 or a Triton configuration; for Mamba-2's gated norm + out_proj, the fused prologue or the pair) and
 every candidate's time, so the GEMV rows of the table can be read with their choice.
+The record is appended to `--out` (default runs/profile.jsonl); options, model and output path are
+checked before anything runs, and bad input is one line on stderr and exit code 2.
 """
 
-import argparse
 import json
 import os
 import statistics
@@ -30,9 +31,10 @@ from torch.autograd import DeviceType
 import decoders
 from decoders.base import Timer
 from decoders.compare import parse_size
-from decoders.harness import ceilings
+from decoders.harness import ceilings, pin_cpu_threads
 from declab_kernels import gemv
-from declab_kernels.benchtools import append_jsonl, environment
+from declab_kernels.benchtools import environment
+from decoders.cli import JsonlSink, Parser, check_output_file
 
 
 def kernel_times(prof, on_gpu: bool) -> list[tuple[str, int, float]]:
@@ -163,7 +165,7 @@ def table(record: dict, top: int) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m decoders.profile", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m decoders.profile", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="preset or checkpoint folder")
     p.add_argument("--ctx", default="4k", help="context the step runs at (default 4k)")
     p.add_argument("--batch", type=int, default=1)
@@ -172,13 +174,19 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default=None)
     p.add_argument("--device", default=None)
     p.add_argument("--top", type=int, default=25, help="rows of the table (default 25)")
-    p.add_argument("--out", default=None, help="JSON lines file the record is appended to")
+    p.add_argument("--out", default="runs/profile.jsonl", help="JSON lines file the record is appended to (default runs/profile.jsonl)")
     a = p.parse_args(argv)
     try:
         if a.batch < 1 or a.steps < 1:
             raise decoders.UsageError("--batch and --steps must be at least 1")
+        if a.top < 1:
+            raise decoders.UsageError(f"--top must be at least 1, got {a.top}")
         ctx = parse_size(a.ctx)
+        sink = JsonlSink(check_output_file(a.out, "--out"))
+        decoders.check_model(a.model, context=ctx)
         decoder = decoders.load(a.model, device=a.device, dtype=a.dtype, impl=a.impl)
+        if decoder.device.type == "cpu":
+            pin_cpu_threads()
         record = profile_step(decoder, ctx=ctx, batch=a.batch, steps=a.steps)
     except decoders.USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
@@ -190,9 +198,12 @@ def main(argv=None) -> int:
         record["copy_bytes_per_s"] = ceiling["copy_bytes_per_s"]
     record = {"kind": "profile", **decoder.describe(), **record, **environment(decoder.device)}
     print(table(record, a.top))
-    if a.out:
-        append_jsonl(a.out, record)
-    print(json.dumps({k: v for k, v in record.items() if k != "kernels"}))
+    if decoder.device.type == "cpu":
+        print(f"CPU: these times exercise the code path ({torch.get_num_threads()} thread(s)); they are not performance measurements")
+    sink.append(record)
+    print(f"record appended to {sink.where}", file=sys.stderr)
+    summary = ("model", "impl", "dtype", "device", "ctx", "batch", "steps", "step_ms", "kernel_ms", "gap_ms", "launches_per_step", "roofline_ms", "mbu")
+    print(json.dumps({"out": sink.where, **{k: record[k] for k in summary if record.get(k) is not None}}))
     return 0
 
 

@@ -7,11 +7,11 @@
    parameter counts within 10% of each other, and records them;
 2. (with --time-budget) measures each preset's training tokens/s for a few steps and sets the one
    token budget that trains all of them within that many seconds;
-3. trains each preset with `eval.train` on the same tokenizer (a BPE of --tokenizer trained once on
+3. makes the offline tasks (`eval.tasks.make`) with the corpus's test split (its validation split
+   when the folder has no test*) as the text of declab_ppl and declab_cloze, into <out>/tasks;
+4. trains each preset with `eval.train` on the same tokenizer (a BPE of --tokenizer trained once on
    the corpus, saved in <out>/tokenizer), the same tokenised data (<out>/data) and the same token
    budget, schedule and seed, into <out>/runs/<preset> (an interrupted run resumes when rerun);
-4. makes the offline tasks (`eval.tasks.make`) with the corpus's test split (its validation split
-   when the folder has no test*) as the text of declab_ppl and declab_cloze, into <out>/tasks;
 5. runs `eval.quality` on the four checkpoints (Mask-Predict at each of --mp-iterations, each T
    also scored by the generative perplexity of its samples under the transformer run, the llama
    preset's, on --genppl-prompts held-out prompts), writing quality.jsonl, quality.md, mqar.png and
@@ -19,6 +19,11 @@
 
 Every record is a JSON line with environment(): <out>/ablation.jsonl (presets, parameter counts,
 runs), <out>/runs/*/train.jsonl (training), <out>/quality.jsonl (evaluation).
+
+Every option (the presets, corpus, output folder, tokenizer, training counts, evaluation model args
+and Mask-Predict iterations) is checked before the first step, so a mistake is one line and exit
+code 2, not an error after hours of training. `--match-tolerance 0.5` lets the tiny presets
+(`llama-tiny,mamba2-tiny,rwkv7-tiny,maskpredict-tiny`, not matched in size) try the pipeline in minutes.
 """
 
 import argparse
@@ -30,6 +35,7 @@ import decoders
 from eval import quality, samples, train
 from eval.tasks import make
 from declab_kernels.benchtools import append_jsonl, environment
+from decoders.cli import Parser, check_output_dir
 
 PRESETS = ["llama-30m", "mamba2-30m", "rwkv7-30m", "maskpredict-30m"]
 TASKS = ["declab_mqar", "declab_copy", "declab_ppl", "declab_cloze"]
@@ -48,8 +54,44 @@ def budget_tokens(a, presets: list[str], device: str) -> int:
     return tokens
 
 
+def check_args(a, presets: list[str]) -> tuple[dict, list[int]]:
+    """Everything the ablation can refuse, before it trains: returns (evaluation model args, T values)."""
+    check_output_dir(a.out, "--out")
+    if not presets:
+        raise decoders.UsageError(f"--presets {a.presets!r} names no preset")
+    if len(set(presets)) != len(presets):
+        raise decoders.UsageError(f"--presets {a.presets!r} names a preset twice")
+    for preset in presets:
+        if Path(preset).is_dir():
+            raise decoders.UsageError(f"--presets {preset}: a size preset (configs/<name>.json), not a folder")
+        decoders.family_of(preset)
+    if (a.tokens is not None and a.tokens < 1) or (a.time_budget is not None and not a.time_budget > 0):
+        raise decoders.UsageError("--tokens must be at least 1 and --time-budget > 0")
+    if not 0 < a.match_tolerance:
+        raise decoders.UsageError(f"--match-tolerance must be > 0, got {a.match_tolerance}")
+    if a.task_docs < 1:
+        raise decoders.UsageError(f"--task-docs must be at least 1, got {a.task_docs}")
+    if a.tokenizer is None:
+        a.tokenizer = train.default_tokenizer(presets)
+    # Each preset's training run as eval.train will check it (counts, corpus, tokenizer, folders).
+    for preset in presets:
+        train.check_args(train.parser().parse_args(train_argv(a, preset)))
+    model_args = quality.parse_model_args(a.eval_args)
+    iterations = quality.parse_iterations(a.mp_iterations)
+    quality.check_runs(presets, model_args, limit=a.limit, genppl_prompts=a.genppl_prompts, genppl_tokens=a.genppl_tokens)
+    a.counts = train.check_matched(presets, a.match_tolerance)
+    return model_args, iterations
+
+
+def train_argv(a, preset: str) -> list[str]:
+    """eval.train's arguments for one preset of the ablation."""
+    return ["--preset", preset, "--corpus", str(a.corpus), "--out", str(a.out / "runs" / preset), "--tokens", str(a.tokens or 1),
+            "--tokenizer", a.tokenizer, "--tokenizer-dir", str(a.out), "--data", str(a.out / "data"),
+            "--seq-len", str(a.seq_len), "--batch", str(a.batch), "--lr", str(a.lr), "--seed", str(a.seed)]
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m eval.ablation", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="python -m eval.ablation", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--corpus", required=True, help="corpus folder (train-*.txt.gz + valid.txt.gz), file or datasets name")
     budget = p.add_mutually_exclusive_group(required=True)
     budget.add_argument("--tokens", type=int, help="training tokens per model")
@@ -57,7 +99,9 @@ def main(argv=None):
                         "probe of each preset sets the one token budget they all train for")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--presets", default=",".join(PRESETS), help="comma-separated size presets, one per family")
-    p.add_argument("--tokenizer", default="bpe:8192")
+    p.add_argument("--tokenizer", default=None, help="as eval.train's (default: a BPE of the smallest vocab_size of the presets, at most 8192)")
+    p.add_argument("--match-tolerance", type=float, default=0.10, help="how far (a fraction of their mean) the presets' parameter "
+                   "counts may differ (default 0.10)")
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-3)
@@ -72,35 +116,32 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     out = a.out
+    presets = [x.strip() for x in a.presets.split(",") if x.strip()]
+    model_args, iterations = check_args(a, presets)
     out.mkdir(parents=True, exist_ok=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    presets = a.presets.split(",")
-    counts = train.check_matched(presets)
+    counts = a.counts
     if a.time_budget is not None:
         a.tokens = budget_tokens(a, presets, device)
     append_jsonl(out / "ablation.jsonl", {"kind": "presets", "params": counts, "tokens": a.tokens, **environment(device)})
-    checkpoints = []
-    for preset in presets:
-        run = out / "runs" / preset
-        train.train(train.parser().parse_args([
-            "--preset", preset, "--corpus", str(a.corpus), "--out", str(run), "--tokens", str(a.tokens),
-            "--tokenizer", a.tokenizer, "--tokenizer-dir", str(out), "--data", str(out / "data"),
-            "--seq-len", str(a.seq_len), "--batch", str(a.batch), "--lr", str(a.lr), "--seed", str(a.seed),
-        ]))
-        append_jsonl(out / "ablation.jsonl", {"kind": "trained", "preset": preset, "checkpoint": str(run), **environment(device)})
-        checkpoints.append(str(run))
+    # Made before training (cheap, and a corpus without the tasks' text fails now, not after it).
     # Test bits per byte and cloze on the held-out test split when the corpus folder has one.
     split = samples.held_out_split(str(a.corpus))
     make.make(out / "tasks", seed=a.seed, text=str(a.corpus), text_split=split, n_docs=a.task_docs, ppl_docs_n=a.task_docs)
     append_jsonl(out / "ablation.jsonl", {"kind": "tasks", "text_split": split, **environment(device)})
+    checkpoints = []
+    for preset in presets:
+        run = out / "runs" / preset
+        train.train(train.parser().parse_args(train_argv(a, preset)))
+        append_jsonl(out / "ablation.jsonl", {"kind": "trained", "preset": preset, "checkpoint": str(run), **environment(device)})
+        checkpoints.append(str(run))
     limit = int(a.limit) if a.limit and a.limit >= 1 else a.limit
-    model_args = quality.parse_model_args(a.eval_args)
     scorer = next((run for preset, run in zip(presets, checkpoints) if preset.startswith("llama")), None)
     genppl = None
     if a.genppl_prompts > 0 and scorer is not None and any(quality.is_maskpredict(c) for c in checkpoints):
         genppl = quality.genppl_setup(scorer, str(a.corpus), model_args=model_args, prompts=a.genppl_prompts, tokens=a.genppl_tokens)
     quality.quality(checkpoints, a.tasks.split(","), out, include_path=str(out / "tasks"), model_args=model_args,
-                    limit=limit, mp_iterations=[int(x) for x in a.mp_iterations.split(",") if x], genppl=genppl)
+                    limit=limit, mp_iterations=iterations, genppl=genppl)
 
 
 if __name__ == "__main__":

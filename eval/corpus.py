@@ -11,6 +11,8 @@ import gzip
 import json
 from pathlib import Path
 
+from decoders.base import UsageError
+
 
 def open_text(path: Path):
     path = Path(path)
@@ -25,9 +27,15 @@ def file_documents(path: Path):
     """Documents (str, paragraphs joined by newlines) of one file."""
     with open_text(path) as f:
         if is_jsonl(path):
-            for line in f:
+            for number, line in enumerate(f, 1):
                 if line.strip():
-                    yield json.loads(line)["text"]
+                    try:
+                        text = json.loads(line)["text"]
+                    except (ValueError, TypeError, KeyError):
+                        text = None
+                    if not isinstance(text, str):
+                        raise UsageError(f"{path}:{number}: not a JSON object with a \"text\" string")
+                    yield text
             return
         paragraphs = []
         for line in f:
@@ -57,7 +65,11 @@ def documents(source: str | Path, split: str = "train"):
     path = Path(source)
     if path.exists():
         for file in shard_files(path, split):
-            yield from file_documents(file)
+            try:
+                yield from file_documents(file)
+            except (UnicodeDecodeError, EOFError, OSError) as e:
+                # A binary, truncated or not-really-gzip file: the user's corpus, named in one line.
+                raise UsageError(f"{file}: not readable as UTF-8 text or gzip ({type(e).__name__}: {e})") from None
         return
     import datasets
 

@@ -32,6 +32,7 @@ samples), add_bos_token, prefix_token_id; any other argument goes to the family
 (`decoders.load(..., **options)`, e.g. page_size).
 """
 
+import inspect
 import logging
 
 # lm-eval fills its model registry from lm_eval.models only while the registry is empty: import it
@@ -77,6 +78,8 @@ class DecLabLM(TemplateLM):
         **options,
     ):
         super().__init__()
+        self.add_bos_token = parse_optional_bool(add_bos_token)
+        self.custom_prefix_token_id = None if prefix_token_id is None else int(prefix_token_id)
         dtype = None if dtype in (None, "auto") else dtype
         self.decoder = decoders.load(str(pretrained), family=family, device=device, dtype=dtype, impl=impl, seed=int(seed), **options)
         self.tokenizer = tokenizer_for(self.decoder)
@@ -87,8 +90,6 @@ class DecLabLM(TemplateLM):
         self.batch_size = parse_batch_size(batch_size, max_batch_size)
         self.samples = int(samples)
         self.autoregressive = isinstance(self.decoder, AutoregressiveDecoder)
-        self.add_bos_token = parse_optional_bool(add_bos_token)
-        self.custom_prefix_token_id = None if prefix_token_id is None else int(prefix_token_id)
 
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None):
@@ -102,6 +103,7 @@ class DecLabLM(TemplateLM):
         # CUDA that default is dropped (a device in model_args is always obeyed).
         if str(extra.get("device", "")).startswith("cuda") and not torch.cuda.is_available():
             log.warning("no CUDA device: ignoring lm-eval's device=%s (put device=... in model_args to choose)", extra.pop("device"))
+        check_model_args(arg_dict)
         return cls(**arg_dict, **extra)
 
     @property
@@ -290,6 +292,41 @@ def parse_optional_bool(value) -> bool | None:
     if text not in ("true", "false"):
         raise decoders.UsageError(f"add_bos_token={value!r}: expected True or False")
     return text == "true"
+
+
+# model_args DecLabLM reads as whole numbers (each at least 1, seed at least 0).
+INT_ARGS = ("max_length", "max_batch_size", "seed", "samples")
+
+
+def check_model_args(args: dict) -> None:
+    """Raise UsageError for model_args the `declab` model cannot take, before anything is built: no
+    pretrained, a preset or checkpoint that does not exist or is incomplete, an argument neither the
+    model nor the family takes, a count that is not a whole number, a batch size that is neither a
+    number nor "auto"."""
+    if not args.get("pretrained"):
+        raise decoders.UsageError("model_args need pretrained=<preset or checkpoint folder>")
+    family = args.get("family") or decoders.check_model(str(args["pretrained"]))
+    if args.get("family"):
+        decoders.family_class(family)
+    own = [p for p in inspect.signature(DecLabLM.__init__).parameters if p not in ("self", "options")]
+    options = decoders.family_options(family)
+    unknown = [k for k in args if k not in own and k not in options]
+    if unknown:
+        raise decoders.UsageError(f"unknown model argument {unknown[0]!r} for declab (known: {', '.join(own + options)})")
+    for key in INT_ARGS:
+        value = args.get(key)
+        least = 0 if key == "seed" else 1
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+            raise decoders.UsageError(f"model argument {key}={value!r} must be a whole number >= {least}")
+    batch = args.get("batch_size")
+    if batch is not None and not str(batch).startswith("auto") and (not str(batch).isdigit() or int(batch) < 1):
+        raise decoders.UsageError(f"model argument batch_size={batch!r} must be a whole number >= 1 or auto")
+    if "page_size" in args:
+        decoders.check_page_size(args["page_size"])
+    if args.get("device") is not None:
+        decoders.parse_device(str(args["device"]))
+    if args.get("dtype") not in (None, "auto"):
+        decoders.parse_dtype(str(args["dtype"]))
 
 
 def parse_batch_size(batch_size, max_batch_size) -> int:

@@ -30,6 +30,7 @@ import torch
 
 import decoders
 from declab_kernels.benchtools import append_jsonl, environment
+from decoders.cli import Parser, check_output_dir
 
 MQAR_TASK = re.compile(r"declab_mqar_(\d+)$")
 # The metric a table shows per task, first found: bits per byte (perplexity tasks), accuracy, the
@@ -225,11 +226,39 @@ def quality(checkpoints: list[str], tasks: list[str], out: Path, *, include_path
 def parse_model_args(text: str) -> dict:
     from lm_eval.utils import simple_parse_args_string
 
+    if text and any("=" not in item for item in text.split(",") if item):
+        raise decoders.UsageError(f"model args {text!r}: expected key=value,key=value")
     return simple_parse_args_string(text) if text else {}
 
 
+def parse_iterations(text: str, option: str = "--mp-iterations") -> list[int]:
+    """'1,2,4' -> [1, 2, 4]: whole numbers >= 1."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise decoders.UsageError(f"{option} expects comma-separated whole numbers, got {text!r}") from None
+    if values and min(values) < 1:
+        raise decoders.UsageError(f"{option} values must be at least 1, got {text!r}")
+    return values
+
+
+def check_runs(checkpoints: list[str], model_args: dict, *, limit=None, genppl_prompts: int = 1, genppl_tokens: int = 1) -> None:
+    """What `quality` would refuse only after loading a model, checked for every checkpoint first: the
+    checkpoint itself and the model_args it is evaluated with."""
+    from eval.lm_model import check_model_args
+
+    if limit is not None and not limit > 0:
+        raise decoders.UsageError(f"--limit must be > 0, got {limit}")
+    if genppl_prompts < 0 or genppl_tokens < 1:
+        raise decoders.UsageError(f"--genppl-prompts must be >= 0 and --genppl-tokens >= 1, got {genppl_prompts} and {genppl_tokens}")
+    if "pretrained" in model_args:
+        raise decoders.UsageError("model args may not set pretrained (the checkpoints do)")
+    for checkpoint in checkpoints:
+        check_model_args({**model_args, "pretrained": str(checkpoint)})
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m eval.quality", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="python -m eval.quality", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoints", nargs="+", help="checkpoint folders or presets")
     source.add_argument("--from-jsonl", type=Path, help="redraw the table and plots of an existing (possibly interrupted) quality.jsonl")
@@ -248,19 +277,26 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None):
     a = parser().parse_args(argv)
-    a.out.mkdir(parents=True, exist_ok=True)
+    check_output_dir(a.out, "--out")
     if a.from_jsonl is not None:
         if not a.from_jsonl.is_file():
             raise decoders.UsageError(f"{a.from_jsonl}: no such file")
+        a.out.mkdir(parents=True, exist_ok=True)
         write_reports(runs_from_jsonl(a.from_jsonl), a.out)
         return
     if not a.tasks:
         raise decoders.UsageError("--tasks is required with --checkpoints")
-    iterations = [int(x) for x in a.mp_iterations.split(",") if x]
+    iterations = parse_iterations(a.mp_iterations)
     limit = int(a.limit) if a.limit and a.limit >= 1 else a.limit
     model_args = parse_model_args(a.model_args)
     if (a.genppl_scorer is None) != (a.genppl_text is None):
         raise decoders.UsageError("--genppl-scorer and --genppl-text go together")
+    if not Path(a.include_path).is_dir():
+        raise decoders.UsageError(f"--include-path {a.include_path}: no such folder")
+    check_runs(a.checkpoints + ([a.genppl_scorer] if a.genppl_scorer else []), model_args, limit=limit,
+               genppl_prompts=a.genppl_prompts, genppl_tokens=a.genppl_tokens)
+    if a.genppl_text is not None and "/" in a.genppl_text and not Path(a.genppl_text).exists():
+        raise decoders.UsageError(f"--genppl-text {a.genppl_text}: no such file or folder")
     genppl = None
     if a.genppl_scorer:
         genppl = genppl_setup(a.genppl_scorer, a.genppl_text, model_args=model_args, prompts=a.genppl_prompts, tokens=a.genppl_tokens)

@@ -29,6 +29,11 @@ counts agree within 10% (`configs/<family>-30m.json`, checked by `check_matched`
   tokenizer in --out (so `decoders.load(out)` and `--model_args pretrained=out` read it), and
   `train_state.pt` (model, optimizer, step, RNG) from which a rerun of the same command resumes.
   Every record (start, validation, end) is a JSON line in `<out>/train.jsonl` with environment().
+- Before anything is written: the preset, the corpus (its train and valid files), every count, the
+  output folders and the tokenizer (its size within the preset's vocabulary; by default a BPE of the
+  preset's vocabulary size, at most 8192) are checked, and a tokenizer an earlier run saved in the
+  tokenizer folder is reused only when it was made from the same --tokenizer. Bad input is one line
+  on stderr and exit code 2.
 """
 
 import argparse
@@ -37,6 +42,7 @@ import inspect
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -47,13 +53,18 @@ from tqdm import tqdm
 
 import decoders
 from declab_arch.checkpoint import CONFIG_DIR, read_json
-from eval.corpus import documents
-from eval.tokenizer import make_tokenizer, save_tokenizer
+from decoders.cli import Parser, check_output_dir
+from eval.corpus import documents, shard_files
+from eval.tokenizer import BYTE_VOCAB, make_tokenizer, save_tokenizer
 from declab_kernels.benchtools import append_jsonl, environment
 
 BPE_SAMPLE_DOCS = 20000
 # Share of Mask-Predict's training windows whose prompt sees the block (the bidirectional bound's attention).
 MASKPREDICT_BIDIRECTIONAL = 0.25
+# Largest default BPE (a preset's vocabulary size above it still gets this many tokens).
+DEFAULT_BPE = 8192
+# Beside a saved tokenizer: the --tokenizer it was made from.
+SPEC_FILE = "declab_tokenizer_spec.json"
 
 
 def preset_values(name: str) -> tuple[str, dict]:
@@ -154,10 +165,49 @@ def prepare_data(corpus: str, tokenizer, tokens: int, folder: Path, *, val_docs:
     return meta
 
 
-def load_or_make_tokenizer(spec: str, corpus: str, out: Path):
-    """`spec` is a folder, "byte" or "bpe:<size>" (trained on the first documents of the corpus); saved to out/tokenizer."""
-    saved = out / "tokenizer"
+def default_tokenizer(presets: list[str]) -> str:
+    """A BPE of the smallest vocabulary among the presets, at most DEFAULT_BPE tokens."""
+    return f"bpe:{min([DEFAULT_BPE] + [preset_values(p)[1]['vocab_size'] for p in presets])}"
+
+
+def tokenizer_size(spec: str) -> int:
+    """Tokens of the tokenizer `spec` names ("byte", "bpe:<size>", a folder), read without training one."""
+    if spec == "byte":
+        return BYTE_VOCAB
+    if spec.startswith("bpe:"):
+        size = spec.removeprefix("bpe:")
+        if not size.isdigit() or int(size) < BYTE_VOCAB:
+            raise decoders.UsageError(f"--tokenizer {spec!r}: a BPE size must be a whole number >= {BYTE_VOCAB}")
+        return int(size)
+    if not Path(spec).is_dir():
+        raise decoders.UsageError(f"--tokenizer {spec!r}: not 'byte', 'bpe:<size>' or a folder with tokenizer files")
+    return len(make_tokenizer(spec))
+
+
+def saved_spec(saved: Path) -> str | None:
+    """The --tokenizer an earlier run made the tokenizer in `saved` from (None: not recorded)."""
+    path = saved / SPEC_FILE
+    return json.loads(path.read_text())["spec"] if path.exists() else None
+
+
+def check_saved_tokenizer(spec: str, saved: Path) -> None:
+    """Refuse a tokenizer saved in `saved` by a run with another --tokenizer: reusing it silently would
+    train on a tokenizer the command line does not name."""
     if (saved / "tokenizer.json").exists():
+        earlier = saved_spec(saved)
+        if earlier is not None and earlier != spec:
+            raise decoders.UsageError(f"{saved} holds a tokenizer made from --tokenizer {earlier}, not {spec}: "
+                                      f"pass --tokenizer {earlier}, or another --out / --tokenizer-dir")
+
+
+def load_or_make_tokenizer(spec: str, corpus: str, out: Path):
+    """`spec` is a folder, "byte" or "bpe:<size>" (trained on the first documents of the corpus); saved to
+    out/tokenizer with the spec, and reused from there by a later run with the same spec."""
+    saved = out / "tokenizer"
+    check_saved_tokenizer(spec, saved)
+    if (saved / "tokenizer.json").exists():
+        if saved_spec(saved) is None:
+            print(f"warning: reusing the tokenizer in {saved} (its --tokenizer is not recorded)", file=sys.stderr)
         return make_tokenizer(str(saved))
     texts = None
     if spec.startswith("bpe:"):
@@ -168,6 +218,7 @@ def load_or_make_tokenizer(spec: str, corpus: str, out: Path):
                 break
     tokenizer = make_tokenizer(spec, texts)
     save_tokenizer(tokenizer, saved)
+    (saved / SPEC_FILE).write_text(json.dumps({"spec": spec}) + "\n")
     return tokenizer
 
 
@@ -259,10 +310,62 @@ def validate(model, loss, valid: np.ndarray, *, batch: int, seq_len: int, max_to
     return total / len(windows)
 
 
+def check_corpus(corpus: str, option: str = "--corpus") -> None:
+    """A corpus path must exist and hold train and valid files; a name that is no path is left to
+    `datasets` (read from the user's cache when training starts)."""
+    path = Path(corpus)
+    if not path.exists():
+        if path.suffix or "/" in corpus or corpus.startswith("."):
+            raise decoders.UsageError(f"{option} {corpus}: no such file or folder")
+        return
+    for split in ("train", "valid"):
+        try:
+            shard_files(path, split)
+        except FileNotFoundError as e:
+            raise decoders.UsageError(f"{option} {e}") from None
+
+
+def check_args(args) -> None:
+    """Everything `train` can refuse, checked before it writes anything."""
+    family, values = preset_values(args.preset)
+    for name in ("tokens", "seq_len", "batch", "val_every", "val_tokens", "save_every", "log_every"):
+        if getattr(args, name) < 1:
+            raise decoders.UsageError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.stop_at is not None and args.stop_at < 1:
+        raise decoders.UsageError(f"--stop-at must be at least 1, got {args.stop_at}")
+    if not args.lr > 0 or not args.clip > 0 or not 0 <= args.warmup < 1 or not args.weight_decay >= 0:
+        raise decoders.UsageError("--lr and --clip must be > 0, --warmup in [0, 1), --weight-decay >= 0")
+    decoders.parse_device(args.device)
+    check_corpus(args.corpus)
+    check_output_dir(args.out, "--out")
+    for option, folder in (("--tokenizer-dir", args.tokenizer_dir), ("--data", args.data)):
+        if folder:
+            check_output_dir(folder, option)
+    if args.tokenizer is None:
+        args.tokenizer = default_tokenizer([args.preset])
+    size = tokenizer_size(args.tokenizer)
+    if size > values["vocab_size"]:
+        raise decoders.UsageError(f"--tokenizer {args.tokenizer} has {size} tokens, more than {args.preset}'s vocab_size {values['vocab_size']}")
+    check_saved_tokenizer(args.tokenizer, Path(args.tokenizer_dir or args.out) / "tokenizer")
+    check_resumable(args)
+
+
+def check_resumable(args) -> None:
+    """A train_state.pt already in --out must be a run of the same preset and steps (a rerun resumes
+    it); read memory-mapped, so only its two small fields are loaded."""
+    state_path = Path(args.out) / "train_state.pt"
+    if state_path.exists():
+        state = torch.load(state_path, map_location="cpu", weights_only=False, mmap=True)
+        steps = max(1, args.tokens // (args.batch * args.seq_len))
+        if state["preset"] != args.preset or state["steps"] != steps:
+            raise decoders.UsageError(f"{state_path} is a run of {state['preset']} for {state['steps']} steps, not {args.preset} for {steps}: use another --out")
+
+
 def train(args) -> Path:
+    check_args(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = decoders.parse_device(args.device)
     torch.manual_seed(args.seed)
     tokenizer = load_or_make_tokenizer(args.tokenizer, args.corpus, Path(args.tokenizer_dir or out))
     data_dir = Path(args.data or out / "data")
@@ -290,8 +393,6 @@ def train(args) -> Path:
     state_path = out / "train_state.pt"
     if state_path.exists():
         state = torch.load(state_path, map_location=device, weights_only=False)
-        if state["preset"] != args.preset or state["steps"] != steps:
-            raise decoders.UsageError(f"{state_path} is a run of {state['preset']} for {state['steps']} steps, not {args.preset} for {steps}: use another --out")
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"])
@@ -346,12 +447,13 @@ def train(args) -> Path:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m eval.train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="python -m eval.train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", required=True, help="size preset: configs/<name>.json (e.g. llama-30m, mamba2-tiny)")
     p.add_argument("--corpus", required=True, help="corpus folder (train-*.txt.gz, valid.txt.gz), a text/jsonl file, or a datasets name")
     p.add_argument("--out", required=True, help="output folder: the checkpoint (lab format), train_state.pt, train.jsonl")
     p.add_argument("--tokens", type=int, required=True, help="training token budget (steps = tokens / (batch * seq_len))")
-    p.add_argument("--tokenizer", default="bpe:8192", help='"byte", "bpe:<vocab>" (trained on the corpus) or a folder with tokenizer files')
+    p.add_argument("--tokenizer", default=None, help='"byte", "bpe:<vocab>" (trained on the corpus) or a folder with tokenizer files '
+                   f"(default: a BPE of the preset's vocab_size, at most {DEFAULT_BPE})")
     p.add_argument("--tokenizer-dir", help="where the tokenizer is saved/reused (default: --out); share it between matched runs")
     p.add_argument("--data", help="tokenised-data cache folder (default: <out>/data); share it between matched runs")
     p.add_argument("--seq-len", type=int, default=512)

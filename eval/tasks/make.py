@@ -31,7 +31,10 @@ from pathlib import Path
 
 import yaml
 
-from eval.corpus import documents
+from decoders import user_errors
+from decoders.base import UsageError
+from decoders.cli import Parser, check_output_dir
+from eval.corpus import documents, shard_files
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "data"
 LOGLIK_METRICS = [
@@ -164,6 +167,10 @@ def make(out: Path, *, seed: int = 0, text: str | None = None, mqar_pairs=(4, 8,
     names += mqar + ["declab_mqar"] + copy + ["declab_copy"]
     if text is not None:
         texts = list(documents(text, text_split))
+        cloze = cloze_docs(texts, n_docs, cloze_context, seed)
+        if not cloze:
+            # An empty task would fail inside lm-eval's dataset loading, after the evaluation started.
+            raise UsageError(f"--text {text}: no paragraph of more than 20 words in its {text_split} split, so no declab_cloze item")
         write_jsonl(out / "declab_ppl.jsonl", ppl_docs(texts, ppl_docs_n))
         write_yaml(
             out / "declab_ppl.yaml",
@@ -177,18 +184,36 @@ def make(out: Path, *, seed: int = 0, text: str | None = None, mqar_pairs=(4, 8,
                 ],
             ),
         )
-        write_jsonl(out / "declab_cloze.jsonl", cloze_docs(texts, n_docs, cloze_context, seed))
+        write_jsonl(out / "declab_cloze.jsonl", cloze)
         write_yaml(out / "declab_cloze.yaml", loglik_yaml("declab_cloze", out / "declab_cloze.jsonl", seed))
         names += ["declab_ppl", "declab_cloze"]
     return names
 
 
 def int_list(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
+    """'4,8,16' -> [4, 8, 16]: whole numbers >= 1 (argparse reports anything else as one line)."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected whole numbers >= 1, got {text!r}")
+    return values
+
+
+def check_text(text: str, split: str) -> None:
+    """--text must be a readable file, or a corpus folder with `split` shards."""
+    path = Path(text)
+    if not path.exists():
+        raise UsageError(f"--text {text}: no such file or folder")
+    try:
+        shard_files(path, split)
+    except FileNotFoundError as e:
+        raise UsageError(f"--text {e} (--text-split {split})") from None
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m eval.tasks.make", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="python -m eval.tasks.make", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     p.add_argument("--text", help="held-out text for declab_ppl and declab_cloze: a file or a corpus folder (its --text-split shards)")
@@ -200,6 +225,13 @@ def main(argv=None):
     p.add_argument("--ppl-docs", type=int, default=200, help="documents in declab_ppl")
     p.add_argument("--cloze-context", type=int, default=1024, help="characters of context before each cloze word")
     a = p.parse_args(argv)
+    with user_errors():
+        for option in ("mqar_context", "docs", "ppl_docs", "cloze_context"):
+            if getattr(a, option) < 1:
+                raise UsageError(f"--{option.replace('_', '-')} must be at least 1, got {getattr(a, option)}")
+        check_output_dir(a.out, "--out")
+        if a.text is not None:
+            check_text(a.text, a.text_split)
     names = make(a.out, seed=a.seed, text=a.text, mqar_pairs=a.mqar_pairs, mqar_context=a.mqar_context, copy_lengths=a.copy_lengths,
                  n_docs=a.docs, ppl_docs_n=a.ppl_docs, cloze_context=a.cloze_context, text_split=a.text_split)
     print(f"wrote {len(names)} tasks to {a.out}: {', '.join(names)}")

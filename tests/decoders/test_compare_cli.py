@@ -74,9 +74,13 @@ def test_tiny_sweep_end_to_end(tmp_path):
         assert r["status"] == "ok" and r["impl"] == "ref" and r["family"] == "transformer"
         assert r["decode_tok_s"] > 0 and r["ttft_ms"] > 0 and r["mbu"] > 0 and r["git_sha"]
         assert r["step_ms_p50"] <= r["step_ms_p90"] <= r["step_ms_p99"]
+        # On the CPU each point is timed CPU_REPEATS times; the record keeps every run's rate and their spread.
+        assert r["repeats"] == harness.CPU_REPEATS and len(r["decode_tok_s_per_seq_runs"]) == r["repeats"] and r["spread"] >= 0
+        assert r["cpu_threads"] >= 1
     assert records[0]["decay"] == 1.0
     final = json.loads(result.stdout.strip().splitlines()[-1])
-    assert len(final["points"]) == 3
+    assert len(final["points"]) == 3 and final["out"] == str(tmp_path / "out.jsonl") and "config" not in final["points"][0]
+    assert "not performance measurements" in result.stdout
     assert "llama-tiny" in result.stdout and "tok/s" in result.stdout
     assert plot.stat().st_size > 0
     redrawn = tmp_path / "redrawn.png"
@@ -104,3 +108,23 @@ def test_a_point_past_its_timeout_is_recorded_and_the_sweep_goes_on(tmp_path, mo
     assert [(r["ctx"], r["status"]) for r in records] == [(256, "ok"), (512, "timeout"), (1024, "ok")]
     assert "no result within 20 s" in records[1]["reason"] and records[1]["model"] == "llama-tiny" and records[1]["git_sha"]
     assert "llama-tiny: timeout: no result within 20 s" in capsys.readouterr().out
+
+
+def test_a_model_refused_mid_sweep_keeps_the_points_before_it(tmp_path, capsys):
+    """A checkpoint whose tensor has the wrong shape is found only when its weights are read, after the
+    models before it were measured: one line naming it and where those points are, exit code 2."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    import decoders
+
+    folder = tmp_path / "misshaped"
+    decoders.load("llama-tiny", device="cpu", impl="ref").save(folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors["model.embed_tokens.weight"] = torch.zeros(3, 3)
+    save_file(tensors, str(folder / "model.safetensors"))
+    out = tmp_path / "out.jsonl"
+    code = compare.main(["--no-progress", "--models", f"llama-tiny,{folder}", "--ctx", "64", "--new-tokens", "4", "--out", str(out)])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(err) == 1 and "model.embed_tokens.weight has shape [3, 3]" in err[0]
+    assert f"1 finished point(s) kept in {out}" in err[0] and json.loads(out.read_text())["status"] == "ok"

@@ -165,9 +165,11 @@ def test_plot_draws_peers_beside_their_model(tmp_path):
     assert path.stat().st_size > 0
 
 
-def test_plot_draws_the_newest_run_of_a_point():
-    from decoders.plot import latest_points
+def test_plot_draws_the_newest_record_of_a_point():
+    from decoders.plot import select
 
+    # Records without a time: of one run's records of a context, the later in the files is drawn.
     old = {"model": "llama-1b", "status": "ok", "ctx": 4096, "batch": 1, "decode_tok_s_per_seq": 1000.0, "tokens_per_pass": 1.0}
-    series = latest_points([old, dict(old, ctx=8192), dict(old, decode_tok_s_per_seq=1100.0), dict(old, status="timeout")])
-    assert sorted((r["ctx"], r["decode_tok_s_per_seq"]) for r in series["llama-1b"]) == [(4096, 1100.0), (8192, 1000.0)]
+    series, left_out = select([old, dict(old, ctx=8192), dict(old, decode_tok_s_per_seq=1100.0), dict(old, status="timeout")])
+    assert sorted((r["ctx"], r["decode_tok_s_per_seq"]) for r in series["llama-1b", 1, None]) == [(4096, 1100.0), (8192, 1000.0)]
+    assert left_out == []
