@@ -179,12 +179,15 @@ def grid(a) -> list[dict]:
 
 
 def run_worker(a, index: int, count: int) -> None:
-    """Train this worker's share (every count-th run from index) of the runs not yet recorded."""
+    """Train this worker's share of the grid (every count-th run from index), skipping recorded runs.
+    Shares are cut from the whole grid, not from what is left, so workers that start at different
+    moments still split it exactly."""
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     path = Path(a.out) / "mqar.jsonl"
     done = {key(r) for r in read_records(path)}
-    todo = [g for g in grid(a) if key(g) not in done]
-    for run in todo[index::count]:
+    for run in grid(a)[index::count]:
+        if key(run) in done:
+            continue
         record = train_point(run["family"], run["width"], run["pairs"], run["seq_len"], run["lr"], a, device)
         append_jsonl(path, record)
         print(f"{run['family']:<12} width {run['width']:>4}  pairs {run['pairs']:>3}  seq {run['seq_len']:>4}  lr {run['lr']:.0e}: "
