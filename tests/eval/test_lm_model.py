@@ -118,8 +118,13 @@ def test_ref_maskpredict_montecarlo_and_greedy():
     lm = make_lm("maskpredict-tiny", samples=4, iterations=2)
     ctx = [256, 5, 6, 7]
     (ll, _), = lm._loglikelihood_tokens([(None, ctx, [8])], disable_tqdm=True)
-    # The Monte-Carlo bound is the family's own estimator (exact for one token).
-    assert ll == pytest.approx(lm.decoder.loglikelihood(ctx, [8], samples=4), rel=1e-5)
+    # For one token the bound is exact: the model's log-probability at a masked position after the
+    # context, the context blind to it (the prefix bound).
+    from declab_arch.maskpredict import token_log_probs
+
+    mask = lm.decoder.mask_token_id
+    logits = lm.decoder.model(torch.tensor([ctx + [mask]]), segments=(torch.arange(len(ctx) + 1) >= len(ctx)).long()[None])
+    assert ll == pytest.approx(token_log_probs(logits, mask)[0, -1, 8].item(), rel=1e-5)
     cont = lm.decoder.generate([ctx], max_new_tokens=3).tokens[0]
     wrong = cont[:-1] + [(cont[-1] + 1) % 256]
     (_, yes), (_, no) = lm._loglikelihood_tokens([("req-a", ctx, cont), ("req-b", ctx, wrong)], disable_tqdm=True)
