@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 import decoders
+from decoders import cli
 from declab_arch.checkpoint import CONFIG_DIR, read_json
 from declab_kernels.benchtools import append_jsonl, environment
 from eval.train import lr_at
@@ -56,14 +57,6 @@ MASK = 511
 HEAD_DIM = 32
 DEFAULT = {"widths": "64,128,256", "points": "8:64,16:128,32:256,64:512", "lrs": "1e-3,3e-3", "steps": 1500}
 QUICK = {"widths": "64,128", "points": "8:64,32:256", "lrs": "3e-3", "steps": 400}
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse whose refusals are one line on stderr and exit code 2."""
-
-    def error(self, message):
-        print(f"error: {message}", file=sys.stderr)
-        raise SystemExit(2)
 
 
 def model_values(family: str, width: int, layers: int) -> dict:
@@ -265,7 +258,7 @@ def int_list(text: str) -> list[int]:
 
 
 def parse_args(argv=None):
-    p = Parser(prog="python -m eval.mqar_sweep", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.Parser(prog="python -m eval.mqar_sweep", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="results/quality/mqar", help="folder of mqar.jsonl and the plots (default results/quality/mqar)")
     p.add_argument("--families", default=",".join(FAMILIES))
     p.add_argument("--widths", help=f"model widths, multiples of {HEAD_DIM} (default {DEFAULT['widths']})")
@@ -311,9 +304,9 @@ def parse_args(argv=None):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    a = parse_args(argv)
-    out = Path(a.out)
     with decoders.user_errors():
+        a = parse_args(argv)
+        out = cli.check_output_dir(a.out, "--out")
         if a.worker:
             index, count = (int(x) for x in a.worker.split("/"))
             run_worker(a, index, count)
@@ -323,9 +316,11 @@ def main(argv=None):
         if workers == 1:
             run_worker(a, 0, 1)
         else:
-            # One process per GPU, each on its own device, all appending to the same mqar.jsonl.
+            # One process per GPU, each seeing only its own device (of those this process sees), all
+            # appending to the same mqar.jsonl.
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(workers)))).split(",")
             procs = [subprocess.Popen([sys.executable, "-m", "eval.mqar_sweep", *argv, "--worker", f"{i}/{workers}"],
-                                      env={**os.environ, "CUDA_VISIBLE_DEVICES": str(i)}) for i in range(workers)]
+                                      env={**os.environ, "CUDA_VISIBLE_DEVICES": visible[i]}) for i in range(workers)]
             codes = [proc.wait() for proc in procs]
             if any(codes):
                 print(f"error: a worker failed (exit codes {codes}); finished runs are in {out / 'mqar.jsonl'}, rerun to resume", file=sys.stderr)

@@ -36,25 +36,17 @@ stdout line is one JSON document.
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import torch
 
 import decoders
+from decoders import cli
 from declab_kernels.benchtools import append_jsonl, environment, matmul_flops
 from eval import train
 
 PREFIX = {"transformer": "llama", "mamba2": "mamba2", "rwkv7": "rwkv7", "maskpredict": "maskpredict"}
 FLATTENED = 0.02
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse whose refusals are one line on stderr and exit code 2."""
-
-    def error(self, message):
-        print(f"error: {message}", file=sys.stderr)
-        raise SystemExit(2)
 
 
 def read_records(path: Path) -> list[dict]:
@@ -145,7 +137,7 @@ def plot_curves(records: list[dict], path: Path) -> None:
 
 
 def parse_args(argv=None):
-    p = Parser(prog="python -m eval.study", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.Parser(prog="python -m eval.study", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--corpus", required=True, help="corpus (eval.train's formats)")
     p.add_argument("--out", default="results/quality/study")
     p.add_argument("--families", default=",".join(PREFIX))
@@ -256,8 +248,9 @@ def study(a) -> dict:
 
 
 def main(argv=None):
-    a = parse_args(argv)
     with decoders.user_errors():
+        a = parse_args(argv)
+        cli.check_output_dir(a.out, "--out")
         result = study(a)
     print(json.dumps(result))
 
