@@ -2,6 +2,7 @@
 scores 1, a shifted oracle 0), a tiny grid end to end with resumption, and one-line refusals."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -87,7 +88,7 @@ def test_bad_options_are_one_line_and_exit_2(bad, message, tmp_path, capsys):
         mqar_sweep.main(["--out", str(tmp_path), *bad])
     err = capsys.readouterr().err
     assert e.value.code == 2 and len(err.strip().splitlines()) == 1
-    assert __import__("re").search(message, err)
+    assert re.search(message, err)
     assert not (tmp_path / "mqar.jsonl").exists()
 
 
