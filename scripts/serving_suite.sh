@@ -7,7 +7,7 @@
 #   scripts/serving_suite.sh OUT_DIR SECONDS STAGE...   (stages: deps tests engine64 compare64 sb8b bursty b256 http spec)
 #
 # Wheels for the server and the HTTP client are installed from WHEEL_DIR (default .whl-serve) when
-# the machine lacks them; CORPUS (default shared/data/corpus) is the spec stage's training text.
+# the machine lacks them; CORPUS (default .corpus, a folder of train / valid / test shards) is the spec stage's training text.
 set -uo pipefail
 out=${1:?usage: scripts/serving_suite.sh OUT_DIR SECONDS STAGE...}
 deadline=$((SECONDS + ${2:?seconds for the whole call}))
@@ -65,7 +65,7 @@ for s in "$@"; do
         stage "b256_$m" 60 python3 -m decoders.engine --model "$m" --batch 256 --ctx 4096 --new-tokens 64 --out "$out/engine.jsonl"
       done ;;
     http) stage http 130 bash -c http_stage ;;
-    spec) stage spec 300 python3 -m eval.spec_study --corpus "${CORPUS:-shared/data/corpus}" --out "$out/spec.jsonl" --work "$work/spec" \
+    spec) stage spec 300 python3 -m eval.spec_study --corpus "${CORPUS:-.corpus}" --out "$out/spec.jsonl" --work "$work/spec" \
         --train-seconds 45 --draft-seconds 10 --heads-seconds 10 --batch 1,8 ;;
     *) echo "unknown stage $s" | tee -a "$log" ;;
   esac
