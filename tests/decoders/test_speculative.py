@@ -251,7 +251,8 @@ def test_compare_spec_option(tmp_path):
 
     done = run("--spec", "draft=mamba2-tiny,k=3")
     assert done.returncode == 0, done.stderr
-    (point,) = json.loads(done.stdout.splitlines()[-1])["points"]
+    # The last stdout line is short; the full record is the one appended to --out.
+    (point,) = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert point["status"] == "ok" and point["speculative"]["k"] == 3 and point["speculative"]["draft"]["family"] == "mamba2"
     assert 1 <= point["tokens_per_pass"] <= 4
     bad = run("--spec", "draft=maskpredict-tiny,k=3")
