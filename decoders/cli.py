@@ -101,3 +101,16 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str):
         print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
         raise SystemExit(2)
+
+
+def run_command(build_parser, run, argv=None) -> int:
+    """A command line's main: `run(parsed arguments)`'s exit status, or 2 with one line on stderr when
+    the lab refuses the input (a bad option, preset or checkpoint)."""
+    from decoders import USER_ERRORS
+
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except USER_ERRORS as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2

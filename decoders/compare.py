@@ -421,14 +421,9 @@ def run(args) -> int:
 
 def main(argv=None) -> int:
     """Exit status: 0 when every point finished, 130 when interrupted, 2 for input the lab refuses."""
-    from decoders import USER_ERRORS
+    from decoders.cli import run_command
 
-    args = build_parser().parse_args(argv)
-    try:
-        return run(args)
-    except USER_ERRORS as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return run_command(build_parser, run, argv)
 
 
 if __name__ == "__main__":

@@ -1096,12 +1096,14 @@ def main(argv=None) -> int:
         "decode_tok_s": args.batch / step, "first_token_s": run["first_token_s"], "total_s": run["total_s"],
         "env": environment(dec.device),
     }
-    append_jsonl(args.out, record)
+    append_jsonl(out, record)
     idle = record["gpu_idle_fraction"]
     print(f"{'model':<14} {'batch':>5} {'ctx':>6} {'decode tok/s':>12} {'step ms':>8} {'host ms':>8} {'host %':>6} {'GPU idle %':>10}")
     print(f"{dec.source:<14} {args.batch:>5} {args.ctx:>6} {record['decode_tok_s']:>12.0f} {step * 1e3:>8.3f} "
           f"{record['host_s_p50'] * 1e3:>8.3f} {100 * record['host_fraction']:>6.1f} {'-' if idle is None else f'{100 * idle:.1f}':>10}")
-    print(json.dumps(record))
+    # The last stdout line stays short: the whole record is in --out.
+    print(json.dumps({"out": str(out), **{k: record[k] for k in ("model", "batch", "ctx", "new_tokens", "decode_tok_s", "step_s_p50",
+                                                                "host_fraction", "gpu_idle_fraction")}}))
     return 0
 
 
