@@ -182,10 +182,10 @@ def format_table(records: list[dict]) -> str:
     cols = [
         ("model", "{}"), ("T", "{}"), ("batch", "{}"), ("ctx", "{}"), ("status", "{}"), ("ttft ms", "{:.1f}"),
         ("p50 ms", "{:.2f}"), ("p99 ms", "{:.2f}"), ("tok/s/seq", "{:.1f}"), ("tok/s", "{:.1f}"),
-        ("prefill tok/s", "{:.0f}"), ("MBU", "{:.2f}"), ("decay", "{:.2f}"), ("spread", "{:.0%}"),
+        ("prefill tok/s", "{:.0f}"), ("MBU", "{:.2f}"), ("MBU nom", "{:.2f}"), ("decay", "{:.2f}"), ("spread", "{:.0%}"),
     ]
     keys = ["model", "iterations", "batch", "ctx", "status", "ttft_ms", "step_ms_p50", "step_ms_p99", "decode_tok_s_per_seq",
-            "decode_tok_s", "prefill_tok_s", "mbu", "decay", "spread"]
+            "decode_tok_s", "prefill_tok_s", "mbu", "mbu_nominal", "decay", "spread"]
     rows = [[name for name, _ in cols]]
     for r in records:
         rows.append(["-" if r.get(k) is None else fmt.format(r[k]) for (_, fmt), k in zip(cols, keys)])
@@ -203,7 +203,7 @@ def cpu_note(records: list[dict], threads: int) -> str:
 
 def summary(records: list[dict], where: str) -> dict:
     """The last stdout line: where the full records are, and each point's status and headline figures."""
-    keep = ("model", "peer", "iterations", "batch", "ctx", "status", "decode_tok_s_per_seq", "step_ms_p50", "ttft_ms", "mbu", "decay", "spread")
+    keep = ("model", "peer", "iterations", "batch", "ctx", "status", "decode_tok_s_per_seq", "step_ms_p50", "ttft_ms", "mbu", "mbu_nominal", "decay", "spread")
     # Four significant digits: a headline, not the record.
     points = [{k: float(f"{r[k]:.4g}") if isinstance(r[k], float) else r[k] for k in keep if r.get(k) is not None} for r in records]
     return {"out": where, "points": points, "ok": sum(r.get("status") == "ok" for r in records)}

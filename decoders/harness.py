@@ -55,9 +55,33 @@ def pin_cpu_threads() -> int:
     return threads
 
 
+# Memory bandwidth by the vendors' datasheets, bytes/s, by the device name CUDA reports (longest match
+# first): the peak that published MBU figures are quoted against.
+NOMINAL_BANDWIDTH = {
+    "H200": 4.8e12,
+    "H100 NVL": 3.9e12,
+    "H100 PCIe": 2.0e12,
+    "H100": 3.35e12,
+    "A100-SXM4-80GB": 2.039e12,
+    "A100 80GB PCIe": 1.935e12,
+    "A100": 1.555e12,
+}
+
+
+def nominal_bandwidth(device_name: str) -> float | None:
+    """The datasheet memory bandwidth of a GPU named `device_name`, None for one not in the table."""
+    for key in sorted(NOMINAL_BANDWIDTH, key=len, reverse=True):
+        if key in device_name:
+            return NOMINAL_BANDWIDTH[key]
+    return None
+
+
 def ceilings(device) -> dict:
-    """Copy bandwidth and matmul rate of this device, measured now."""
-    return {"copy_bytes_per_s": benchtools.copy_bandwidth(device), "matmul_flops": benchtools.matmul_flops(device)}
+    """Copy bandwidth and matmul rate of this device, measured now, beside its nominal bandwidth."""
+    device = torch.device(device)
+    nominal = nominal_bandwidth(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    return {"copy_bytes_per_s": benchtools.copy_bandwidth(device), "matmul_flops": benchtools.matmul_flops(device),
+            "nominal_bytes_per_s": nominal}
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -216,6 +240,8 @@ def measure(decoder: Decoder, *, ctx: int, batch: int, new_tokens: int, ceiling:
                 "roofline_ms": roofline_s * 1e3,
                 "achieved_bytes_per_s": mem.step_bytes / step_median,
                 "mbu": roofline_s / step_median,
+                # Against the datasheet's peak, as published MBU figures are (None off the table).
+                "mbu_nominal": mem.step_bytes / ceiling["nominal_bytes_per_s"] / step_median if ceiling.get("nominal_bytes_per_s") else None,
             }
         )
     return record
