@@ -44,6 +44,15 @@ def metric(url: str, name: str, default: float | None = None) -> float:
     return float(match.group(1)) if match else default
 
 
+def concurrently(ask, n: int) -> None:
+    """ask(0) .. ask(n - 1), each in its own thread, all at once; waits for every one (bounded)."""
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+
+
 def settle(url: str, *names: str) -> None:
     """Wait (bounded) until every named gauge reads 0: the engine thread publishes its stats after
     the step whose outputs the client has already received."""
@@ -119,11 +128,7 @@ def test_sixteen_concurrent_clients_each_get_their_own_answer(preset_server):
         else:
             answers[i] = reply.choices[0].model_extra["token_ids"]
 
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
+    concurrently(ask, len(prompts))
     assert answers == expected
 
 
@@ -390,11 +395,7 @@ def test_on_the_gpu_the_server_serves_generates_tokens(model):
             reply = client(url).completions.create(model=model, prompt=prompts[i], max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
             answers[i] = reply.choices[0].model_extra["token_ids"]
 
-        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=300)
+        concurrently(ask, len(prompts))
         assert answers == expected
         settle(url, "declab_requests_running")
         assert metric(url, "declab_requests_running") == 0
