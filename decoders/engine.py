@@ -1014,9 +1014,9 @@ class Engine:
 
 
 def build_parser():
-    import argparse
+    from decoders import cli
 
-    p = argparse.ArgumentParser(prog="python -m decoders.engine", description="Saturated decode through the engine: "
+    p = cli.Parser(prog="python -m decoders.engine", description="Saturated decode through the engine: "
                                 "--batch requests of --ctx tokens (prompt + --new-tokens) admitted at once; decode tokens/s "
                                 "and the host share of the step time.")
     p.add_argument("--model", default="llama-1b", help="preset or checkpoint folder (default llama-1b)")

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 import decoders
+from decoders import cli
 from decoders.base import UsageError
 from decoders.engine import Engine, EngineFull, Request
 from decoders.sampling import Sampling
@@ -795,7 +796,7 @@ def positive(text: str) -> int:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m decoders.serve", description=__doc__.split("\n\n")[0])
+    p = cli.Parser(prog="python -m decoders.serve", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="preset or checkpoint folder")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")

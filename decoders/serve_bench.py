@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from decoders import workload as wl
+from decoders import cli
 from decoders.base import UsageError
 from decoders.compare import parse_ints
 from decoders.harness import percentile
@@ -539,7 +540,7 @@ class HttpTarget:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m decoders.serve_bench", description=__doc__.split("\n\n")[0])
+    p = cli.Parser(prog="python -m decoders.serve_bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--models", help="comma list of presets or checkpoint folders (default: llama-1b,mamba2-1.3b,rwkv7-1.5b on a GPU, the tiny presets on a CPU)")
     p.add_argument("--rate", default=None, help="open loop: comma list of arrival rates in requests/s, inf = all at once (default 1,4,16,inf)")
     p.add_argument("--arrivals", default="poisson", help="open loop: comma list of poisson, bursty (default poisson)")
@@ -780,7 +781,6 @@ def short_summary(records: list[dict], env: dict, out: str) -> dict:
 
 
 def run(args) -> int:
-    import decoders
     from declab_kernels.benchtools import append_jsonl, environment
 
     if args.replot is not None:

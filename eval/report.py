@@ -21,7 +21,6 @@ drawn from its last record (files in the order given). Bad input is one line on 
 code 2; the last stdout line is one JSON document.
 """
 
-import argparse
 import base64
 import html
 import json
@@ -38,6 +37,7 @@ from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter  # noqa: E402
 
 import decoders  # noqa: E402
+from decoders import cli  # noqa: E402
 from decoders.compare import parse_size  # noqa: E402
 from eval.report_join import GENPPL_TASK, Join, QualityRun, Record, join, read_records, settings_label, throughput  # noqa: E402
 
@@ -616,7 +616,7 @@ def build_summary(j: Join, sel: Selection, figures: list[Figure], bpb_task: str,
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m eval.report", description="Join speed and quality records into one page.")
+    p = cli.Parser(prog="python -m eval.report", description="Join speed and quality records into one page.")
     p.add_argument("files", nargs="+", help="JSON lines from decoders.compare, a serving benchmark, eval.quality, eval.ablation")
     p.add_argument("--out", required=True, help="folder to write report.html, the PNGs and summary.md into")
     p.add_argument("--ctx", default="4k", help="context of the speed points the frontier and Mask-Predict figures use (e.g. 4096, 4k)")

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 import decoders
+from decoders import cli
 from decoders.speculative import MAX_K, SpeculativeDecoder
 from eval import train, train_heads
 from declab_kernels.benchtools import append_jsonl, environment
@@ -180,7 +181,7 @@ def format_row(r: dict) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m eval.spec_study", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.Parser(prog="python -m eval.spec_study", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--corpus", required=True, help="corpus folder (train-*.txt.gz + valid.txt.gz), file or datasets name")
     p.add_argument("--out", type=Path, default=Path("results/spec.jsonl"), help="JSON lines, appended point by point")
     p.add_argument("--work", type=Path, default=Path("runs/spec_study"), help="tokenizer, data and trained runs (reused by a rerun)")
@@ -227,10 +228,12 @@ def run(a) -> list[dict]:
         raise decoders.UsageError(f"--state-target {a.state_target} is {families[a.state_target]}, not mamba2 or rwkv7")
     if bad := [n for n in draft_names if families[n] not in ("transformer", "mamba2", "rwkv7")]:
         raise decoders.UsageError(f"--drafts {', '.join(bad)}: not autoregressive")
-    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    train.check_corpus(str(a.corpus))
+    cli.check_output_dir(a.work, "--work")
+    cli.check_output_file(a.out, "--out")
+    device = decoders.parse_device(a.device)
     work = a.work
     work.mkdir(parents=True, exist_ok=True)
-    a.out.parent.mkdir(parents=True, exist_ok=True)
 
     tokenizer = train.load_or_make_tokenizer(a.tokenizer, str(a.corpus), work)
     seconds = {**{n: a.train_seconds for n in target_names}, **{n: a.draft_seconds for n in draft_names}}

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import decoders
+from decoders import cli
 from declab_arch.draft_heads import DraftHeads
 from declab_kernels.benchtools import append_jsonl, environment
 from eval import train
@@ -57,7 +58,9 @@ def accuracy(heads: DraftHeads, model, valid: np.ndarray, *, seq_len: int, max_t
 
 
 def train_heads(a) -> Path:
-    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    train.check_corpus(str(a.corpus))
+    cli.check_output_dir(a.out, "--out")
+    device = decoders.parse_device(a.device)
     torch.manual_seed(a.seed)
     target = decoders.load(a.target, device=device, dtype="float32", impl="ref")
     if target.family != "transformer":
@@ -112,7 +115,7 @@ def train_heads(a) -> Path:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m eval.train_heads", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.Parser(prog="python -m eval.train_heads", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", required=True, help="a trained transformer checkpoint folder (eval.train's --out)")
     p.add_argument("--corpus", required=True)
     p.add_argument("--out", required=True, help="folder for the heads (not the target's folder)")

@@ -224,6 +224,31 @@ def test_tasks_ablation_and_quality_refuse_bad_input(bad):
     assert not out.exists()
 
 
+def test_serving_report_and_speculative_commands_refuse_bad_input(bad):
+    out = bad["root"] / "new_out"
+    spec = ["--corpus", str(bad["corpus"]), "--out", str(out / "spec.jsonl"), "--work", str(out / "work")]
+    check([
+        ("decoders.engine", ["--model", "llama-tiny", "--ctx", "8", "--new-tokens", "8"], "1 <= --new-tokens < --ctx"),
+        ("decoders.engine", ["--model", "no-such-preset"], "unknown preset 'no-such-preset'"),
+        ("decoders.engine", ["--model", "llama-tiny", "--bogus"], "unrecognized arguments: --bogus"),
+        ("decoders.serve_bench", ["--models", "llama-tiny", "--slo", "ttft=soon"], "expected a time such as 500ms"),
+        ("decoders.serve_bench", ["--models", "llama-tiny", "--duration", "0"], "--duration must be > 0"),
+        ("decoders.serve_bench", ["--models", "llama-tiny", "--bogus"], "unrecognized arguments: --bogus"),
+        ("decoders.serve", ["--model", "no-such-preset"], "unknown preset 'no-such-preset'"),
+        ("decoders.serve", ["--model", "llama-tiny", "--max-batch", "0"], "must be at least 1"),
+        ("eval.report", [str(bad["root"] / "missing.jsonl"), "--out", str(out)], "no such result file"),
+        ("eval.report", ["--out", str(out)], "the following arguments are required: files"),
+        ("eval.spec_study", ["--corpus", str(bad["root"] / "missing_corpus"), "--out", str(out / "spec.jsonl")], "no such file or folder"),
+        ("eval.spec_study", [*spec, "--k", "0"], "--k: every value must be >= 1"),
+        ("eval.spec_study", [*spec[:2], "--out", str(bad["root"])], "is a folder, not a file"),
+        ("eval.train_heads", ["--target", str(bad["root"] / "missing"), "--corpus", str(bad["corpus"]), "--out", str(out / "heads"),
+                              "--seconds", "1"], "not a checkpoint folder"),
+        ("eval.train_heads", ["--target", "llama-tiny", "--corpus", str(bad["corpus"]), "--out", str(out / "heads")],
+         "one of the arguments --tokens --seconds is required"),
+    ])
+    assert not out.exists()
+
+
 def test_the_real_entry_points(bad):
     """One mistake per command through `python -m` itself (the driver above runs the same code in-process)."""
     for module, argv, message in [
