@@ -10,15 +10,16 @@ checkpoint's state dict loads without renaming. Attention runs in one of two way
   are written into and read from a paged cache through `declab_kernels.paged_attention` (prefill chunks
   and decode steps).
 
-On impl="triton" (`PagedBatch.impl`) `forward_paged` runs fused kernels: for one packed row (batch-1
-decode; `FOLD_ROWS`) each RMSNorm inside the GEMV after it and each residual add inside the GEMV before
-it, for more rows each residual add inside the RMSNorm kernel after it; q/k/v as one GEMV
-(`Attention.qkv_weight`); in prefill RoPE on q and k and the K/V write in one kernel, in decode both
-inside the paged decode kernel (`rope=`); gate/up as one GEMV (`MLP.gate_up_weight`) with SwiGLU in
-its epilogue (`declab_kernels.gemv.swiglu_linear`, else in its own kernel); every projection and the head go through `declab_kernels.gemv` (the Triton GEMV where it
-measured faster than cuBLAS for that shape, decode rows only). The fused weights are
-the only copy: `q_proj.weight` etc. are views into them (see `fuse_linears`), so HF names still load
-and save, and parameter counts stay right. `forward` and impl="ref" keep the plain reference math.
+`forward_paged` is written once for both impls (`PagedBatch.impl`, from the decoder): every projection
+and the head go through `declab_kernels.gemv.linear`, whose fusions are data (`declab_kernels.gemv.fusions`;
+the Triton GEMV runs where it measured faster, decode rows only). q/k/v are one projection
+(`Attention.qkv_weight`), gate/up another (`MLP.gate_up_weight`) with SwiGLU after it; in prefill RoPE on
+q and k and the K/V write are one kernel, in decode both run inside the paged decode kernel (`rope=`).
+Up to `declab_kernels.tuning.FOLD_ROWS` rows on impl="triton" each RMSNorm runs inside the GEMV after
+it and each residual add inside the GEMV before it; otherwise each residual add runs inside the norm
+kernel after it. The fused weights are the only copy: `q_proj.weight` etc. are views into them (see
+`fuse_linears`), so HF names still load and save, and parameter counts stay right. `forward` keeps the
+plain reference math.
 
 The blocks are reused unchanged (with `causal=False`) by the Mask-Predict family.
 """
@@ -33,14 +34,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from declab_arch.checkpoint import CheckpointError, assign_weights, check_fields, config_from_dict, load_weights, parse_config, read_json
-from declab_kernels import gemv, paged_attention, rmsnorm, rotary
-
-# Packed rows up to which the Triton path runs each RMSNorm inside the GEMV after it and each residual
-# add inside the GEMV before it: faster for one row (llama-1b batch-1 decode step at 4k 859 -> 847 us),
-# slower for four, where the fused prologue loses to the norm kernel + GEMV pair and the pairs cost a
-# launch more than the add + norm kernel (results/step_ab.jsonl).
-FOLD_ROWS = 1
-
+from declab_kernels import gemv, paged_attention, rmsnorm, tuning
+from declab_kernels import rotary as rotary_kernels
+from declab_kernels.gemv import fusions
 
 @dataclass
 class LlamaConfig:
@@ -78,7 +74,7 @@ class PagedBatch:
     v_cache: torch.Tensor  # [L, num_blocks, block_size, Hkv, D]
     block_tables: torch.Tensor  # [B, max_blocks] int32
     seq_lens: torch.Tensor  # [B] int32, valid K/V positions after this forward's tokens are written
-    slot_mapping: torch.Tensor | None  # [N] int64, cache slot of each packed token (None: Triton decode, whose kernel finds it)
+    slot_mapping: torch.Tensor | None  # [N] int64, cache slot of each packed token (None in decode: the attention finds it)
     decode: bool  # one query per sequence (N == B)
     causal: bool = True
     cu_seqlens_q: torch.Tensor | None = None  # [B+1] int32, prefill only
@@ -214,35 +210,6 @@ class Attention(FusedLinears):
         v = self.v_proj(x).unflatten(-1, (self.n_kv, self.head_dim))
         return rotary(q, positions), rotary(k, positions), v
 
-    def qkv_projection(self, x, early_tiles=1, norm=None):
-        """Triton path: q, k, v [N, H, D] of packed x [N, d] from one GEMV, views into its output
-        (unrotated). With `norm` (the block's input RMSNorm) x is the residual stream and the norm runs
-        inside the GEMV (`declab_kernels.gemv.rms_norm_linear`). `early_tiles`: see `declab_kernels.gemv.linear`."""
-        if norm is None:
-            qkv = gemv.linear(x, self.qkv_weight, self.qkv_bias, impl="triton", early_tiles=early_tiles)
-        else:
-            qkv = gemv.rms_norm_linear(x, norm.weight, norm.eps, self.qkv_weight, self.qkv_bias, impl="triton",
-                                       early_tiles=early_tiles)
-        qkv = qkv.unflatten(-1, (self.n_heads + 2 * self.n_kv, self.head_dim))
-        return qkv.split([self.n_heads, self.n_kv, self.n_kv], dim=-2)
-
-    def out_projection(self, out, early_tiles=1, residual=None):
-        """Triton path: o_proj of the attention output [N, H, D]; plus `residual` (the add inside the
-        GEMV, `declab_kernels.gemv.linear_residual`) when given."""
-        out = out.flatten(-2)
-        if residual is None:
-            return gemv.linear(out, self.o_proj.weight, impl="triton", early_tiles=early_tiles)
-        return gemv.linear_residual(out, self.o_proj.weight, residual, impl="triton", early_tiles=early_tiles)
-
-    def qkv_fused_write_kv(self, x, positions, rope: Rotary, k_cache, v_cache, slot_mapping, norm=None):
-        """Triton path of `qkv` + the cache write for packed x [N, d]: `qkv_projection` (with `norm`),
-        then one kernel that rotates q and k in place and writes the rotated k and v into the pages at
-        `slot_mapping`."""
-        q, k, v = self.qkv_projection(x, norm=norm)
-        cos, sin = rope.tables()
-        rotary.apply_rotary_write_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping, impl="triton")
-        return q, k, v
-
     def forward(self, x, positions, rotary, causal: bool):
         """Contiguous attention over x [B, T, d] at positions [B, T]."""
         q, k, v = self.qkv(x, positions, rotary)
@@ -252,39 +219,31 @@ class Attention(FusedLinears):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=self.scale)
         return self.o_proj(out.transpose(1, 2).flatten(-2))
 
-    def forward_paged(self, x, positions, rotary, batch: PagedBatch, layer: int, norm=None, residual=None):
+    def forward_paged(self, x, positions, rotary, batch: PagedBatch, layer: int, *, pre=None, post=None):
         """Packed tokens x [N, d]: write their K/V into the pages, attend through the block table.
-        Triton path only: with `norm` x is the residual stream, normalised inside the q/k/v GEMV; with
-        `residual` the result is residual + the attention output, added inside the o-projection GEMV."""
-        fused = batch.impl == "triton"
+        `pre` / `post`: the fusions of the q/k/v and o projections (`declab_kernels.gemv.linear`), e.g. the
+        block's input norm and the residual add (then x is the residual stream)."""
+        impl = batch.impl
+        # The projections on either side of the decode attention load more weight tiles before their
+        # PDL wait (`tuning.EARLY_TILES_BESIDE_LATENCY`).
+        tiles = tuning.EARLY_TILES_BESIDE_LATENCY if batch.decode else tuning.EARLY_TILES
+        qkv = gemv.linear(x, self.qkv_weight, self.qkv_bias, pre=pre, impl=impl, early_tiles=tiles)
+        q, k, v = qkv.unflatten(-1, (self.n_heads + 2 * self.n_kv, self.head_dim)).split([self.n_heads, self.n_kv, self.n_kv], dim=-2)
         k_cache, v_cache = batch.k_cache[layer], batch.v_cache[layer]
-        if fused and batch.decode:
-            # The decode kernel rotates q and k and writes the K/V row itself. The projections on
-            # either side of it load two weight tiles before their PDL wait (measured faster at
-            # 4k..128k than one, the default elsewhere: declab_kernels/gemv/README.md, PDL)
-            q, k, v = self.qkv_projection(x, early_tiles=2, norm=norm)
-            out = paged_attention.paged_decode_attention(
-                q, k_cache, v_cache, batch.block_tables, batch.seq_lens, self.scale, impl="triton", workspace=batch.workspace,
-                rope=(k, v, *rotary.tables()),
-            )
-            return self.out_projection(out, early_tiles=2, residual=residual)
-        if fused:
-            q, _, _ = self.qkv_fused_write_kv(x, positions, rotary, k_cache, v_cache, batch.slot_mapping, norm=norm)
-        else:
-            q, k, v = self.qkv(x, positions, rotary)
-            paged_attention.write_kv(k, v, k_cache, v_cache, batch.slot_mapping, impl=batch.impl)
+        cos, sin = rotary.tables()
         if batch.decode:
+            # The decode kernel rotates q and k and writes the new K/V row itself.
             out = paged_attention.paged_decode_attention(
-                q, k_cache, v_cache, batch.block_tables, batch.seq_lens, self.scale, impl=batch.impl, workspace=batch.workspace
+                q, k_cache, v_cache, batch.block_tables, batch.seq_lens, self.scale, impl=impl, workspace=batch.workspace,
+                rope=(k, v, cos, sin),
             )
         else:
+            rotary_kernels.apply_rotary_write_kv(q, k, v, positions, cos, sin, k_cache, v_cache, batch.slot_mapping, impl=impl)
             out = paged_attention.paged_prefill_attention(
                 q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.cu_seqlens_q, self.scale,
-                causal=batch.causal, impl=batch.impl, max_seqlen_q=batch.max_seqlen_q,
+                causal=batch.causal, impl=impl, max_seqlen_q=batch.max_seqlen_q,
             )
-        if fused:
-            return self.out_projection(out, residual=residual)
-        return self.o_proj(out.flatten(-2))
+        return gemv.linear(out.flatten(-2), self.o_proj.weight, post=post, impl=impl, early_tiles=tiles)
 
 
 class MLP(FusedLinears):
@@ -300,18 +259,11 @@ class MLP(FusedLinears):
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
-    def forward_fused(self, x, norm=None, residual=None):
-        """Triton path: one GEMV for gate and up with SwiGLU in its epilogue (or, where that measured
-        slower or for many rows, SwiGLU in its own kernel after it), then down. With `norm` (the block's
-        post-attention RMSNorm) x is the residual stream, normalised inside the gate/up GEMV; with
-        `residual` the result is residual + the MLP output, added inside the down GEMV."""
-        if norm is None:
-            act = gemv.swiglu_linear(x, self.gate_up_weight, impl="triton")
-        else:
-            act = gemv.rms_norm_linear(x, norm.weight, norm.eps, self.gate_up_weight, impl="triton", swiglu=True)
-        if residual is None:
-            return gemv.linear(act, self.down_proj.weight, impl="triton")
-        return gemv.linear_residual(act, self.down_proj.weight, residual, impl="triton")
+    def forward_paged(self, x, *, impl, pre=None, post=None):
+        """Packed rows x [N, d]: gate and up as one projection with SwiGLU after it, then down; `pre` goes
+        with gate/up, `post` with down (`declab_kernels.gemv.linear`)."""
+        act = gemv.linear(x, self.gate_up_weight, pre=pre, post=fusions.SwiGLU(), impl=impl)
+        return gemv.linear(act, self.down_proj.weight, post=post, impl=impl)
 
 
 class Block(nn.Module):
@@ -327,20 +279,20 @@ class Block(nn.Module):
         x = x + attend(self.input_layernorm(x))
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def forward_fused(self, h, x, attend, next_norm: RMSNorm):
-        """Triton path of `forward` over packed rows: takes h = input_layernorm(x) and x [N, d];
-        returns (next_norm(x_out), x_out), each residual add run inside the norm kernel after it."""
-        post = self.post_attention_layernorm
-        h, x = rmsnorm.add_rms_norm(attend(h), x, post.weight, post.eps, impl="triton")
-        return rmsnorm.add_rms_norm(self.mlp.forward_fused(h), x, next_norm.weight, next_norm.eps, impl="triton")
-
-    def forward_fused_rows(self, x, attend):
-        """Triton path of `forward` for at most `FOLD_ROWS` packed rows (batch-1 decode steps):
-        x [N, d] is the residual stream; `attend(x)` returns x + attention(input_layernorm(x)) with the
-        norm inside the q/k/v GEMV and the add inside the o-projection's. Returns x_out, the MLP's
-        norm and add likewise inside its GEMVs: four launches of GEMVs, no norm kernel."""
-        x = attend(x)
-        return self.mlp.forward_fused(x, norm=self.post_attention_layernorm, residual=x)
+    def forward_paged(self, x, h, attend, next_norm: RMSNorm, *, impl: str, fold: bool):
+        """One block of the packed forward: x [N, d] the residual stream. With `fold` every norm runs
+        inside the GEMV after it and every residual add inside the GEMV before it (four GEMV launches,
+        no norm kernel; h unused); else h = input_layernorm(x) comes in and each residual add runs
+        inside the norm kernel after it (`fusions.AddRMSNorm`). Returns (x_out, next_norm(x_out) or None)."""
+        post_ln = self.post_attention_layernorm
+        if fold:
+            inln = self.input_layernorm
+            x = attend(x, fusions.RMSNorm(inln.weight, inln.eps), fusions.Residual(x))
+            return self.mlp.forward_paged(x, pre=fusions.RMSNorm(post_ln.weight, post_ln.eps), post=fusions.Residual(x),
+                                          impl=impl), None
+        h, x = attend(h, None, fusions.AddRMSNorm(x, post_ln.weight, post_ln.eps))
+        h, x = self.mlp.forward_paged(h, post=fusions.AddRMSNorm(x, next_norm.weight, next_norm.eps), impl=impl)
+        return x, h
 
 
 class Trunk(nn.Module):
@@ -386,40 +338,27 @@ class Llama(nn.Module):
 
     def forward_paged(self, tokens, positions, batch: PagedBatch, logit_index=None, *, return_hidden: bool = False):
         """Packed tokens [N] at positions [N]; logits [len(logit_index), V] (all N if None), and with
-        `return_hidden` the final hidden states of those rows before the norm (draft heads read them)."""
-        if batch.impl == "triton":
-            return self.forward_paged_fused(tokens, positions, batch, logit_index, return_hidden=return_hidden)
-        x = self.model.embed_tokens(tokens)
-        for i, block in enumerate(self.model.layers):
-            x = block(x, lambda h, b=block, i=i: b.self_attn.forward_paged(h, positions, self.rotary, batch, i))
-        if logit_index is not None:
-            x = x[logit_index]
-        return (self.head(x), x) if return_hidden else self.head(x)
-
-    def forward_paged_fused(self, tokens, positions, batch: PagedBatch, logit_index=None, *, return_hidden: bool = False):
-        """`forward_paged` on the fused Triton kernels. Up to `FOLD_ROWS` rows every norm runs inside
-        the GEMV after it and every residual add inside the GEMV before it (`Block.forward_fused_rows`);
-        more rows keep the norm kernels, each fused with the residual add before it. The head reads
-        only the rows in `logit_index`."""
+        `return_hidden` the final hidden states of those rows before the norm (draft heads read them).
+        Up to `tuning.FOLD_ROWS` rows on impl="triton" the norms and residual adds fold into the
+        GEMVs (`Block.forward_paged`); the head reads only the rows in `logit_index`."""
+        impl = batch.impl
         layers = self.model.layers
         x = self.model.embed_tokens(tokens)  # [N, d], the residual stream
-        if x.shape[0] <= FOLD_ROWS:
-            for i, block in enumerate(layers):
-                x = block.forward_fused_rows(x, lambda x, b=block, i=i: b.self_attn.forward_paged(
-                    x, positions, self.rotary, batch, i, norm=b.input_layernorm, residual=x))
-            if logit_index is not None:
-                x = x[logit_index]
-            final = self.model.norm
-            logits = gemv.rms_norm_linear(x, final.weight, final.eps, self.head_weight, impl="triton")
-            return (logits, x) if return_hidden else logits
+        fold = impl == "triton" and x.shape[0] <= tuning.FOLD_ROWS
         first = layers[0].input_layernorm
-        h = rmsnorm.rms_norm(x, first.weight, first.eps, impl="triton")
+        h = None if fold else rmsnorm.rms_norm(x, first.weight, first.eps, impl=impl)
         for i, block in enumerate(layers):
             next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
-            h, x = block.forward_fused(h, x, lambda h, b=block, i=i: b.self_attn.forward_paged(h, positions, self.rotary, batch, i), next_norm)
+            x, h = block.forward_paged(x, h, lambda inp, pre, post, b=block, i=i: b.self_attn.forward_paged(
+                inp, positions, self.rotary, batch, i, pre=pre, post=post), next_norm, impl=impl, fold=fold)
         if logit_index is not None:
-            h, x = h[logit_index], x[logit_index]
-        logits = gemv.linear(h, self.head_weight, impl="triton")
+            x = x[logit_index]
+            h = None if fold else h[logit_index]
+        final = self.model.norm
+        if fold:
+            logits = gemv.linear(x, self.head_weight, pre=fusions.RMSNorm(final.weight, final.eps), impl=impl)
+        else:
+            logits = gemv.linear(h, self.head_weight, impl=impl)
         return (logits, x) if return_hidden else logits
 
     def init_random(self, seed: int = 0):

@@ -24,15 +24,14 @@ The model runs three ways, all through `declab_kernels.ssd`:
   hidden state;
 - `step(tokens [B], conv, ssm, positions=)`: one token per sequence, both states updated in place; its norms go
   through `declab_kernels.mamba2_norm` (one launch each on the Triton path: embedding + pre-norm, residual add +
-  pre-norm). On the Triton path with one norm group and up to two sequences (`GATE_IN_STEP_ROWS`) the
-  decode step also applies the gate and gathers the gated norm's statistics (each head's sum of squares; it
-  returns the gated output times the norm weight), and out_proj applies the row's 1 / rms to its
-  products (`declab_kernels.gemv.rms_scaled_linear`); otherwise the gated norm goes with out_proj through
-  `declab_kernels.gemv.gated_norm_linear`. There the residual add and pre-norm after each block
-  go the same way: out_proj's epilogue adds the residual and writes the next norm's statistics, and the next
-  in-projection (or the head) applies 1 / rms (`declab_kernels.gemv.linear_residual_norm`).
-  The projections and the head go through `declab_kernels.gemv.linear` (the Triton GEMV where it measured
-  faster than cuBLAS for that shape).
+  pre-norm). On the Triton path with one norm group and up to `declab_kernels.tuning.GATE_IN_STEP_ROWS`
+  sequences the decode step also applies the gate and gathers the gated norm's statistics (each head's sum
+  of squares; it returns the gated output times the norm weight), and out_proj applies the row's 1 / rms
+  to its products (`fusions.RMSScale`); otherwise the gated norm goes with out_proj
+  (`fusions.GatedRMSNorm`). There the residual add and pre-norm after each block go the same way:
+  out_proj's epilogue adds the residual and writes the next norm's statistics (`fusions.ResidualNorm`),
+  and the next in-projection (or the head) applies 1 / rms. Every projection goes through
+  `declab_kernels.gemv.linear` (the Triton GEMV, fused or not, where it measured faster).
 """
 
 import json
@@ -46,20 +45,8 @@ from torch import nn
 
 from declab_arch.checkpoint import CheckpointError, assign_weights, check_fields, config_from_dict, load_weights, parse_config, read_json
 from declab_arch.llama import RMSNorm
-from declab_kernels import gemv, mamba2_norm, ssd
-
-# Sequences up to which the Triton decode step applies the gate in the SSM step and the norms' statistics
-# come with the projections (`Mixer.step`, `Mamba2LM.step`). Graphed mamba2-1.3b steps at 4k
-# (results/step_ab.jsonl): with the plain RMSNorm kernel before out_proj, faster at one (1091 -> 1051 us),
-# slower at four and sixteen (1617 -> 1675, 2685 -> 3070); with the statistics from the SSM step and
-# out_proj's epilogue (`gate_rows`, e4d4587): 1394-1397 -> 1338 us at two, 1575 -> 1735-1737 at four,
-# 1930-1933 -> 2135 at eight.
-GATE_IN_STEP_ROWS = 2
-# Up to this many sequences out_proj's GEMV on that path loads two weight tiles before its PDL wait
-# (`gemv.linear`'s early_tiles), as llama's o-projection after its decode attention: the SSM step before
-# it leaves HBM idle. Graphed A/B (`results/step_ab.jsonl`, `out_proj_early_tiles`): one sequence
-# 921-922 -> 901-902 us a step; two 1347-1349 -> 1361-1363, so one.
-EARLY_TILES_ROWS = 1
+from declab_kernels import gemv, mamba2_norm, ssd, tuning
+from declab_kernels.gemv import fusions
 
 # Largest chunk of the reference SSD scan (impl="ref", the training path; the Triton path uses the config's
 # chunk_size). Its intermediates cost about H (L + P N / L) floats per token, the [L, L] decays against the
@@ -199,7 +186,7 @@ class Mixer(nn.Module):
 
     def gate_in_step(self, rows: int, impl: str) -> bool:
         """Whether a decode step of `rows` sequences applies the gate in the SSM step (see `step`)."""
-        return impl == "triton" and self.norm.group_size == self.config.d_inner and rows <= GATE_IN_STEP_ROWS
+        return impl == "triton" and self.norm.group_size == self.config.d_inner and rows <= tuning.GATE_IN_STEP_ROWS
 
     def step(self, h, conv_state, ssm_state, impl: str, *, positions, state_ready: bool = False, h_scale=None,
              residual=None, next_norm=None):
@@ -211,23 +198,21 @@ class Mixer(nn.Module):
         with the projections (`Mamba2LM.step`): `h_scale=(sumsq, eps)`: h is the residual times the
         pre-norm's weight, sumsq the residual's partial sums of squares (the in-projection applies
         1 / rms); `residual` and `next_norm`: the result is (residual + out, h, sumsq) for the next
-        norm, from out_proj's epilogue (`gemv.linear_residual_norm`).
+        norm, from out_proj's epilogue (`fusions.ResidualNorm`).
         """
         c = self.config
         gate_in_step = self.gate_in_step(h.shape[0], impl)
         if (residual is not None or h_scale is not None) and not gate_in_step:
             raise ValueError("Mixer.step: h_scale / residual need the gate in the step (gate_in_step)")
-        if h_scale is None:
-            zxbcdt = gemv.linear(h, self.in_proj.weight, self.in_proj.bias, impl=impl)
-        else:
-            zxbcdt = gemv.rms_scaled_linear(h, *h_scale, self.in_proj.weight, self.in_proj.bias, impl=impl)
+        pre = None if h_scale is None else fusions.RMSScale(*h_scale)
+        zxbcdt = gemv.linear(h, self.in_proj.weight, self.in_proj.bias, pre=pre, impl=impl)
         z, xBC, dt = self.split(zxbcdt)
-        # Triton path, one norm group, up to GATE_IN_STEP_ROWS sequences: the decode step applies the
+        # Triton path, one norm group, up to tuning.GATE_IN_STEP_ROWS sequences: the decode step applies the
         # gate, g = y * silu(z) (rounded to the model dtype, the one rounding the module does not do),
         # writes each head's sum of g^2 and returns g * norm_weight; out_proj scales its products by
-        # the row's 1 / rms (`gemv.rms_scaled_linear`), so the norm launches no kernel of its own.
+        # the row's 1 / rms (`fusions.RMSScale`), so the norm launches no kernel of its own.
         # Otherwise the gate goes inside the gated norm, rmsnorm(y * silu(z)), with out_proj
-        # (`gemv.gated_norm_linear`: the pair on the reference path).
+        # (`fusions.GatedRMSNorm`).
         sumsq = torch.empty(h.shape[0], c.nheads, device=h.device, dtype=torch.float32) if gate_in_step else None
         y = ssd.mamba2_decode_step(
             xBC,
@@ -248,17 +233,15 @@ class Mixer(nn.Module):
             state_ready=state_ready,
             norm=(self.norm.weight, sumsq) if gate_in_step else None,
         ).reshape(h.shape[0], c.d_inner)
-        early_tiles = 2 if h.shape[0] <= EARLY_TILES_ROWS else 1
-        if gate_in_step and residual is not None:
-            return gemv.linear_residual_norm(y, self.out_proj.weight, residual, next_norm.weight, self.out_proj.bias,
-                                             impl=impl, rms_scale=(sumsq, self.norm.eps), early_tiles=early_tiles)
         if gate_in_step:
-            return gemv.rms_scaled_linear(y, sumsq, self.norm.eps, self.out_proj.weight, self.out_proj.bias, impl=impl,
-                                          early_tiles=early_tiles)
-        return gemv.gated_norm_linear(
-            y, z, self.norm.weight, self.norm.eps, self.out_proj.weight,
-            self.out_proj.bias, group_size=self.norm.group_size, impl=impl,
-        )
+            pre = fusions.RMSScale(sumsq, self.norm.eps)
+        else:
+            pre = fusions.GatedRMSNorm(z, self.norm.weight, self.norm.eps, self.norm.group_size)
+        post = None if residual is None else fusions.ResidualNorm(residual, next_norm.weight)
+        # The SSM step before out_proj leaves HBM idle: more weight tiles before the PDL wait.
+        tiles = tuning.EARLY_TILES_BESIDE_LATENCY if gate_in_step and h.shape[0] <= tuning.OUT_PROJ_EARLY_TILES_ROWS \
+            else tuning.EARLY_TILES
+        return gemv.linear(y, self.out_proj.weight, self.out_proj.bias, pre=pre, post=post, impl=impl, early_tiles=tiles)
 
 
 class Block(nn.Module):
@@ -340,10 +323,10 @@ class Mamba2LM(nn.Module):
         The same blocks as `forward`, with each residual add fused into the norm that follows it (the
         next block's pre-norm, or norm_f): r = embed(tokens); h = norm_0(r); then per layer
         r = r + mixer(h), h = norm_{i+1}(r). Where the mixer gates in its SSM step (up to
-        `GATE_IN_STEP_ROWS` sequences on the Triton path) the norms after the first launch nothing of
+        `tuning.GATE_IN_STEP_ROWS` sequences on the Triton path) the norms after the first launch nothing of
         their own: out_proj's epilogue writes r, r * weight and r's partial sums of squares, and the next
-        in-projection (or the head) applies 1 / rms (`gemv.linear_residual_norm`,
-        `gemv.rms_scaled_linear`): 3 launches a layer.
+        in-projection (or the head) applies 1 / rms (`fusions.ResidualNorm`, `fusions.RMSScale`): 3
+        launches a layer.
 
         `state_ready=True` promises that `conv` and `ssm` were last written before a kernel launched
         without PDL (such as the sampling kernels that end a decoder's step), so each layer's step
@@ -363,7 +346,7 @@ class Mamba2LM(nn.Module):
                 r, h, sumsq = block.mixer.step(h, conv[i], ssm[i], impl, positions=positions, state_ready=state_ready,
                                                h_scale=h_scale, residual=r, next_norm=norms[i + 1])
                 h_scale = (sumsq, norms[i + 1].eps)
-            return gemv.rms_scaled_linear(h, *h_scale, self.head_weight(), impl=impl)
+            return gemv.linear(h, self.head_weight(), pre=fusions.RMSScale(*h_scale), impl=impl)
         for i, block in enumerate(layers):
             out = block.mixer.step(h, conv[i], ssm[i], impl, positions=positions, state_ready=state_ready)
             h, r = mamba2_norm.add_rmsnorm(out, r, norms[i + 1].weight, norms[i + 1].eps, impl=impl)

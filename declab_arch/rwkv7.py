@@ -25,15 +25,15 @@ differentiable, memory-light chunked form that training uses; impl="triton" as t
 - `forward(tokens [B, T], impl=...)`: logits [B, T, V] from zero state (scoring, training: the parallel form);
 - `forward_chunk(tokens [B, T], lengths [B], shift, wkv)`: right-padded prompt chunks continuing
   from a carried state, which they update; padded positions leave the state untouched;
-- `forward_step(tokens [B], shift, wkv)`: one token per sequence, state updated in place. With
-  impl="triton" it runs the fused step (`fused_step`): the same math in 11 kernels per layer
-  (declab_kernels.rwkv7_fused around 5 GEMVs and the WKV-7 step) instead of about 60; up to
-  `SELECT_ROWS` sequences the r/k/v + LoRA down-projections run as one `declab_kernels.gemv.select_linear`
-  (each weight row block times its own mixed input), the other GEMVs and the head go through
-  `declab_kernels.gemv.linear` (the Triton GEMV where it measured faster than cuBLAS), the FFN's value
-  projection through `declab_kernels.gemv.act_linear` with relu^2 in its prologue.
+- `forward_step(tokens [B], shift, wkv, impl=...)`: one token per sequence, state updated in place, on
+  the kernels of `declab_kernels.rwkv7_fused` around five projections and the WKV-7 step (11 launches
+  a layer on impl="triton", where the sequence of about 60 PyTorch ops would be); each kernel runs its
+  `impl`. The projections go through `declab_kernels.gemv.linear`: the r/k/v and LoRA
+  down-projections as one row select (`fusions.Select`: each weight row block times its own mixed
+  input; unfused, by the row rules of `declab_kernels.tuning.CROSS_ROWS`), the FFN's value projection
+  with relu^2 before it (`fusions.SqReLU`).
 
-The fused step reads the projections through packed weights: on its first call a layer's six mixes
+The step reads the projections through packed weights: on its first call a layer's six mixes
 become rows of one `[6, C]` tensor, the r/k/v projections and the LoRA down-projections rows of one
 `[3C + sum(ranks), C]` matrix, and the LoRA up-projections column blocks of one `[C, sum(ranks)]`
 matrix; the parameters are re-pointed to views of them (no copy kept, names unchanged).
@@ -54,6 +54,7 @@ from torch import nn
 
 from declab_arch.checkpoint import CheckpointError, assign_weights, check_fields, config_from_dict, load_weights, parse_config, read_json
 from declab_kernels import gemv
+from declab_kernels.gemv import fusions
 from declab_kernels.rwkv7_fused import add_norm_shift, gate_output, lora_hidden, time_mix_inputs
 from declab_kernels.wkv7 import wkv7_chunk, wkv7_chunk_factored, wkv7_step
 
@@ -63,14 +64,6 @@ FAMILY = "rwkv7"
 REF_CHUNK = 64
 # exp(-0.5): the largest per-token decay rate, so exp(w) stays in (0.545, 1).
 W_SCALE = 0.6065306597126334
-# Up to this many sequences the fused step runs the r/k/v and LoRA down-projections as one row-select
-# GEMV (`gemv.select_linear`: each weight row block times its own mixed input).
-SELECT_ROWS = gemv.MAX_ROWS
-# Above SELECT_ROWS it multiplies all six mixed inputs by every down-projection in one GEMM (6B rows)
-# while that is still bound by reading the weights; above this many rows it runs r/k/v as one batched
-# GEMM and the LoRA down-projections as another, so the wasted products do not become the cost.
-CROSS_ROWS = 96
-
 
 @dataclass
 class Packed:
@@ -83,6 +76,9 @@ class Packed:
     # rows of `down` per mixed input, as `gemv.select_linear` takes them: input i (r, k, v, w, a, g)
     # multiplies rows down_splits[i]:down_splits[i + 1] (v's LoRA goes with v_proj)
     down_splits: tuple
+    # the unfused products of `down` for many rows (`fusions.Select`'s panels): r/k/v as one batched
+    # GEMM, the LoRA down-projections of the inputs (v,) w, a, g as one GEMM
+    panels: tuple
     key: tuple  # data pointers of the parameters when packed: a change means the model was moved
 
 
@@ -197,12 +193,6 @@ class TimeMix(nn.Module):
             o, state = wkv7_chunk(r, w, k, v, a, b, initial_state=state, impl=impl)
         return self.output(o, r, k, v, g), v_first, state
 
-    def step(self, h, prev, v_first, state, *, impl):
-        """One token: h, prev `[B, C]`; state `[B, H, K, V]` float32 updated in place."""
-        r, w, k, v, a, b, v_first, g = self.inputs(h, prev, v_first)
-        o = wkv7_step(r, w, k, v, a, b, state, impl=impl)
-        return self.output(o, r, k, v, g), v_first
-
     def loras(self):
         """(LoRA, activation) in the packed order: v (layers > 0), w, a, g."""
         loras = [(self.w_lora, "tanh"), (self.a_lora, None), (self.g_lora, "sigmoid")]
@@ -240,50 +230,37 @@ class TimeMix(nn.Module):
         for j, p in enumerate(downs[3:]):
             rows[6 - len(ups) + j] += p.shape[0]
         splits = tuple(itertools.accumulate(rows, initial=0))
-        self._packed = Packed(mix, down, up, tuple(p.shape[1] for p in ups), splits, tuple(p.data_ptr() for p in params))
+        C = downs[0].shape[0]
+        panels = ((0, 3, 0, 3 * C, "batched"), (6 - len(ups), 6, 3 * C, down.shape[0], "cross"))
+        self._packed = Packed(mix, down, up, tuple(p.shape[1] for p in ups), splits, panels,
+                              tuple(p.data_ptr() for p in params))
         return self._packed
 
-    def fused_step(self, xs, v_first, state):
-        """One token on the fused kernels: xs `[6, B, C]` the mixed inputs (r, k, v, w, a, g); state
-        `[B, H, K, V]` float32 updated in place. Returns (out `[B, C]`, v_first `[B, C]`)."""
+    def step(self, xs, v_first, state, *, impl):
+        """One token: xs `[6, B, C]` the mixed inputs (r, k, v, w, a, g); state `[B, H, K, V]` float32
+        updated in place. Returns (out `[B, C]`, v_first `[B, C]`)."""
         pack = self.packed()
-        _, B, C = xs.shape
+        C = xs.shape[-1]
         nb = len(pack.ranks)
-        # the LoRA down-projections take the mixed inputs from group g0 on: (v,) w, a, g
-        g0 = 6 - nb
-        offs = [sum(pack.ranks[:j]) for j in range(nb + 1)]
-        if B <= SELECT_ROWS:
-            # [B, 3C + R]: each row block of the packed weight times its own mixed input, the weights
-            # read once (per shape the row-select GEMV or cuBLAS over all six inputs, whichever is faster)
-            y = gemv.select_linear(xs, pack.down, pack.down_splits, impl="triton")
-            r, k, v = (y[:, j * C : (j + 1) * C] for j in range(3))
-            lo = [y[:, 3 * C + offs[j] : 3 * C + offs[j + 1]] for j in range(nb)]
-        elif 6 * B <= CROSS_ROWS:
-            # [6B, 3C + R]: every mixed input times every down-projection; only the diagonal blocks
-            # are used, but the weights are read once, which is what the step costs
-            y = F.linear(xs.view(6 * B, C), pack.down)
-            r, k, v = (y[j * B : (j + 1) * B, j * C : (j + 1) * C] for j in range(3))
-            lo = [y[(g0 + j) * B : (g0 + j + 1) * B, 3 * C + offs[j] : 3 * C + offs[j + 1]] for j in range(nb)]
-        else:
-            # [3, B, C] and [nb * B, R]
-            rkv = torch.bmm(xs[:3], pack.down[: 3 * C].view(3, C, C).transpose(1, 2))
-            r, k, v = rkv.unbind(0)
-            d = xs[g0:].reshape(nb * B, C) @ pack.down[3 * C :].T
-            lo = [d[j * B : (j + 1) * B, offs[j] : offs[j + 1]] for j in range(nb)]
+        offs = list(itertools.accumulate(pack.ranks, initial=0))
+        # [B, 3C + R]: each row block of the packed weight times its own mixed input, the weights read once
+        y = gemv.linear(xs, pack.down, pre=fusions.Select(pack.down_splits, pack.panels), impl=impl)
+        r, k, v = (y[:, j * C : (j + 1) * C] for j in range(3))
+        lo = [y[:, 3 * C + offs[j] : 3 * C + offs[j + 1]] for j in range(nb)]
         # [nb * B, R] block-diagonal activations, then [nb * B, C]: row block j is LoRA j's output
-        u = gemv.linear(lora_hidden(lo, [act for _, act in self.loras()], impl="triton"), pack.up, impl="triton")
+        u = gemv.linear(lora_hidden(lo, [act for _, act in self.loras()], impl=impl), pack.up, impl=impl)
         bias_v = self.v_lora.lora[2].bias if self.layer else None
         x, w = time_mix_inputs(
             r, k, v, u, self.w_lora.lora[2].bias, self.a_lora.lora[2].bias, bias_v, self.k_k, self.k_a,
-            v_first if self.layer else None, head_dim=self.head_dim, impl="triton",
+            v_first if self.layer else None, head_dim=self.head_dim, impl=impl,
         )
         r, k, v, a, b = (self.heads(t) for t in x.unbind(0))
         # The state was last written before the step's embedding lookup (a PyTorch kernel, no PDL;
-        # see `RWKV7ForCausalLM.fused_step`), so it may be loaded before the wait.
-        o = wkv7_step(r, self.heads(w), k, v, a, b, state, impl="triton", state_ready=True)
-        g = u[(nb - 1) * B :]
-        out = gate_output(o, r, k, v, g, self.r_k, self.g_norm.weight, self.g_norm.bias, eps=self.g_norm.eps, impl="triton")
-        return gemv.linear(out, self.o_proj.weight, impl="triton"), (x[2] if self.layer == 0 else v_first)
+        # see `RWKV7.forward_step`), so it may be loaded before the wait.
+        o = wkv7_step(r, self.heads(w), k, v, a, b, state, impl=impl, state_ready=True)
+        g = u[(nb - 1) * xs.shape[1] :]
+        out = gate_output(o, r, k, v, g, self.r_k, self.g_norm.weight, self.g_norm.bias, eps=self.g_norm.eps, impl=impl)
+        return gemv.linear(out, self.o_proj.weight, impl=impl), (x[2] if self.layer == 0 else v_first)
 
 
 class ChannelMix(nn.Module):
@@ -397,26 +374,9 @@ class RWKV7(nn.Module):
         return self.head(x.gather(1, last.expand(B, 1, x.shape[-1])).squeeze(1))
 
     def forward_step(self, tokens, shift, wkv, *, impl):
-        """One token per sequence: tokens `[B]`; shift and wkv updated in place. Logits `[B, V]`."""
-        if impl == "triton":
-            return self.fused_step(tokens, shift, wkv)
-        x = self.model.embeddings(tokens)
-        v_first = None
-        for i, block in enumerate(self.model.layers):
-            x = block.enter(x)
-            h = block.attn_norm(x)
-            out, v_first = block.attn.step(h, shift[i, 0], v_first, wkv[i], impl=impl)
-            shift[i, 0].copy_(h)
-            x = x + out
-            h = block.ffn_norm(x)
-            out = block.ffn(h, shift[i, 1])
-            shift[i, 1].copy_(h)
-            x = x + out
-        return self.head(x)
-
-    def fused_step(self, tokens, shift, wkv):
-        """`forward_step` on the fused Triton kernels. Each norm is fused with the residual add before
-        it and the token shift after it; the residual x `[B, C]` is updated in place.
+        """One token per sequence: tokens `[B]`; shift and wkv updated in place. Logits `[B, V]`. Each norm
+        runs with the residual add before it and the token shift after it; the residual x `[B, C]` is
+        updated in place.
 
         The embedding lookup comes first and is a PyTorch kernel (launched without PDL): every write
         to `wkv` and `shift` before this call has finished when it starts, which lets each layer's WKV
@@ -426,24 +386,24 @@ class RWKV7(nn.Module):
         layers = self.model.layers
         if hasattr(layers[0], "pre_norm"):
             n = layers[0].pre_norm
-            x = add_norm_shift(x, None, n.weight, n.bias, eps=n.eps, impl="triton")
+            x = add_norm_shift(x, None, n.weight, n.bias, eps=n.eps, impl=impl)
         delta, v_first = None, None
         for i, block in enumerate(layers):
             n = block.attn_norm
             # [6, B, C]
-            xs = add_norm_shift(x, delta, n.weight, n.bias, shift[i, 0], block.attn.packed().mix, eps=n.eps, impl="triton",
+            xs = add_norm_shift(x, delta, n.weight, n.bias, shift[i, 0], block.attn.packed().mix, eps=n.eps, impl=impl,
                                 state_ready=True)
-            out, v_first = block.attn.fused_step(xs, v_first, wkv[i])
+            out, v_first = block.attn.step(xs, v_first, wkv[i], impl=impl)
             n, ffn = block.ffn_norm, block.ffn
             # [1, B, C]
-            xk = add_norm_shift(x, out, n.weight, n.bias, shift[i, 1], ffn.x_k.view(1, -1), eps=n.eps, impl="triton",
+            xk = add_norm_shift(x, out, n.weight, n.bias, shift[i, 1], ffn.x_k.view(1, -1), eps=n.eps, impl=impl,
                                 state_ready=True)
-            delta = gemv.act_linear(gemv.linear(xk[0], ffn.key.weight, impl="triton"), "sqrelu", ffn.value.weight,
-                                    impl="triton", x_is_scratch=True)
+            delta = gemv.linear(gemv.linear(xk[0], ffn.key.weight, impl=impl), ffn.value.weight,
+                                pre=fusions.SqReLU(scratch=True), impl=impl)
         n = self.model.norm
-        h = add_norm_shift(x, delta, n.weight, n.bias, eps=n.eps, impl="triton")
+        h = add_norm_shift(x, delta, n.weight, n.bias, eps=n.eps, impl=impl)
         w = self.model.embeddings.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        return gemv.linear(h, w, impl="triton")
+        return gemv.linear(h, w, impl=impl)
 
     def init_random(self, seed: int = 0):
         """Random weights in the ranges a trained RWKV-7 has, deterministic in `seed`.

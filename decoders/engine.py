@@ -496,11 +496,11 @@ class PagedRunner(ARRunner):
             return None
         if b not in self.workspaces:
             c = self.decoder.config
-            from declab_kernels import paged_attention
+            from declab_kernels import paged_attention, tuning
 
             self.workspaces[b] = paged_attention.decode_workspace(
                 b, c.num_attention_heads, c.num_key_value_heads, c.head_dim, self.max_model_len, self.device,
-                variant="long" if b == 1 else "split",
+                variant=tuning.attention_variant(b),
             )
         return self.workspaces[b]
 
@@ -564,15 +564,11 @@ class PagedRunner(ARRunner):
 
         p = self.params
         tokens, positions, tables = p.next_tokens[:b], p.positions[:b], self.tables[:b]
-        slots = None
-        if self.impl != "triton":
-            # (The Triton decode kernel finds the new row's page itself.)
-            blocks = tables.gather(1, (positions // self.page).unsqueeze(1)).squeeze(1)
-            slots = blocks * self.page + positions % self.page
+        # The decode attention finds the new row's page itself (slot_mapping None).
         batch = llama.PagedBatch(
             k_cache=self.kv.k, v_cache=self.kv.v, block_tables=tables,
             seq_lens=torch.add(positions, 1, out=torch.empty_like(positions, dtype=torch.int32)),
-            slot_mapping=slots, decode=True, impl=self.impl, workspace=self.workspace(b),
+            slot_mapping=None, decode=True, impl=self.impl, workspace=self.workspace(b),
         )
         return self.decoder.model.forward_paged(tokens, positions, batch)
 

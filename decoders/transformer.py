@@ -16,7 +16,7 @@ from declab_arch import llama
 from declab_arch.checkpoint import load_tokenizer
 from decoders.base import AutoregressiveDecoder, Memory
 from decoders.kv_cache import PagedKVCache
-from declab_kernels import paged_attention
+from declab_kernels import paged_attention, tuning
 
 
 @dataclass
@@ -70,12 +70,9 @@ class TransformerDecoder(AutoregressiveDecoder):
             kv.reserve(s, max_len)
         workspace = None
         if self.impl == "triton":
-            # Batch 1 is latency-bound: the "long" variant (half the splits, 16 KB tiles, flat merge)
-            # measured 0.23 / 0.63 / 0.88 of copy bandwidth at 4k / 32k / 128k (D=64) against the
-            # default's 0.17 / 0.52 / 0.80 (results/paged_attention_b1.jsonl); larger batches keep it.
             workspace = paged_attention.decode_workspace(
                 len(seqs), self.config.num_attention_heads, self.config.num_key_value_heads, self.config.head_dim, max_len, self.device,
-                variant="long" if len(seqs) == 1 else "split",
+                variant=tuning.attention_variant(len(seqs)),
             )
         return TransformerCache(kv, seqs, kv.block_table(seqs), workspace)
 
@@ -129,20 +126,14 @@ class TransformerDecoder(AutoregressiveDecoder):
         return torch.stack(last_logits)
 
     def decode_forward(self, cache: TransformerCache, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        slots = None
-        if self.impl != "triton":
-            # (The Triton decode kernel finds the new row's page itself.) int32 block ids: adding the
-            # int64 offset below promotes the slots to int64 in the same kernel.
-            page = self.page_size
-            blocks = cache.block_tables.gather(1, (positions // page).unsqueeze(1)).squeeze(1)
-            slots = blocks * page + positions % page
+        # The decode attention finds the new row's page itself (slot_mapping None).
         batch = llama.PagedBatch(
             k_cache=cache.kv.k,
             v_cache=cache.kv.v,
             block_tables=cache.block_tables,
             # One kernel (the add writes int32) where `(positions + 1).to(torch.int32)` launched two.
             seq_lens=torch.add(positions, 1, out=torch.empty_like(positions, dtype=torch.int32)),
-            slot_mapping=slots,
+            slot_mapping=None,
             decode=True,
             impl=self.impl,
             workspace=cache.workspace,

@@ -67,7 +67,7 @@ import triton
 import triton.language as tl
 
 from declab_kernels import pdl
-from declab_kernels.gemv import check_row_splits
+from declab_kernels.gemv.fusions import check_row_splits
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -498,7 +498,9 @@ def select_align(row_splits) -> int:
 def _check_select(x, weight, row_splits):
     """The row table of a SELECT launch, checked: x [S, M, K], weight [N, K], row_splits S + 1 ints
     rising from 0 to N."""
-    splits = check_row_splits(x, weight, row_splits, caller="gemv")
+    if weight.dim() != 2 or x.shape[-1] != weight.shape[-1]:
+        raise ValueError(f"gemv: select takes x [S, M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
+    splits = check_row_splits(x, weight.shape[0], row_splits, caller="gemv")
     key = (splits, str(x.device))
     if key not in _select_tables:
         sizes = torch.tensor([b - a for a, b in zip(splits, splits[1:])])

@@ -12,6 +12,7 @@ import torch
 
 import decoders
 from declab_arch import rwkv7
+from declab_kernels import tuning
 from declab_arch.checkpoint import CONFIG_DIR, CheckpointError, read_json
 from declab_kernels.wkv7 import wkv7_chunk_ref
 
@@ -107,13 +108,13 @@ def test_triton_matches_ref_in_model():
 
 @pytest.mark.interpreter
 @torch.inference_mode()
-@pytest.mark.parametrize("select_rows,cross_rows", [(rwkv7.SELECT_ROWS, rwkv7.CROSS_ROWS), (0, rwkv7.CROSS_ROWS), (0, 0)])
-def test_fused_triton_step_matches_ref_step(monkeypatch, select_rows, cross_rows):
-    """The three layouts of the down-projections in the fused step: the row-select GEMV (small batch;
-    its row splits differ between layer 0 and the layers with a value LoRA), one cross GEMM, and
-    batched r/k/v + LoRA GEMMs."""
-    monkeypatch.setattr(rwkv7, "SELECT_ROWS", select_rows)
-    monkeypatch.setattr(rwkv7, "CROSS_ROWS", cross_rows)
+@pytest.mark.parametrize("cross_rows", [tuning.CROSS_ROWS, 0])
+def test_triton_step_matches_ref_step(monkeypatch, cross_rows):
+    """The step on the Triton kernels against the same step on their references, with both unfused
+    layouts of the down-projections (`fusions.Select`): one cross GEMM of every input by the packed
+    weight (the row-select GEMV's alternative), and batched r/k/v + LoRA GEMMs (many rows); the
+    layers with a value LoRA split their rows differently from layer 0."""
+    monkeypatch.setattr(tuning, "CROSS_ROWS", cross_rows)
     ref, tri = tiny_model(seed=9), tiny_model(seed=9)
     x = tokens(3, 12, seed=9)
     states = [m.new_state(3) for m in (ref, tri)]

@@ -11,6 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import decoders
 from declab_arch import mamba2
+from declab_kernels import tuning
 from decoders.mamba2 import Mamba2Cache, Mamba2Decoder
 from decoders.sampling import Sampling
 
@@ -161,8 +162,8 @@ def test_memory_model_is_exact_and_context_free():
 @pytest.mark.parametrize("lens", [[37, 20, 5], [37, 20], [37]])
 def test_triton_equals_ref_whole_model(lens):
     """Three sequences, two and one: up to two the Triton step gates in the SSM step and the norms'
-    statistics come with the projections (`declab_arch.mamba2.GATE_IN_STEP_ROWS`)."""
-    assert mamba2.GATE_IN_STEP_ROWS == 2
+    statistics come with the projections (`declab_kernels.tuning.GATE_IN_STEP_ROWS`)."""
+    assert tuning.GATE_IN_STEP_ROWS == 2
     ref, tri = tiny("ref"), tiny("triton")
     tokens = random_tokens((3, 70), seed=9)
     assert rel(tri.logits(tokens), ref.logits(tokens)) < 1e-4
