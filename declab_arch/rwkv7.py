@@ -73,7 +73,7 @@ class Packed:
     down: torch.Tensor  # [3C + R, C] rows: r_proj, k_proj, v_proj, then the LoRA down-projections
     up: torch.Tensor  # [C, R] column blocks: the LoRA up-projections
     ranks: tuple  # widths of the LoRA blocks, in the order (v,) w, a, g
-    # rows of `down` per mixed input, as `gemv.select_linear` takes them: input i (r, k, v, w, a, g)
+    # rows of `down` per mixed input, as `fusions.Select` takes them: input i (r, k, v, w, a, g)
     # multiplies rows down_splits[i]:down_splits[i + 1] (v's LoRA goes with v_proj)
     down_splits: tuple
     # the unfused products of `down` for many rows (`fusions.Select`'s panels): r/k/v as one batched

@@ -12,9 +12,10 @@ programmatic dependent launch on (`declab_kernels.pdl`, the default on Hopper) k
 one's time includes its wait for the one before: the second table, the critical path, charges each
 kernel only what it added to the step (its end minus the end of the kernel that ended before it;
 the charges add up to the step), and DECLAB_PDL=0 gives a breakdown without the overlap.
-The record also lists `gemv_choices`: what `declab_kernels.gemv` picked for each projection shape (cuBLAS
-or a Triton configuration; for Mamba-2's gated norm + out_proj, the fused prologue or the pair) and
-every candidate's time, so the GEMV rows of the table can be read with their choice.
+The record also lists `gemv_choices` (`declab_kernels.gemv.choices()`): what `gemv.linear` picked for
+each projection's key (shape, dtype, fusions, weight format: cuBLAS or the unfused form, or a Triton
+configuration with the fusions inside) and every candidate's time, so the GEMV rows of the table can be
+read with their choice.
 The record is appended to `--out` (default runs/profile.jsonl); options, model and output path are
 checked before anything runs, and bad input is one line on stderr and exit code 2.
 """
@@ -111,17 +112,9 @@ def profile_step(decoder, *, ctx: int, batch: int, steps: int, seed: int = 0) ->
     decoder.release(state)
     path = critical_path(kernel_spans(prof), steps) if on_gpu else None
     rows = [{"name": name, "calls_per_step": calls / steps, "us_per_step": total / steps} for name, calls, total in kernel_times(prof, on_gpu)]
-    # What `gemv.linear` and the fused GEMV ops picked per shape ("torch": cuBLAS, or the unfused pair), with
-    # every candidate's time: a step's GEMV kernels read with their choice. `extra` names a key's fields after the fifth.
-    picks = [{"op": op, "M": key[0], "N": key[1], "K": key[2], "dtype": key[3], "bias": key[4], **dict(zip(extra, key[5:])), **rec}
-             for op, extra, table in (("linear", (), gemv.choices()), ("gated_norm_linear", (), gemv.norm_choices()),
-                                      ("act_linear", ("act",), gemv.act_choices()), ("swiglu_linear", (), gemv.swiglu_choices()),
-                                      ("rms_norm_linear", ("swiglu",), gemv.rms_choices()),
-                                      ("rms_scaled_linear", (), gemv.scaled_choices()),
-                                      ("linear_residual", ("residual_dtype",), gemv.residual_choices()),
-                                      ("linear_residual_norm", ("residual_dtype", "rms_scale"), gemv.residual_norm_choices()),
-                                      ("select_linear", ("row_splits",), gemv.select_choices()))
-             for key, rec in table.items()]
+    # What `gemv.linear` picked per key ("torch": cuBLAS or the unfused form), with every candidate's time:
+    # a step's GEMV kernels read with their choice.
+    picks = gemv.choices()
     kernel_ms = sum(r["us_per_step"] for r in rows) / 1e3
     mem = decoder.memory(batch, ctx)
     return {

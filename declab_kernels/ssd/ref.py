@@ -200,7 +200,7 @@ def mamba2_decode_step(xBC, dt, conv_state, conv_weight, conv_bias, ssm_state, A
     `norm=(norm_weight [H*P], sumsq [B, H] float32)`, with z: the first half of the gated RMSNorm that
     follows (one group of all H*P channels). g = y * silu(z) is rounded to xBC's dtype; sumsq receives
     each head's sum of g^2 (float32) and the result is g * norm_weight, so that rmsnorm(g) * norm_weight
-    = result * rsqrt(sumsq.sum(-1) / (H*P) + eps) (`declab_kernels.gemv.rms_scaled_linear` applies the scale).
+    = result * rsqrt(sumsq.sum(-1) / (H*P) + eps) (`declab_kernels.gemv.fusions.RMSScale` applies the scale).
     """
     Bsz, Cdim = xBC.shape
     H, P, G = dt.shape[1], headdim, ngroups

@@ -16,7 +16,7 @@ state tile, the positions, the conv rings, the conv weights and the per-head con
 before the wait (see `mamba2_decode_step`).
 With `norm=` (constexpr HAS_NORM) it also writes each head's sum of squares of the gated output and
 multiplies that output by the norm weight, so the RMSNorm after it needs no kernel of its own
-(`declab_kernels.gemv.rms_scaled_linear`).
+(`declab_kernels.gemv.fusions.RMSScale`).
 
 Base offsets are int64 (a 512k-token prompt times H*P overflows int32); in-tile offsets stay int32.
 """

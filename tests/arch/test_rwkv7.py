@@ -128,7 +128,7 @@ def test_triton_step_matches_ref_step(monkeypatch, cross_rows):
 
 
 @pytest.mark.interpreter
-def test_fused_step_packs_weights_as_views_and_repacks_after_a_move(tmp_path):
+def test_step_packs_weights_as_views_and_repacks_after_a_move(tmp_path):
     model = tiny_model(seed=10)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     shift, wkv = model.new_state(1)

@@ -210,7 +210,7 @@ class LaunchCount(TorchDispatchMode):
 @pytest.mark.interpreter
 @torch.inference_mode()
 def test_triton_step_launches_five_kernels_per_layer(monkeypatch):
-    """Above `GATE_IN_STEP_ROWS` sequences: embedding + norm, then per layer in_proj, decode step, gated
+    """Above `tuning.GATE_IN_STEP_ROWS` sequences: embedding + norm, then per layer in_proj, decode step, gated
     norm, out_proj, add + norm; the head."""
     from declab_kernels.mamba2_norm import triton as norm_tri
 

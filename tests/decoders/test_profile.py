@@ -25,17 +25,18 @@ def test_record_lists_the_gemv_choices(monkeypatch):
     """The picks of declab_kernels.gemv (made on a GPU; none on the CPU) come out one row per shape."""
     from declab_kernels import gemv
 
-    # empty tables, as in a fresh process (earlier tests on a GPU leave their picks in them)
-    for name in [n for n in vars(gemv) if n.endswith("_CHOICES")]:
-        monkeypatch.setattr(gemv, name, {})
+    # an empty table, as in a fresh process (earlier tests on a GPU leave their picks in it)
+    monkeypatch.setattr(gemv, "_TABLE", {})
     dec = decoders.load("llama-tiny", impl="ref", device="cpu")
     assert profile.profile_step(dec, ctx=32, batch=1, steps=1)["gemv_choices"] == []
     pick = {"impl": "triton", "torch_us": 6.0, "triton_us": 4.5, "triton_config": "fma n4 k1024", "times_us": {"torch": 6.0}}
-    monkeypatch.setitem(gemv._CHOICES, (1, 2048, 2048, "bfloat16", False, 0), dict(pick, config=object()))
-    monkeypatch.setitem(gemv._NORM_CHOICES, (1, 2048, 4096, "bfloat16", False, 0), dict(pick, impl="torch", config=None))
+    monkeypatch.setitem(gemv._TABLE, (1, 2048, 2048, "bfloat16", False, None, None, "dense", 0), dict(pick, config=object()))
+    monkeypatch.setitem(gemv._TABLE, (1, 2048, 4096, "bfloat16", False, ("gated_rms_norm",), ("residual", "float32"), "dense", 0),
+                        dict(pick, impl="torch", config=None))
     rows = profile.profile_step(dec, ctx=32, batch=1, steps=1)["gemv_choices"]
-    assert rows == [dict(op="linear", M=1, N=2048, K=2048, dtype="bfloat16", bias=False, **pick),
-                    dict(op="gated_norm_linear", M=1, N=2048, K=4096, dtype="bfloat16", bias=False, **dict(pick, impl="torch"))]
+    assert rows == [dict(M=1, N=2048, K=2048, dtype="bfloat16", bias=False, pre="", post="", weight="dense", **pick),
+                    dict(M=1, N=2048, K=4096, dtype="bfloat16", bias=False, pre="gated_rms_norm", post="residual:float32",
+                         weight="dense", **dict(pick, impl="torch"))]
     json.dumps(rows)
 
 

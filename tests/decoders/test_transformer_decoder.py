@@ -89,10 +89,10 @@ def test_memory_counts_weights_and_kv(dec):
 @pytest.mark.parametrize("prompts", [[list(range(3, 40)), [7, 8, 9]], [list(range(5, 30))]])
 def test_triton_path_equals_the_reference(prompts):
     """Two sequences: norm kernels fused with the residual adds; one (one row a decode step,
-    `declab_arch.llama.FOLD_ROWS`): each norm inside the GEMV after it and each add inside the one before."""
-    from declab_arch import llama
+    `declab_kernels.tuning.FOLD_ROWS`): each norm inside the GEMV after it and each add inside the one before."""
+    from declab_kernels import tuning
 
-    assert llama.FOLD_ROWS == 1
+    assert tuning.FOLD_ROWS == 1
     ref = decoders.load("llama-tiny", device="cpu", dtype="float32", impl="ref", seed=1)
     tri = decoders.load("llama-tiny", device="cpu", dtype="float32", impl="triton", seed=1)
     a, b = ref.prefill(prompts, max_new_tokens=2), tri.prefill(prompts, max_new_tokens=2)
