@@ -169,7 +169,8 @@ def main():
             pick_name = config_name(pick) if pick is not None else None
         else:
             G_.linear(x, ws[0], impl="triton")
-            choice = G_.choices().get((M, N, K, "bfloat16", False))
+            choice = next((r for r in G_.choices() if (r["M"], r["N"], r["K"], r["dtype"], r["bias"], r["pre"], r["post"])
+                           == (M, N, K, "bfloat16", False, "", "")), None)
             pick_name = choice["triton_config"] if choice else None
             emit({"kind": "choice", **base, **(choice or {})})
         best = min(times, key=times.get) if times else None
