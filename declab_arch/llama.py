@@ -15,7 +15,7 @@ and the head go through `declab_kernels.gemv.linear`, whose fusions are data (`d
 the Triton GEMV runs where it measured faster, decode rows only). q/k/v are one projection
 (`Attention.qkv_weight`), gate/up another (`MLP.gate_up_weight`) with SwiGLU after it; in prefill RoPE on
 q and k and the K/V write are one kernel, in decode both run inside the paged decode kernel (`rope=`).
-Up to `declab_kernels.tuning.FOLD_ROWS` rows on impl="triton" each RMSNorm runs inside the GEMV after
+Up to `declab_kernels.tuning.FOLD_ROWS` rows (either impl) each RMSNorm runs inside the GEMV after
 it and each residual add inside the GEMV before it; otherwise each residual add runs inside the norm
 kernel after it. The fused weights are the only copy: `q_proj.weight` etc. are views into them (see
 `fuse_linears`), so HF names still load and save, and parameter counts stay right. `forward` keeps the
@@ -339,12 +339,12 @@ class Llama(nn.Module):
     def forward_paged(self, tokens, positions, batch: PagedBatch, logit_index=None, *, return_hidden: bool = False):
         """Packed tokens [N] at positions [N]; logits [len(logit_index), V] (all N if None), and with
         `return_hidden` the final hidden states of those rows before the norm (draft heads read them).
-        Up to `tuning.FOLD_ROWS` rows on impl="triton" the norms and residual adds fold into the
+        Up to `tuning.FOLD_ROWS` rows (either impl) the norms and residual adds fold into the
         GEMVs (`Block.forward_paged`); the head reads only the rows in `logit_index`."""
         impl = batch.impl
         layers = self.model.layers
         x = self.model.embed_tokens(tokens)  # [N, d], the residual stream
-        fold = impl == "triton" and x.shape[0] <= tuning.FOLD_ROWS
+        fold = x.shape[0] <= tuning.FOLD_ROWS
         first = layers[0].input_layernorm
         h = None if fold else rmsnorm.rms_norm(x, first.weight, first.eps, impl=impl)
         for i, block in enumerate(layers):

@@ -24,7 +24,7 @@ The model runs three ways, all through `declab_kernels.ssd`:
   hidden state;
 - `step(tokens [B], conv, ssm, positions=)`: one token per sequence, both states updated in place; its norms go
   through `declab_kernels.mamba2_norm` (one launch each on the Triton path: embedding + pre-norm, residual add +
-  pre-norm). On the Triton path with one norm group and up to `declab_kernels.tuning.GATE_IN_STEP_ROWS`
+  pre-norm). With one norm group and up to `declab_kernels.tuning.GATE_IN_STEP_ROWS`
   sequences the decode step also applies the gate and gathers the gated norm's statistics (each head's sum
   of squares; it returns the gated output times the norm weight), and out_proj applies the row's 1 / rms
   to its products (`fusions.RMSScale`); otherwise the gated norm goes with out_proj
@@ -184,9 +184,11 @@ class Mixer(nn.Module):
             self._decay_key = key
         return self._decay
 
-    def gate_in_step(self, rows: int, impl: str) -> bool:
-        """Whether a decode step of `rows` sequences applies the gate in the SSM step (see `step`)."""
-        return impl == "triton" and self.norm.group_size == self.config.d_inner and rows <= tuning.GATE_IN_STEP_ROWS
+    def gate_in_step(self, rows: int) -> bool:
+        """Whether a decode step of `rows` sequences applies the gate in the SSM step (see `step`): one norm
+        group and at most `tuning.GATE_IN_STEP_ROWS` sequences, whatever the impl (the reference kernels
+        take the same schedule)."""
+        return self.norm.group_size == self.config.d_inner and rows <= tuning.GATE_IN_STEP_ROWS
 
     def step(self, h, conv_state, ssm_state, impl: str, *, positions, state_ready: bool = False, h_scale=None,
              residual=None, next_norm=None):
@@ -201,13 +203,13 @@ class Mixer(nn.Module):
         norm, from out_proj's epilogue (`fusions.ResidualNorm`).
         """
         c = self.config
-        gate_in_step = self.gate_in_step(h.shape[0], impl)
+        gate_in_step = self.gate_in_step(h.shape[0])
         if (residual is not None or h_scale is not None) and not gate_in_step:
             raise ValueError("Mixer.step: h_scale / residual need the gate in the step (gate_in_step)")
         pre = None if h_scale is None else fusions.RMSScale(*h_scale)
         zxbcdt = gemv.linear(h, self.in_proj.weight, self.in_proj.bias, pre=pre, impl=impl)
         z, xBC, dt = self.split(zxbcdt)
-        # Triton path, one norm group, up to tuning.GATE_IN_STEP_ROWS sequences: the decode step applies the
+        # One norm group, up to tuning.GATE_IN_STEP_ROWS sequences: the decode step applies the
         # gate, g = y * silu(z) (rounded to the model dtype, the one rounding the module does not do),
         # writes each head's sum of g^2 and returns g * norm_weight; out_proj scales its products by
         # the row's 1 / rms (`fusions.RMSScale`), so the norm launches no kernel of its own.
@@ -323,7 +325,7 @@ class Mamba2LM(nn.Module):
         The same blocks as `forward`, with each residual add fused into the norm that follows it (the
         next block's pre-norm, or norm_f): r = embed(tokens); h = norm_0(r); then per layer
         r = r + mixer(h), h = norm_{i+1}(r). Where the mixer gates in its SSM step (up to
-        `tuning.GATE_IN_STEP_ROWS` sequences on the Triton path) the norms after the first launch nothing of
+        `tuning.GATE_IN_STEP_ROWS` sequences) the norms after the first launch nothing of
         their own: out_proj's epilogue writes r, r * weight and r's partial sums of squares, and the next
         in-projection (or the head) applies 1 / rms (`fusions.ResidualNorm`, `fusions.RMSScale`): 3
         launches a layer.
@@ -337,7 +339,7 @@ class Mamba2LM(nn.Module):
         norms = [block.norm for block in layers] + [self.backbone.norm_f]
         table = self.backbone.embeddings.weight
         h, r = mamba2_norm.embed_rmsnorm(tokens, table, norms[0].weight, norms[0].eps, impl=impl)
-        if layers[0].mixer.gate_in_step(tokens.shape[0], impl):
+        if layers[0].mixer.gate_in_step(tokens.shape[0]):
             # Every norm after the first comes with the projections around it: out_proj writes the
             # residual, h = residual * weight and its partial sums of squares; the in-projection
             # (or the head) applies 1 / rms (`Mixer.step`).

@@ -10,6 +10,7 @@ import torch
 import decoders
 from declab_arch import mamba2
 from declab_arch.checkpoint import CONFIG_DIR, CheckpointError, read_json
+from declab_kernels import tuning
 from decoders.mamba2 import Mamba2Decoder
 
 
@@ -194,11 +195,11 @@ def test_step_equals_unfused_blocks_ref():
 
 @pytest.mark.interpreter
 @torch.inference_mode()
-def test_step_triton_one_sequence_equals_the_blocks():
+def test_step_triton_one_sequence_equals_the_blocks(monkeypatch):
     """One sequence on the Triton path (the interpreter on the CPU): the norms' statistics come from
     the SSM step and out_proj's epilogue, 1 / rms is applied by the GEMV after; the logits and states
-    equal the reference blocks'. Passing those statistics where the gate is not in the step is refused
-    before any state moves."""
+    equal the reference blocks' (the schedule without the gate in the step). Passing those statistics
+    where the gate is not in the step (more rows) is refused before any state moves."""
     dec = decoders.load("mamba2-tiny", device="cpu", dtype="float32", impl="ref", seed=3)
     model, c = dec.model, dec.config
     tokens = torch.tensor([77])
@@ -207,15 +208,19 @@ def test_step_triton_one_sequence_equals_the_blocks():
     ssm = torch.randn(c.n_layer, 1, c.nheads, c.headdim, c.d_state)
     conv2, ssm2 = conv.clone(), ssm.clone()
     logits = model.step(tokens, conv, ssm, "triton", positions=positions)
-    want = model.step(tokens, conv2, ssm2, "ref", positions=positions)
+    with monkeypatch.context() as m:
+        m.setattr(tuning, "GATE_IN_STEP_ROWS", 0)
+        want = model.step(tokens, conv2, ssm2, "ref", positions=positions)
     for got, ref in ((logits, want), (conv, conv2), (ssm, ssm2)):
         assert ((got - ref).norm() / ref.norm()).item() < 1e-4
     mixer = model.backbone.layers[0].mixer
-    before = ssm2[0].clone()
+    rows = tuning.GATE_IN_STEP_ROWS + 1
+    conv3, ssm3 = torch.randn(rows, c.conv_dim, c.d_conv), torch.randn(rows, c.nheads, c.headdim, c.d_state)
+    before = ssm3.clone()
     with pytest.raises(ValueError, match="gate in the step"):
-        mixer.step(torch.zeros(1, c.d_model), conv2[0], ssm2[0], "ref", positions=positions,
-                   residual=torch.zeros(1, c.d_model))
-    assert torch.equal(ssm2[0], before)
+        mixer.step(torch.zeros(rows, c.d_model), conv3, ssm3, "ref", positions=positions.expand(rows),
+                   residual=torch.zeros(rows, c.d_model))
+    assert torch.equal(ssm3, before)
 
 
 def test_ref_training_forward_equals_the_config_chunk_and_unfused_norm(monkeypatch):
