@@ -109,7 +109,7 @@ def _dense_fusable(x, weight, bias, impl) -> bool:
         return False
     if weight.dim() != 2 or weight.stride(-1) != 1 or any(t is not None and t.dtype != x.dtype for t in (weight, bias)):
         return False
-    return fusions._no_grad(x, weight, bias)
+    return fusions.no_grad(x, weight, bias)
 
 
 def _unfused(x, weight, bias, pre, post, impl, early_tiles):
@@ -167,7 +167,7 @@ def _measured(x, weight, bias, pre, post, impl, early_tiles):
     a copy of x when the form writes into x (`Pre.in_place`). During capture an unseen key runs the
     unfused form."""
     rows = x.shape[-2]
-    key = (rows, weight.shape[0], x.shape[-1], fusions._dtype(x), bias is not None, pre.key() if pre else None,
+    key = (rows, weight.shape[0], x.shape[-1], fusions.dtype_name(x), bias is not None, pre.key() if pre else None,
            post.key() if post else None, "dense", x.device.index)
 
     def pair(xin, w):
@@ -175,17 +175,16 @@ def _measured(x, weight, bias, pre, post, impl, early_tiles):
             return F.linear(xin, w, bias)
         return _unfused(xin, w, bias, pre, post, impl, early_tiles)
 
+    fused = {**(pre.kernel_args() if pre else {}), **(post.kernel_args() if post else {})}
     rec = _TABLE.get(key)
     if rec is None:
         if torch.cuda.is_current_stream_capturing():
             return pair(x, weight)
         timed = x.clone() if pre is not None and pre.in_place else x
         pair(timed, weight)
-        fused = {**(pre.kernel_args() if pre else {}), **(post.kernel_args() if post else {})}
         rec = _choose(x, weight, bias, key, lambda w: pair(timed, w), fused)
     if rec["impl"] != "triton":
         return pair(x, weight)
     from declab_kernels.gemv.triton import gemv_triton
 
-    fused = {**(pre.kernel_args() if pre else {}), **(post.kernel_args() if post else {})}
     return gemv_triton(x, weight, bias, config=rec["config"], early_tiles=early_tiles, **fused)

@@ -25,12 +25,16 @@ import torch.nn.functional as F
 
 from declab_kernels import tuning
 
+__all__ = ["Pre", "Post", "RMSNorm", "GatedRMSNorm", "RMSScale", "SqReLU", "Select", "SwiGLU", "Residual", "ResidualNorm",
+           "AddRMSNorm"]
 
-def _no_grad(*tensors) -> bool:
+
+def no_grad(*tensors) -> bool:
+    """Whether no autograd records through these tensors (the Triton GEMV has no backward)."""
     return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
 
 
-def _dtype(t) -> str:
+def dtype_name(t) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
@@ -87,7 +91,7 @@ class RMSNorm(Pre):
             raise ValueError(f"rms_norm: needs a norm weight [{k}], got {tuple(self.weight.shape)}")
 
     def fusable(self, x) -> bool:
-        return self.weight.dtype == x.dtype and _no_grad(self.weight)
+        return self.weight.dtype == x.dtype and no_grad(self.weight)
 
     def kernel_args(self) -> dict:
         return {"rms_norm": (self.weight, self.eps)}
@@ -110,7 +114,7 @@ class GatedRMSNorm(Pre):
     def fusable(self, x) -> bool:
         k = x.shape[-1]
         return (self.group_size == k and tuple(self.z.shape) == tuple(x.shape) and tuple(self.weight.shape) == (k,)
-                and self.z.dtype == self.weight.dtype == x.dtype and _no_grad(self.z, self.weight))
+                and self.z.dtype == self.weight.dtype == x.dtype and no_grad(self.z, self.weight))
 
     def kernel_args(self) -> dict:
         return {"norm": (self.z, self.weight, self.eps)}
@@ -279,13 +283,13 @@ class Residual(Post):
 
     def fusable(self, x) -> bool:
         r = self.residual
-        return r.stride(-1) == 1 and r.is_floating_point() and _no_grad(r)
+        return r.stride(-1) == 1 and r.is_floating_point() and no_grad(r)
 
     def kernel_args(self) -> dict:
         return {"residual": self.residual}
 
     def key(self) -> tuple:
-        return (self.kind, _dtype(self.residual))
+        return (self.kind, dtype_name(self.residual))
 
     def unfused(self, y, impl):
         return self.residual + y
@@ -309,7 +313,7 @@ class ResidualNorm(Residual):
             raise ValueError(f"residual_norm: needs a norm weight [{n}], got {tuple(self.norm_weight.shape)}")
 
     def fusable(self, x) -> bool:
-        return super().fusable(x) and _no_grad(self.norm_weight)
+        return super().fusable(x) and no_grad(self.norm_weight)
 
     def kernel_args(self) -> dict:
         return {"residual": self.residual, "norm_out": self.norm_weight}
