@@ -35,6 +35,8 @@ import time
 from pathlib import Path
 
 MODELS = ("llama-1b", "mamba2-1.3b", "rwkv7-1.5b")
+# Prefix of the worker's protocol lines on its stdout.
+MESSAGE = "version_ab: "
 
 
 def build_parser():
@@ -139,7 +141,7 @@ def worker(spec: dict) -> int:
         dec.step(state)
         states[batch], tokens[batch] = state, []
     torch.cuda.synchronize()
-    print(json.dumps({"ready": True, "setup_s": time.perf_counter() - t0, "gpu": torch.cuda.get_device_name(),
+    print(MESSAGE + json.dumps({"ready": True, "setup_s": time.perf_counter() - t0, "gpu": torch.cuda.get_device_name(),
                       "gemv_picks": normalise_picks(gemv) if gemv is not None else None}), flush=True)
     for line in sys.stdin:
         if line.strip() != "round":
@@ -155,7 +157,7 @@ def worker(spec: dict) -> int:
             times = [a.elapsed_time(b) * 1e3 for a, b in zip(events, events[1:])]
             sha = hashlib.sha1(torch.cat(tokens[batch], 1).cpu().numpy().tobytes()).hexdigest()[:16]
             out.append({"batch": batch, "step_us": statistics.median(times), "tokens_sha": sha})
-        print(json.dumps({"round": out}), flush=True)
+        print(MESSAGE + json.dumps({"round": out}), flush=True)
     return 0
 
 
@@ -170,14 +172,19 @@ class Worker:
         self.ready = self.read(timeout)
 
     def read(self, timeout=None) -> dict:
-        if timeout is not None and not select.select([self.proc.stdout], [], [], timeout)[0]:
-            self.proc.kill()
-            raise RuntimeError(f"the worker of tree {self.name} ({self.folder}) was not ready within {timeout:.0f} s")
-        line = self.proc.stdout.readline()
-        if not line:
-            code = self.proc.wait()
-            raise RuntimeError(f"the worker of tree {self.name} ({self.folder}) ended with exit code {code}")
-        return json.loads(line)
+        """The worker's next message; other lines it prints (a library's log) go to stderr."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if deadline is not None and not select.select([self.proc.stdout], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                self.proc.kill()
+                raise RuntimeError(f"the worker of tree {self.name} ({self.folder}) was not ready within {timeout:.0f} s")
+            line = self.proc.stdout.readline()
+            if not line:
+                code = self.proc.wait()
+                raise RuntimeError(f"the worker of tree {self.name} ({self.folder}) ended with exit code {code}")
+            if line.startswith(MESSAGE):
+                return json.loads(line[len(MESSAGE):])
+            print(f"[{self.name}] {line.rstrip()}", file=sys.stderr)
 
     def round(self) -> list:
         self.proc.stdin.write("round\n")

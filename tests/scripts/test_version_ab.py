@@ -99,3 +99,26 @@ def test_picks_from_either_choice_api():
     want = [[1, 8, 32, "torch", None], [1, 64, 32, "triton", "fma n4 k1024"]]
     assert version_ab.normalise_picks(listed) == want
     assert version_ab.normalise_picks(per_op) == want
+
+
+def fake_worker(code):
+    """A `Worker` around a stand-in process (the real one needs a GPU)."""
+    import subprocess
+    import sys
+
+    w = object.__new__(version_ab.Worker)
+    w.name, w.folder = "before", Path(".")
+    w.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    return w
+
+
+def test_worker_messages_skip_other_output_and_time_out(capsys):
+    w = fake_worker("print('a library log line'); print('version_ab: ' + '{\"ready\": true}', flush=True)")
+    assert w.read(timeout=30) == {"ready": True}
+    assert "[before] a library log line" in capsys.readouterr().err
+    with pytest.raises(RuntimeError, match="exit code 0"):
+        w.read()
+    w = fake_worker("import time; time.sleep(30)")
+    with pytest.raises(RuntimeError, match="not ready within 0 s"):
+        w.read(timeout=0.2)
+    assert w.proc.wait(timeout=10) != 0
