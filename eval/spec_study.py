@@ -16,8 +16,8 @@ acceptance and wall speedup against plain decoding of the same target, in one pr
    draft position; for a state-space target both rollbacks (checkpoint and recompute, per-position
    states) are measured; the transformer target also with Medusa-style draft heads trained on its
    hidden states for --heads-seconds (`eval.train_heads`, into <work>/runs/<target>-heads).
-   On a GPU every point is measured eager, then again graph-captured (a model draft's k+1 steps
-   and the verify forward in CUDA graphs; a state-space target verifying as decode steps); a
+   On a GPU every point is measured graph-captured first (a model draft's k+1 steps and the verify
+   forward in CUDA graphs; a state-space target verifying as decode steps), then again eager; a
    graphed point that fails is recorded with its reason, not raised (--no-graphs: eager only).
 
 Every record is a JSON line appended to --out as it finishes (with environment()); the table is
@@ -122,11 +122,12 @@ def spec_run(spec: SpeculativeDecoder, batches: list[list[list[int]]], new_token
 
 
 def measure(a, targets: dict, drafts: dict, prompts: list[list[int]], device) -> list[dict]:
-    """Every point eager first, then (on a GPU) graph-captured, so that a capture that fails costs
-    only the graphed points; a graphed point that raises is recorded with its reason."""
+    """On a GPU every point graph-captured first (the figure a user would run, so that a run cut short
+    still has it), then eager; a graphed point that raises is recorded with its reason, and the eager
+    points still run."""
     records, plain = [], {}
     env = environment(device)
-    for graphs in [False, True] if device.type == "cuda" and a.graphs else [False]:
+    for graphs in [True, False] if device.type == "cuda" and a.graphs else [False]:
         for target_name, target in targets.items():
             verifies = ["chunk", "steps"] if target.family in ("mamba2", "rwkv7") else ["chunk"]
             for batch in a.batches:
