@@ -288,7 +288,7 @@ def run(args) -> int:
     import decoders
     from decoders import harness, peers
     from declab_kernels import resolve_impl
-    from declab_kernels.benchtools import environment
+    from decoders.records import environment
     from decoders.cli import JsonlSink, check_figure_file, check_output_file
 
     device = decoders.parse_device(args.device)

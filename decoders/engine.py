@@ -1063,7 +1063,7 @@ def main(argv=None) -> int:
     import sys
 
     import decoders
-    from declab_kernels.benchtools import append_jsonl, environment
+    from decoders.records import append_jsonl, environment
     from decoders.cli import check_output_file
 
     args = build_parser().parse_args(argv)

@@ -781,7 +781,7 @@ def short_summary(records: list[dict], env: dict, out: str) -> dict:
 
 
 def run(args) -> int:
-    from declab_kernels.benchtools import append_jsonl, environment
+    from decoders.records import append_jsonl, environment
 
     if args.replot is not None:
         return replot(args.replot, args.plot)

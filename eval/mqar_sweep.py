@@ -44,7 +44,7 @@ import torch.nn.functional as F
 import decoders
 from decoders import cli
 from declab_arch.checkpoint import CONFIG_DIR, read_json
-from declab_kernels.benchtools import append_jsonl, environment
+from decoders.records import append_jsonl, environment
 from eval.train import lr_at
 
 FAMILIES = ["transformer", "mamba2", "rwkv7", "maskpredict"]

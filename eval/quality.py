@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 import decoders
-from declab_kernels.benchtools import append_jsonl, environment
+from decoders.records import append_jsonl, environment
 from decoders.cli import Parser, check_output_dir
 
 MQAR_TASK = re.compile(r"declab_mqar_(\d+)$")

@@ -36,7 +36,7 @@ import decoders
 from decoders import cli
 from decoders.speculative import MAX_K, SpeculativeDecoder
 from eval import train, train_heads
-from declab_kernels.benchtools import append_jsonl, environment
+from decoders.records import append_jsonl, environment
 
 TARGET = "llama-30m"
 STATE_TARGET = "mamba2-30m"

@@ -56,7 +56,7 @@ from declab_arch.checkpoint import CONFIG_DIR, read_json
 from decoders.cli import Parser, check_output_dir
 from eval.corpus import documents, shard_files
 from eval.tokenizer import BYTE_VOCAB, make_tokenizer, save_tokenizer
-from declab_kernels.benchtools import append_jsonl, environment
+from decoders.records import append_jsonl, environment
 
 BPE_SAMPLE_DOCS = 20000
 # Share of Mask-Predict's training windows whose prompt sees the block (the bidirectional bound's attention).

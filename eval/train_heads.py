@@ -24,7 +24,7 @@ import torch.nn.functional as F
 import decoders
 from decoders import cli
 from declab_arch.draft_heads import DraftHeads
-from declab_kernels.benchtools import append_jsonl, environment
+from decoders.records import append_jsonl, environment
 from eval import train
 
 PROBE_STEPS = 4

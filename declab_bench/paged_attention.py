@@ -1,6 +1,6 @@
 """Paged attention benchmark on one GPU: decode GB/s and prefill TFLOP/s beside SDPA and FlexAttention.
 
-    python -m declab_kernels.paged_attention.bench --out results/paged_attention.jsonl
+    python -m declab_bench.paged_attention --out results/paged_attention.jsonl
 
 Measures the copy-bandwidth ceiling, then write_kv (Triton vs index_copy_), decode (contexts 4k,
 32k, 128k x batch 1, 16, 64 x head dim 64 and 128, Hq=32, Hkv=8, pages 16 and 128; SDPA and
@@ -24,9 +24,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-from declab_kernels import benchtools
+from declab_kernels import timing
 from declab_kernels import paged_attention as pa
 from declab_kernels.paged_attention import triton as tri
+from decoders import records
 
 HQ, HKV = 32, 8
 TOL = 2e-2
@@ -56,7 +57,7 @@ class Bench:
         self.start = time.monotonic()
         self.budget_s = budget_s
         self.flex_budget_s = flex_budget_s
-        self.env = benchtools.environment(self.device)
+        self.env = records.environment(self.device)
         self.records = []
         self.copy_bps = None
         # causal prefill TFLOP/s of SDPA's flash backend per length, the prefill ceiling
@@ -68,7 +69,7 @@ class Bench:
     def emit(self, **record):
         record = {**record, **self.env}
         self.records.append(record)
-        benchtools.append_jsonl(self.out, record)
+        records.append_jsonl(self.out, record)
 
 
 def rel_rms(a, b):
@@ -96,11 +97,11 @@ def timed_layers(calls, est_ms):
     method = {"timing": f"graph of {n} calls over {len(calls)} distinct buffers, ms per call", "graph_calls": n,
               "buffers": len(calls)}
     try:
-        ms = benchtools.time_ms(step, graph=True, warmup=3, iters=iters)
+        ms = timing.time_ms(step, graph=True, warmup=3, iters=iters)
         graph = True
     except Exception:
         torch.cuda.synchronize()
-        ms = benchtools.time_ms(step, warmup=3, iters=iters)
+        ms = timing.time_ms(step, warmup=3, iters=iters)
         graph = False
     return ms / n, {**method, "graph": graph}
 
@@ -347,7 +348,7 @@ def run_prefill_config(bench, op, t, page, cfg, case):
         return
     err = rel_rms(got[rows], want)
     ok = err < TOL and not torch.isnan(got).any().item()
-    ms = benchtools.time_ms(run, warmup=3, iters=10) if ok else None
+    ms = timing.time_ms(run, warmup=3, iters=10) if ok else None
     tflops = flops / ms / 1e9 if ms else None
     sdpa = bench.sdpa_tflops.get(t)
     bench.emit(ms=ms, TFLOPs=tflops, frac=tflops / sdpa if tflops and sdpa else None, ok=ok, rel_rms=err, **record)
@@ -379,7 +380,7 @@ def bench_prefill(bench):
 
                 got = sdpa()[0].transpose(0, 1)
                 ok = rel_rms(got[rows], want) < TOL
-                ms = benchtools.time_ms(sdpa, warmup=3, iters=10) if ok else None
+                ms = timing.time_ms(sdpa, warmup=3, iters=10) if ok else None
                 if ms:
                     bench.sdpa_tflops[t] = flops / ms / 1e9
                 bench.emit(op="prefill", impl="sdpa_flash", B=1, ctx=t, D=PREFILL_D, Hq=HQ, Hkv=HKV, causal=True,
@@ -485,7 +486,7 @@ def main():
         raise SystemExit("this benchmark needs a GPU")
     torch.manual_seed(0)
     bench = Bench(args.out, args.budget_s, args.flex_budget_s)
-    bench.copy_bps = benchtools.copy_bandwidth(bench.device)
+    bench.copy_bps = timing.copy_bandwidth(bench.device)
     bench.emit(op="copy", impl="torch", GBps=bench.copy_bps / 1e9, ok=True)
     print(f"copy bandwidth {bench.copy_bps / 1e9:.0f} GB/s")
 

@@ -1,9 +1,9 @@
 """WKV-7 benchmark on one GPU: decode-step latency and chunked-prefill throughput, beside fla.
 
-    python -m declab_kernels.wkv7.bench --out results/wkv7.jsonl [--budget 90]
+    python -m declab_bench.wkv7 --out results/wkv7.jsonl [--budget 90]
 
 Shape: rwkv7-1.5b (H=32, K=V=64, one layer). Ordered so that the headline numbers come first and
-every record is appended to `--out` (one JSON line with `declab_kernels.benchtools.environment`) as soon
+every record is appended to `--out` (one JSON line with `decoders.records.environment`) as soon
 as it is measured:
 1. the copy-bandwidth ceiling;
 2. the default step: self-check against the float32 reference, then latency at batch 1, 16, 128
@@ -28,7 +28,8 @@ import time
 
 import torch
 
-from declab_kernels.benchtools import append_jsonl, copy_bandwidth, environment, time_ms
+from declab_kernels.timing import copy_bandwidth, time_ms
+from decoders.records import append_jsonl, environment
 from declab_kernels.wkv7 import CHUNK
 from declab_kernels.wkv7.ref import rwkv7_inputs, wkv7_chunk_ref, wkv7_step_ref
 from declab_kernels.wkv7.triton import wkv7_chunk_triton, wkv7_step_triton
@@ -145,7 +146,7 @@ def main():
                     help="seconds after which optional measurements (step 6 of the docstring) are skipped")
     args = ap.parse_args()
     if not torch.cuda.is_available():
-        sys.exit("declab_kernels.wkv7.bench needs a CUDA GPU")
+        sys.exit("declab_bench.wkv7 needs a CUDA GPU")
     device = torch.device("cuda")
     start = time.monotonic()
     env = environment(device)
