@@ -159,9 +159,8 @@ def is_maskpredict(checkpoint: str) -> bool:
     if config.exists():
         from decoders import family_class
 
-        hf = json.loads(config.read_text())
-        return hf.get("declab_family") == "maskpredict" or family_class("maskpredict").detects(hf)
-    return str(checkpoint).startswith("maskpredict")
+        return family_class("maskpredict").detects(json.loads(config.read_text()))
+    return str(checkpoint).startswith(family_class("maskpredict").presets)
 
 
 def runs_from_jsonl(path) -> list[dict]:

@@ -237,7 +237,7 @@ def loss_fn(dec):
     Mask-Predict the block loss of the first T tokens (a clean prompt, then a masked block that ends
     the sequence: what its decoding and scoring see)."""
     model = dec.model
-    if dec.family == "maskpredict":
+    if dec.state_kind == "canvas":
         from declab_arch.maskpredict import block_loss
 
         return lambda x, generator=None: block_loss(model, x[:, :-1], bidirectional=MASKPREDICT_BIDIRECTIONAL, generator=generator)

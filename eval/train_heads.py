@@ -63,7 +63,7 @@ def train_heads(a) -> Path:
     device = decoders.parse_device(a.device)
     torch.manual_seed(a.seed)
     target = decoders.load(a.target, device=device, dtype="float32", impl="ref")
-    if target.family != "transformer":
+    if target.state_kind != "kv":
         raise decoders.UsageError(f"--target {a.target} is {target.family}: draft heads read a transformer's hidden states")
     if target.tokenizer is None:
         raise decoders.UsageError(f"--target {a.target} has no tokenizer: train it with eval.train")
