@@ -707,9 +707,10 @@ def model_limits(model: str) -> tuple[int, int | None]:
     import decoders
     from declab_arch.checkpoint import CONFIG_DIR, read_json
 
+    limit = getattr(decoders.model_config(model), "max_position_embeddings", None)
     path = Path(model)
     config = read_json(path / "config.json" if path.is_dir() else CONFIG_DIR / f"{model}.json")
-    return config["vocab_size"], getattr(decoders.model_config(model), "max_position_embeddings", None)
+    return config["vocab_size"], limit
 
 
 def point_workload(args, load: dict, target, model: str, lengths) -> tuple[wl.Workload, str]:

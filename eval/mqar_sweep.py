@@ -101,7 +101,7 @@ def answer_logits(dec, tokens: torch.Tensor, answers: torch.Tensor) -> tuple[tor
     """Logits [A, V] the model gives each answer position and the answers [A]: the autoregressive
     families read the position before it, Mask-Predict the masked position itself."""
     model = dec.model
-    if dec.state_kind == "canvas":
+    if decoders.family_class(dec.family).state_kind == "canvas":
         logits = model(torch.where(answers, MASK, tokens))
         return logits[answers], tokens[answers]
     kwargs = {"impl": "ref"} if "impl" in inspect.signature(model.forward).parameters else {}
