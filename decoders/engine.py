@@ -1072,12 +1072,12 @@ def main(argv=None) -> int:
         if args.batch < 1 or args.new_tokens < 1 or args.new_tokens >= args.ctx:
             raise UsageError(f"need --batch >= 1 and 1 <= --new-tokens < --ctx, got {args.batch}, {args.new_tokens}, {args.ctx}")
         out = check_output_file(args.out, "--out")
-        family = decoders.family_class(decoders.family_of(args.model))
-        if family.state_kind == "canvas":
+        record = decoders.family_class(decoders.family_of(args.model))
+        if record.state_kind == "canvas":
             raise UsageError("the measuring command runs the autoregressive families (a Mask-Predict cohort is a static "
                              "batch: python -m decoders.compare measures it)")
         dec = decoders.load(args.model, device=args.device, dtype=args.dtype, impl=args.impl, seed=args.seed,
-                            **({"page_size": args.page_size} if family.state_kind == "kv" else {}))
+                            **({"page_size": args.page_size} if record.state_kind == "kv" else {}))
         engine = Engine(dec, max_batch=args.batch, max_step_tokens=args.max_step_tokens, max_model_len=args.ctx)
         prompt_len = args.ctx - args.new_tokens
         # Warm-up: compiles and autotunes the kernels and captures the decode graph of this batch.

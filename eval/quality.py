@@ -155,12 +155,13 @@ def plot_iterations(runs: list[dict], path: Path) -> bool:
 
 def is_maskpredict(checkpoint: str) -> bool:
     """Whether a checkpoint folder or preset is of the Mask-Predict family (without loading weights)."""
+    from decoders import family_class
+
+    record = family_class("maskpredict")
     config = Path(checkpoint) / "config.json"
     if config.exists():
-        from decoders import family_class
-
-        return family_class("maskpredict").detects(json.loads(config.read_text()))
-    return str(checkpoint).startswith(family_class("maskpredict").presets)
+        return record.detects(json.loads(config.read_text()))
+    return str(checkpoint).startswith(record.presets)
 
 
 def runs_from_jsonl(path) -> list[dict]:
