@@ -707,7 +707,8 @@ def model_limits(model: str) -> tuple[int, int | None]:
     import decoders
     from declab_arch.checkpoint import CONFIG_DIR, read_json
 
-    limit = getattr(decoders.model_config(model), "max_position_embeddings", None)
+    _, lab_config = decoders.model_config(model)
+    limit = getattr(lab_config, "max_position_embeddings", None)
     path = Path(model)
     config = read_json(path / "config.json" if path.is_dir() else CONFIG_DIR / f"{model}.json")
     return config["vocab_size"], limit
