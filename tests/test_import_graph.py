@@ -1,6 +1,7 @@
 """The import graph, read from the sources with `ast` (nothing is imported or run): the product never
-imports the tooling package, no kernel folder imports another in a cycle, and the layering
-eval -> decoders -> declab_arch -> declab_kernels has no back edge. Imports inside functions count."""
+imports the tooling package, no kernel folder imports another in a cycle, the layering
+eval -> decoders -> declab_arch -> declab_kernels has no back edge, every import of a lab module names
+one that exists, and no benchmark (`bench.py`) sits in the product. Imports inside functions count."""
 
 import ast
 from pathlib import Path
@@ -83,6 +84,51 @@ def test_imports_of_resolves_relative_and_nested_imports(tmp_path):
     src = tmp_path / "pkg" / "sub" / "mod.py"
     src.write_text("from . import sibling\nfrom ..other import thing\n\ndef f():\n    import declab_bench.gemv\n")
     assert imports_of(src, tmp_path) >= {"pkg.sub.sibling", "pkg.other.thing", "declab_bench.gemv"}
+
+
+def module_exists(name: str, root: Path = ROOT) -> bool:
+    base = root.joinpath(*name.split("."))
+    return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
+
+
+def missing_imports(path: Path, root: Path = ROOT) -> list[str]:
+    """The lab modules `path` imports that do not exist (`import a.b`, `from a.b import c` needs a.b)."""
+    package = module_name(path, root).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
+    ours = tuple(LAYERS) + (TOOLING,)
+    missing = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
+            names = [base]
+        else:
+            continue
+        missing += [n for n in names if n.split(".")[0] in ours and not module_exists(n, root)]
+    return missing
+
+
+def test_missing_imports_finds_a_deleted_module(tmp_path):
+    (tmp_path / "decoders").mkdir()
+    (tmp_path / "decoders" / "records.py").write_text("")
+    src = tmp_path / "decoders" / "user.py"
+    src.write_text("from decoders.records import append_jsonl\nfrom declab_kernels.benchtools import time_ms\n")
+    assert missing_imports(src, tmp_path) == ["declab_kernels.benchtools"]
+
+
+def test_every_lab_import_names_a_module_that_exists():
+    paths = [p for top in LAYERS + [TOOLING] for p in sorted((ROOT / top).rglob("*.py"))]
+    bad = sorted(f"{module_name(p)} imports {m}" for p in paths for m in missing_imports(p))
+    assert not bad, bad
+
+
+def test_benchmarks_live_in_the_tooling_package():
+    benches = sorted(str(p.relative_to(ROOT)) for top in LAYERS for p in (ROOT / top).rglob("bench.py"))
+    assert not benches, benches
 
 
 def test_the_product_never_imports_the_tooling():
