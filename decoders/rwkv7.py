@@ -66,7 +66,6 @@ class RWKV7Decoder(AutoregressiveDecoder):
         self.check_context(tokens.shape[-1])
         return self.model(tokens, impl=self.impl)
 
-
     def new_cache(self, prompt_lens: list[int], max_len: int) -> RWKV7Cache:
         shift, wkv = self.model.new_state(len(prompt_lens), device=self.device, dtype=self.dtype)
         return RWKV7Cache(shift, wkv)

@@ -295,7 +295,6 @@ def _chunk_block_v(B, H, V, n_sm):
     return bv
 
 
-
 def wkv7_chunk_triton(
     r, w, k, v, a, b, *, scale=1.0, initial_state=None, chunk_size=CHUNK,
     out=None, final_state=None, block_v=None, segment_floats=SEGMENT_FLOATS,
