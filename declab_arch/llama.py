@@ -436,6 +436,8 @@ class Llama(nn.Module):
         return self
 
 
+# The name a saved config.json gives the lab family (`declab_family`).
+FAMILY = "transformer"
 HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}
 
 
@@ -478,7 +480,8 @@ def config_from_hf(hf: dict, source: str) -> LlamaConfig:
     )
 
 
-def is_hf_llama(hf: dict) -> bool:
+def detects(hf: dict) -> bool:
+    """Whether an HF config.json describes a causal Llama/Qwen2/Mistral model."""
     # A Llama-shaped masked-diffusion model (LLaDA style) is bidirectional: not this family.
     if hf.get("mask_token_id") is not None or hf.get("is_causal") is False:
         return False
@@ -490,13 +493,13 @@ def read_config(folder: Path) -> LlamaConfig:
     """The config of a Llama/Qwen2/Mistral checkpoint folder, checked, without reading its weights."""
     folder = Path(folder)
     hf = read_json(folder / "config.json")
-    if not is_hf_llama(hf):
+    if not detects(hf):
         raise CheckpointError(f"{folder}: unknown architecture {hf.get('architectures') or hf.get('model_type')}")
     return parse_config(config_from_hf, hf, str(folder))
 
 
-def load_hf(folder: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
-    """Config and state dict (HF names) of a Llama/Qwen2/Mistral checkpoint folder."""
+def load(folder: Path) -> tuple[LlamaConfig, Llama]:
+    """Config and model of a Llama/Qwen2/Mistral checkpoint folder (HF names)."""
     folder = Path(folder)
     config = read_config(folder)
     tensors = load_weights(folder)
@@ -504,17 +507,17 @@ def load_hf(folder: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
         tensors.pop("lm_head.weight", None)
     # Buffers HF may save that the lab recomputes.
     tensors = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
-    return config, tensors
+    return config, build(config, tensors, str(folder))
 
 
-def save(model: Llama, folder: Path, *, family: str = "transformer") -> None:
+def save(model: Llama, folder: Path) -> None:
     """An HF-style Llama folder (config.json + model.safetensors) that also names the lab family, so
     `decoders.load(folder)` and transformers both read it."""
     from safetensors.torch import save_file
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    values = {"declab_family": family, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", **asdict(model.config)}
+    values = {"declab_family": FAMILY, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", **asdict(model.config)}
     (folder / "config.json").write_text(json.dumps(values, indent=2) + "\n")
     save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"))
 

@@ -423,6 +423,15 @@ def _dt_limit_fields(limit, source: str) -> dict:
     return {"dt_min_limit": lo, "dt_max_limit": None if math.isinf(hi) else hi}
 
 
+# The name a saved config.json gives the lab family (`declab_family`).
+FAMILY = "mamba2"
+
+
+def detects(hf: dict) -> bool:
+    """Whether a config.json is HF `Mamba2ForCausalLM`'s or the state-spaces `mamba2-*` layout's."""
+    return is_hf_mamba2(hf) or is_state_spaces_mamba2(hf)
+
+
 def is_hf_mamba2(hf: dict) -> bool:
     return "Mamba2ForCausalLM" in (hf.get("architectures") or []) or hf.get("model_type") == "mamba2"
 
@@ -504,7 +513,7 @@ def read_config(folder: Path) -> Mamba2Config:
     folder = Path(folder)
     source = str(folder)
     hf = read_json(folder / "config.json")
-    if hf.get("declab_family") == "mamba2":
+    if hf.get("declab_family") == FAMILY:
         values = {k: v for k, v in hf.items() if k != "declab_family"}
         config = config_from_dict(Mamba2Config, values, source)
     elif is_hf_mamba2(hf):
@@ -516,9 +525,9 @@ def read_config(folder: Path) -> Mamba2Config:
     return config
 
 
-def load(folder: Path) -> tuple[Mamba2Config, dict[str, torch.Tensor]]:
-    """Config and state dict (the lab's names) of a Mamba-2 folder: the lab's own format, HF
-    `Mamba2ForCausalLM`, or the state-spaces `mamba2-*` layout."""
+def load(folder: Path) -> tuple[Mamba2Config, Mamba2LM]:
+    """Config and model of a Mamba-2 folder: the lab's own format, HF `Mamba2ForCausalLM`, or the
+    state-spaces `mamba2-*` layout."""
     folder = Path(folder)
     config = read_config(folder)
     tensors = load_weights(folder)
@@ -526,7 +535,7 @@ def load(folder: Path) -> tuple[Mamba2Config, dict[str, torch.Tensor]]:
         tensors["backbone.embeddings.weight"] = tensors.pop("backbone.embedding.weight")
     if config.tie_embeddings:
         tensors.pop("lm_head.weight", None)
-    return config, tensors
+    return config, build(config, tensors, str(folder))
 
 
 def save(model: Mamba2LM, folder: Path) -> None:
@@ -535,6 +544,6 @@ def save(model: Mamba2LM, folder: Path) -> None:
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    values = {"declab_family": "mamba2", **asdict(model.config)}
+    values = {"declab_family": FAMILY, **asdict(model.config)}
     (folder / "config.json").write_text(json.dumps(values, indent=2) + "\n")
     save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"))

@@ -22,23 +22,22 @@ from declab_kernels import resolve_impl
 
 __all__ = ["load", "speculative", "family_of", "check_model", "parse_device", "check_page_size", "user_errors", "USER_ERRORS", "Decoder", "Generation", "Memory", "StepOut", "Sampling", "GREEDY", "UsageError", "CheckpointError", "FAMILIES"]
 
-# family -> class, imported on first use so that a family's optional dependencies stay optional.
+# The registry: family -> its Decoder class, the family's record (`decoders.base.Decoder` says what it
+# declares), imported on first use so that a family's optional dependencies stay optional. A new
+# family is its decoder file (with its declab_arch module) and one line here.
 FAMILIES = {
     "transformer": "decoders.transformer:TransformerDecoder",
     "mamba2": "decoders.mamba2:Mamba2Decoder",
     "rwkv7": "decoders.rwkv7:RWKV7Decoder",
     "maskpredict": "decoders.maskpredict:MaskPredictDecoder",
 }
-# family -> its declab_arch module, whose read_config / preset_config check a config without weights.
-ARCH_MODULES = {"transformer": "declab_arch.llama", "mamba2": "declab_arch.mamba2", "rwkv7": "declab_arch.rwkv7", "maskpredict": "declab_arch.maskpredict"}
-# preset name prefix -> family
-PRESET_FAMILY = {"llama": "transformer", "mamba2": "mamba2", "rwkv7": "rwkv7", "maskpredict": "maskpredict"}
 # What a user can cause (a bad option, preset or checkpoint): reported in one line, not a traceback.
 USER_ERRORS = (UsageError, CheckpointError)
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 
 def family_class(family: str):
+    """The Decoder class (the record) of a registered family."""
     if family not in FAMILIES:
         raise UsageError(f"unknown family {family!r} (known: {', '.join(FAMILIES)})")
     module, name = FAMILIES[family].split(":")
@@ -114,23 +113,31 @@ def family_of(name_or_path) -> str:
         if "/" in name or path.exists():
             raise CheckpointError(f"{name}: not a checkpoint folder")
         raise UsageError(f"unknown preset {name!r} (presets: {', '.join(preset_names())})")
-    family = PRESET_FAMILY.get(name.split("-")[0])
-    if family is None:
-        raise UsageError(f"preset {name!r} names no known family")
-    return family
+    prefix = name.split("-")[0]
+    for family in FAMILIES:
+        if family_class(family).presets == prefix:
+            return family
+    raise UsageError(f"preset {name!r} names no known family")
+
+
+def model_config(name_or_path):
+    """(family, config) of a preset or checkpoint folder, checked, without reading any tensor."""
+    family = family_of(name_or_path)
+    arch = family_class(family).arch
+    path = Path(str(name_or_path))
+    if path.is_dir():
+        return family, arch.read_config(path)
+    return family, arch.preset_config(read_json(CONFIG_DIR / f"{name_or_path}.json"), str(name_or_path))
 
 
 def check_model(name_or_path, *, context: int | None = None) -> str:
     """What a command checks of a model before it spends time: the preset exists or the folder is a
     checkpoint of a known family with complete weights files, and `context` is within the config's
     maximum (where it states one). Cheap: no tensor is read. Returns the family."""
-    family = family_of(name_or_path)
+    family, config = model_config(name_or_path)
     path = Path(str(name_or_path))
     if path.is_dir():
-        config = importlib.import_module(ARCH_MODULES[family]).read_config(path)
         check_weights_files(path)
-    else:
-        config = importlib.import_module(ARCH_MODULES[family]).preset_config(read_json(CONFIG_DIR / f"{name_or_path}.json"), str(name_or_path))
     limit = getattr(config, "max_position_embeddings", None)
     if context is not None and limit is not None and context > limit:
         raise UsageError(f"context of {context} tokens is over {name_or_path}'s maximum of {limit}")

@@ -79,7 +79,7 @@ class JsonlSink:
         return str(self.path) if self.fallback is None else f"{self.path} and {self.fallback}"
 
     def append(self, record: dict) -> None:
-        from declab_kernels.benchtools import append_jsonl
+        from decoders.records import append_jsonl
 
         if self.fallback is None:
             try:

@@ -159,7 +159,7 @@ def plan_points(models, ctxs, batches, iterations, peer_names=(), device=None, o
 
     for model in models:
         family = decoders.family_of(model)
-        for it in (iterations if family == "maskpredict" else [None]) if own else []:
+        for it in (iterations if "iterations" in decoders.family_options(family) else [None]) if own else []:
             for batch in batches:
                 for ctx in ctxs:
                     yield model, family, it, batch, ctx, None
@@ -288,7 +288,7 @@ def run(args) -> int:
     import decoders
     from decoders import harness, peers
     from declab_kernels import resolve_impl
-    from declab_kernels.benchtools import environment
+    from decoders.records import environment
     from decoders.cli import JsonlSink, check_figure_file, check_output_file
 
     device = decoders.parse_device(args.device)
@@ -358,8 +358,9 @@ def run(args) -> int:
                 release_peers(peer_models, device)
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-                options = {"page_size": args.page_size} if family in ("transformer", "maskpredict") else {}
-                if family == "maskpredict":
+                takes = decoders.family_options(family)
+                options = {"page_size": args.page_size} if "page_size" in takes else {}
+                if "iterations" in takes:
                     options.update(iterations=it, block_length=args.block)
                 try:
                     dec = decoders.load(model, device=device, dtype=args.dtype, impl=args.impl, seed=args.seed, **options)

@@ -4,12 +4,12 @@
 # stage's output in one log, results as JSON lines under OUT_DIR (few files: the machine's
 # transfer back counts them).
 #
-#   scripts/serving_suite.sh OUT_DIR SECONDS STAGE...   (stages: deps tests engine64 compare64 sb8b bursty b256 http spec)
+#   declab_bench/serving_suite.sh OUT_DIR SECONDS STAGE...   (stages: deps tests engine64 compare64 sb8b bursty b256 http spec)
 #
 # Wheels for the server and the HTTP client are installed from WHEEL_DIR (default .whl-serve) when
 # the machine lacks them; CORPUS (default .corpus, a folder of train / valid / test shards) is the spec stage's training text.
 set -uo pipefail
-out=${1:?usage: scripts/serving_suite.sh OUT_DIR SECONDS STAGE...}
+out=${1:?usage: declab_bench/serving_suite.sh OUT_DIR SECONDS STAGE...}
 deadline=$((SECONDS + ${2:?seconds for the whole call}))
 shift 2
 mkdir -p "$out"
