@@ -20,7 +20,7 @@ from decoders.sampling import GREEDY, Sampling
 from decoders.speculative import speculative
 from declab_kernels import resolve_impl
 
-__all__ = ["load", "speculative", "family_of", "check_model", "parse_device", "check_page_size", "user_errors", "USER_ERRORS", "Decoder", "Generation", "Memory", "StepOut", "Sampling", "GREEDY", "UsageError", "CheckpointError", "FAMILIES"]
+__all__ = ["load", "speculative", "family_of", "model_config", "check_model", "parse_device", "check_page_size", "user_errors", "USER_ERRORS", "Decoder", "Generation", "Memory", "StepOut", "Sampling", "GREEDY", "UsageError", "CheckpointError", "FAMILIES"]
 
 # family -> class, imported on first use so that a family's optional dependencies stay optional.
 FAMILIES = {
@@ -120,17 +120,23 @@ def family_of(name_or_path) -> str:
     return family
 
 
+def model_config(name_or_path):
+    """(family, config) of a preset or checkpoint folder, checked, without reading any tensor."""
+    family = family_of(name_or_path)
+    path = Path(str(name_or_path))
+    if path.is_dir():
+        return family, importlib.import_module(ARCH_MODULES[family]).read_config(path)
+    return family, importlib.import_module(ARCH_MODULES[family]).preset_config(read_json(CONFIG_DIR / f"{name_or_path}.json"), str(name_or_path))
+
+
 def check_model(name_or_path, *, context: int | None = None) -> str:
     """What a command checks of a model before it spends time: the preset exists or the folder is a
     checkpoint of a known family with complete weights files, and `context` is within the config's
     maximum (where it states one). Cheap: no tensor is read. Returns the family."""
-    family = family_of(name_or_path)
+    family, config = model_config(name_or_path)
     path = Path(str(name_or_path))
     if path.is_dir():
-        config = importlib.import_module(ARCH_MODULES[family]).read_config(path)
         check_weights_files(path)
-    else:
-        config = importlib.import_module(ARCH_MODULES[family]).preset_config(read_json(CONFIG_DIR / f"{name_or_path}.json"), str(name_or_path))
     limit = getattr(config, "max_position_embeddings", None)
     if context is not None and limit is not None and context > limit:
         raise UsageError(f"context of {context} tokens is over {name_or_path}'s maximum of {limit}")

@@ -103,14 +103,16 @@ class Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
-def run_command(build_parser, run, argv=None) -> int:
+def run_command(build_parser, run, argv=None, *, quiet: bool = False) -> int:
     """A command line's main: `run(parsed arguments)`'s exit status, or 2 with one line on stderr when
-    the lab refuses the input (a bad option, preset or checkpoint)."""
+    the lab refuses the input (a bad option, preset or checkpoint); with `quiet` (a torchrun rank other
+    than 0, which finds the same mistake) 2 without the line."""
     from decoders import USER_ERRORS
 
     args = build_parser().parse_args(argv)
     try:
         return run(args)
     except USER_ERRORS as e:
-        print(f"error: {e}", file=sys.stderr)
+        if not quiet:
+            print(f"error: {e}", file=sys.stderr)
         return 2
