@@ -438,7 +438,7 @@ def run(args) -> int:
     mine = distributed.share(len(plan), here) if spread else range(len(plan))
     tp = group if args.tp > 1 else None
     threads = harness.pin_cpu_threads() if device.type == "cpu" else None
-    env = {**environment(device), **({"cpu_threads": threads} if threads else {}), "world_size": here.size, "tp": args.tp}
+    env = {**environment(device), **({"cpu_threads": threads} if threads else {}), "world_size": here.size, "rank": here.rank, "tp": args.tp}
     ceiling = harness.ceilings(device)
     if lead:
         print(f"ceilings on {env['device']}: copy {ceiling['copy_bytes_per_s'] / 1e12:.2f} TB/s, matmul {ceiling['matmul_flops'] / 1e12:.1f} TFLOP/s", file=sys.stderr)
