@@ -197,7 +197,10 @@ def collective_time(decoder, batch: int, repeats: int = 50) -> dict:
 
     def run():
         for (kind, _, _), t in zip(calls, tensors):
-            group.reduce(t) if kind == "reduce" else group.gather(t)
+            if kind == "reduce":
+                group.reduce(t)
+            else:
+                group.gather(t)
 
     with torch.inference_mode():
         run()
