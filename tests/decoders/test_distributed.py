@@ -275,7 +275,7 @@ def test_launches_that_do_not_fit_the_options_are_refused(tmp_path, capsys, monk
 def gpu_worker(rank: int, size: int, port: int, out: str):
     """One GPU rank on NCCL: every family's tensor-parallel decoder on the Triton path (bf16, decode
     steps replayed from a CUDA graph with their collectives inside) through the correctness gate, and
-    its logits against the one-process float32 reference."""
+    its logits' error against the one-process float32 reference beside the one-process bf16 error."""
     import torch.distributed as dist
 
     device = torch.device("cuda", rank)
@@ -285,11 +285,14 @@ def gpu_worker(rank: int, size: int, port: int, out: str):
     results = {}
     for name in ("llama-tiny", "mamba2-tiny", "rwkv7-tiny"):
         split = decoders.load(name, device=device, impl="triton", tp=group)
+        single = decoders.load(name, device=device, impl="triton")
         truth = decoders.load(name, device=device, dtype="float32", impl="ref")
         tokens = torch.randint(0, truth.vocab_size, (2, 40), generator=torch.Generator().manual_seed(2))
         gate = harness.check_against_reference(split, new_tokens=8)
+        expected = truth.logits(tokens)
         results[name] = {"gate": gate["ok"], "graphs": split.cuda_graphs,
-                         "rel_rms": harness.relative_rms(split.logits(tokens).float(), truth.logits(tokens))}
+                         "split": harness.relative_rms(split.logits(tokens).float(), expected),
+                         "single": harness.relative_rms(single.logits(tokens).float(), expected)}
     torch.save(results, Path(out) / f"rank{rank}.pt")
     dist.destroy_process_group()
 
@@ -303,5 +306,5 @@ def test_tensor_parallel_on_gpus(tmp_path, size):
     for rank in range(size):
         for name, r in torch.load(tmp_path / f"rank{rank}.pt").items():
             assert r["gate"] and r["graphs"], name
-            # bf16 weights and activations against the float32 reference
-            assert r["rel_rms"] < 3e-2, (name, r["rel_rms"])
+            # bf16 rounding, as much as one process's (the gate's rule)
+            assert r["split"] <= 1.5 * r["single"] + 1e-3, (name, r)
