@@ -382,7 +382,7 @@ def measure_point(args, point, loaded, peer_models, device, spec, tp, ctxs, ceil
 
 def run(args) -> int:
     import decoders
-    from decoders import harness, peers
+    from decoders import harness
     from declab_kernels import resolve_impl
     from declab_kernels.benchtools import environment
     from decoders.cli import JsonlSink, check_figure_file, check_output_file
