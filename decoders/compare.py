@@ -512,7 +512,10 @@ def main(argv=None) -> int:
     from decoders.cli import run_command
 
     # Under torchrun every rank checks the same input: rank 0 alone says what is wrong.
-    return run_command(build_parser, run, argv, quiet=distributed.world().rank != 0)
+    try:
+        return run_command(build_parser, run, argv, quiet=distributed.world().rank != 0)
+    finally:
+        distributed.teardown()
 
 
 if __name__ == "__main__":

@@ -84,6 +84,14 @@ def setup(device: torch.device, here: World) -> Group:
     return Group(dist.get_rank(), dist.get_world_size())
 
 
+def teardown() -> None:
+    """Leave the process group, if this process joined one."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def check_splits(family: str, config, tp: int, name: str) -> None:
     """UsageError naming the model unless its config splits over `tp` ranks."""
     try:

@@ -107,14 +107,16 @@ def run(args) -> int:
     if lead:
         print(json.dumps({"out": args.out, "points": [{k: r.get(k) for k in ("tp", "ctx", "decode_tok_s_per_seq", "mbu", "speedup",
                                                                             "collective_ms_per_step")} for r in records]}))
-    dist.destroy_process_group()
     return 0
 
 
 def main(argv=None) -> int:
     from decoders.cli import run_command
 
-    return run_command(build_parser, run, argv, quiet=distributed.world().rank != 0)
+    try:
+        return run_command(build_parser, run, argv, quiet=distributed.world().rank != 0)
+    finally:
+        distributed.teardown()
 
 
 if __name__ == "__main__":
