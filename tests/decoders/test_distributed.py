@@ -73,6 +73,8 @@ def tp_worker(rank: int, size: int, port: int, out: str):
                 "logits": (single.logits(tokens), split.logits(tokens)),
                 "decode": (harness.gate_logits(single, tokens[:1, :17], forced, 6), harness.gate_logits(split, tokens[:1, :17], forced, 6)),
                 "tokens": (single.generate(tokens[:, :9], 6).tokens, split.generate(tokens[:, :9], 6).tokens),
+                # prompts of different lengths: packed (transformer), grouped (Mamba-2), padded (RWKV-7)
+                "ragged": tuple(d.generate([tokens[0, :9].tolist(), tokens[1, :4].tolist()], 5).tokens for d in (single, split)),
                 "vocab": split.vocab_size,
                 "tp": split.describe()["tp"],
             }
@@ -96,8 +98,9 @@ def test_tensor_parallel_equals_one_process(tp_results, name):
         assert harness.relative_rms(split, single) < 1e-5
         single, split = r["decode"]
         assert harness.relative_rms(split, single) < 1e-5
-        single, split = r["tokens"]
-        assert split == single
+        for key in ("tokens", "ragged"):
+            single, split = r[key]
+            assert split == single, key
         assert r["tp"] == 2
     # Both ranks sampled the same tokens from the same gathered logits.
     assert torch.equal(tp_results[0][name]["logits"][1], tp_results[1][name]["logits"][1])
