@@ -226,20 +226,29 @@ STABLE = ("model", "family", "impl", "dtype", "config", "ctx", "batch", "status"
 
 
 def test_spread_sweep_gives_the_records_of_one_process(tmp_path):
-    args = ["--models", "llama-tiny,rwkv7-tiny", "--ctx", "48,64", "--new-tokens", "4", "--no-progress"]
-    spread = compare_cli(*args, "--out", str(tmp_path / "spread.jsonl"), nproc=2)
+    # A checkpoint whose weights do not fit its config fails when loaded: on each rank, one of its points.
+    broken = tmp_path / "models" / "broken"
+    decoders.load("llama-tiny", device="cpu").save(broken)
+    config = json.loads((broken / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**config, "intermediate_size": 128}))
+    args = ["--ctx", "48,64", "--new-tokens", "4", "--no-progress"]
+    spread = compare_cli("--models", f"llama-tiny,rwkv7-tiny,{broken}", *args, "--out", str(tmp_path / "spread.jsonl"), nproc=2)
     assert spread.returncode == 0, spread.stderr[-2000:]
-    one = compare_cli(*args, "--out", str(tmp_path / "one.jsonl"))
+    one = compare_cli("--models", "llama-tiny,rwkv7-tiny", *args, "--out", str(tmp_path / "one.jsonl"))
     assert one.returncode == 0, one.stderr[-2000:]
     spread_records = [json.loads(line) for line in (tmp_path / "spread.jsonl").read_text().splitlines()]
     one_records = [json.loads(line) for line in (tmp_path / "one.jsonl").read_text().splitlines()]
+    failed = spread_records[4:]
+    assert [(r["model"], r["rank"], r["status"]) for r in failed] == [(str(broken), 0, "error"), (str(broken), 1, "error")]
+    assert all(r["reason"].startswith(f"rank {r['rank']}: CheckpointError") and "has shape" in r["reason"] for r in failed)
+    spread_records = spread_records[:4]
     assert [{k: r.get(k) for k in STABLE} for r in spread_records] == [{k: r.get(k) for k in STABLE} for r in one_records]
     assert sorted({r["rank"] for r in spread_records}) == [0, 1]
     assert {r["world_size"] for r in spread_records} == {2} and {r["tp"] for r in spread_records} == {1}
     # The decay is against the smallest context, whichever rank measured it.
     assert [r["decay"] for r in spread_records][::2] == [1.0, 1.0]
     # The parts each rank wrote as it went are merged and gone; rank 0 alone printed the table.
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["one.jsonl", "spread.jsonl"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["models", "one.jsonl", "spread.jsonl"]
     assert spread.stdout.count('"out":') == 1
 
 
