@@ -94,25 +94,31 @@ class JsonlSink:
 
 
 
+def reports_refusals() -> bool:
+    """Whether this process says what it refuses: under torchrun (RANK set) every rank finds the same
+    mistake and exits with 2, and rank 0 alone prints the line."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 class Parser(argparse.ArgumentParser):
     """argparse whose refusals are one line (`error: ...`, exit code 2) like the lab's own checks,
     not a usage block followed by the message."""
 
     def error(self, message: str):
-        print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
+        if reports_refusals():
+            print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
         raise SystemExit(2)
 
 
-def run_command(build_parser, run, argv=None, *, quiet: bool = False) -> int:
+def run_command(build_parser, run, argv=None) -> int:
     """A command line's main: `run(parsed arguments)`'s exit status, or 2 with one line on stderr when
-    the lab refuses the input (a bad option, preset or checkpoint); with `quiet` (a torchrun rank other
-    than 0, which finds the same mistake) 2 without the line."""
+    the lab refuses the input (a bad option, preset or checkpoint)."""
     from decoders import USER_ERRORS
 
     args = build_parser().parse_args(argv)
     try:
         return run(args)
     except USER_ERRORS as e:
-        if not quiet:
+        if reports_refusals():
             print(f"error: {e}", file=sys.stderr)
         return 2

@@ -511,9 +511,8 @@ def main(argv=None) -> int:
     """Exit status: 0 when every point finished, 130 when interrupted, 2 for input the lab refuses."""
     from decoders.cli import run_command
 
-    # Under torchrun every rank checks the same input: rank 0 alone says what is wrong.
     try:
-        return run_command(build_parser, run, argv, quiet=distributed.world().rank != 0)
+        return run_command(build_parser, run, argv)
     finally:
         distributed.teardown()
 

@@ -114,7 +114,7 @@ def main(argv=None) -> int:
     from decoders.cli import run_command
 
     try:
-        return run_command(build_parser, run, argv, quiet=distributed.world().rank != 0)
+        return run_command(build_parser, run, argv)
     finally:
         distributed.teardown()
 
