@@ -26,8 +26,8 @@ from decoders import harness
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = ("llama-tiny", "mamba2-tiny", "mamba2-groups", "rwkv7-tiny")
 # mamba2-tiny has one B/C group (replicated over the ranks, its gated norm all-reduced); this variant
-# has four, split two per rank.
-GROUPS = {"ngroups": 4, "headdim": 8}
+# has four, split two per rank, and biases (in_proj's split like its rows, out_proj's on rank 0 alone).
+GROUPS = {"ngroups": 4, "headdim": 8, "bias": True}
 
 
 def free_port() -> int:
@@ -49,8 +49,14 @@ def load(name, **kwargs):
         else:
             cls, extra = Mamba2Decoder, {}
         config = mamba2.preset_config(values, name)
-        return cls(mamba2.build(config, None, name), config, source=name, device=torch.device("cpu"), dtype=torch.float32,
-                   impl="ref", **extra)
+        model = mamba2.build(config, None, name)
+        g = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            # (the random init zeroes biases, which would not show one added twice)
+            for key, p in model.named_parameters():
+                if key.endswith("proj.bias"):
+                    p.copy_(0.1 * torch.randn(p.shape, generator=g))
+        return cls(model, config, source=name, device=torch.device("cpu"), dtype=torch.float32, impl="ref", **extra)
     return decoders.load(name, device="cpu", dtype="float32", impl="ref", **kwargs)
 
 
@@ -141,9 +147,12 @@ def expected_mamba2(full, r, groups):
     for n in range(2):
         m = f"backbone.layers.{n}.mixer."
         shift = lambda span, at: (span[0] + at, span[1] + at)  # noqa: E731
+        in_rows = (d, shift(d, 128), shift(bc, 256), shift(bc, 256 + width), shift(h, 256 + 2 * width))
+        if groups == 4:
+            out[m + "in_proj.bias"] = cat(full[m + "in_proj.bias"], 0, *in_rows)
+            out[m + "out_proj.bias"] = full[m + "out_proj.bias"] if r == 0 else torch.zeros(64)
         out.update({
-            m + "in_proj.weight": cat(full[m + "in_proj.weight"], 0, d, shift(d, 128), shift(bc, 256), shift(bc, 256 + width),
-                                      shift(h, 256 + 2 * width)),
+            m + "in_proj.weight": cat(full[m + "in_proj.weight"], 0, *in_rows),
             m + "conv1d.weight": cat(full[m + "conv1d.weight"], 0, d, shift(bc, 128), shift(bc, 128 + width)),
             m + "conv1d.bias": cat(full[m + "conv1d.bias"], 0, d, shift(bc, 128), shift(bc, 128 + width)),
             m + "A_log": cat(full[m + "A_log"], 0, h),
