@@ -37,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--impl", default="auto", choices=["auto", "triton", "ref"])
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eager", action="store_true", help="decode steps launched from Python, not replayed from a CUDA graph")
     p.add_argument("--out", default="runs/tp_scaling.jsonl")
     return p
 
@@ -71,7 +72,7 @@ def run(args) -> int:
     arch = importlib.import_module(decoders.ARCH_MODULES[family])
     full = arch.build(config, None, args.model, seed=args.seed)
     cls = decoders.family_class(family)
-    common = dict(device=device, dtype=dtype, impl=impl, source=args.model)
+    common = dict(device=device, dtype=dtype, impl=impl, source=args.model, **({"cuda_graphs": False} if args.eager else {}))
     ceiling = harness.ceilings(device)
     env = {**environment(device), "world_size": here.size}
     probe = torch.randint(0, config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(args.seed))
