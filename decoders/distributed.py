@@ -197,8 +197,8 @@ def trace_step(decoder, batch: int) -> list[tuple[str, tuple, torch.dtype]]:
 
 def collective_time(decoder, batch: int, repeats: int = 50) -> dict:
     """Time in collectives per decode step: the step's all-reduces and logit gather (`trace_step`) run
-    alone, on tensors of their sizes, `repeats` times (on a GPU captured in a CUDA graph and timed with
-    events, as the step itself is replayed; on the CPU with a monotonic clock)."""
+    alone, on tensors of their sizes, `repeats` times (on a GPU timed with events, captured in a CUDA
+    graph when the decoder replays its steps from one; on the CPU with a monotonic clock)."""
     calls = trace_step(decoder, batch)
     group, device = decoder.tp, decoder.device
     tensors = [torch.zeros(shape, dtype=dtype, device=device) for _, shape, dtype in calls]
@@ -214,14 +214,16 @@ def collective_time(decoder, batch: int, repeats: int = 50) -> dict:
         run()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                run()
-            graph.replay()
+            if decoder.cuda_graphs:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    run()
+                graph.replay()
+                run = graph.replay
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             for _ in range(repeats):
-                graph.replay()
+                run()
             end.record()
             torch.cuda.synchronize(device)
             seconds = start.elapsed_time(end) * 1e-3
