@@ -195,6 +195,9 @@ class Rotary(nn.Module):
 
 class Attention(FusedLinears):
     FUSED = {"qkv": ("q_proj", "k_proj", "v_proj")}
+    # Tensor parallel (`declab_arch.tensor_parallel`): the ranks the o-projection's partial sums are
+    # reduced over on the fused path; None on one process.
+    tp = None
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
@@ -231,7 +234,8 @@ class Attention(FusedLinears):
         GEMV, `declab_kernels.gemv.linear_residual`) when given."""
         out = out.flatten(-2)
         if residual is None:
-            return gemv.linear(out, self.o_proj.weight, impl="triton", early_tiles=early_tiles)
+            y = gemv.linear(out, self.o_proj.weight, impl="triton", early_tiles=early_tiles)
+            return y if self.tp is None else self.tp.reduce(y)
         return gemv.linear_residual(out, self.o_proj.weight, residual, impl="triton", early_tiles=early_tiles)
 
     def qkv_fused_write_kv(self, x, positions, rope: Rotary, k_cache, v_cache, slot_mapping, norm=None):
@@ -289,6 +293,8 @@ class Attention(FusedLinears):
 
 class MLP(FusedLinears):
     FUSED = {"gate_up": ("gate_proj", "up_proj")}
+    # Tensor parallel: the ranks down's partial sums are reduced over on the fused path (see Attention).
+    tp = None
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
@@ -310,7 +316,8 @@ class MLP(FusedLinears):
         else:
             act = gemv.rms_norm_linear(x, norm.weight, norm.eps, self.gate_up_weight, impl="triton", swiglu=True)
         if residual is None:
-            return gemv.linear(act, self.down_proj.weight, impl="triton")
+            y = gemv.linear(act, self.down_proj.weight, impl="triton")
+            return y if self.tp is None else self.tp.reduce(y)
         return gemv.linear_residual(act, self.down_proj.weight, residual, impl="triton")
 
 
@@ -354,6 +361,9 @@ class Trunk(nn.Module):
 
 
 class Llama(nn.Module):
+    # Tensor parallel (`declab_arch.tensor_parallel`): set on each rank's share; None on one process.
+    tp = None
+
     def __init__(self, config: LlamaConfig, *, causal: bool = True):
         super().__init__()
         self.config = config
@@ -403,7 +413,8 @@ class Llama(nn.Module):
         only the rows in `logit_index`."""
         layers = self.model.layers
         x = self.model.embed_tokens(tokens)  # [N, d], the residual stream
-        if x.shape[0] <= FOLD_ROWS:
+        # Tensor parallel keeps the residual adds out of the row-parallel GEMVs: they come after the all-reduce.
+        if x.shape[0] <= FOLD_ROWS and self.tp is None:
             for i, block in enumerate(layers):
                 x = block.forward_fused_rows(x, lambda x, b=block, i=i: b.self_attn.forward_paged(
                     x, positions, self.rotary, batch, i, norm=b.input_layernorm, residual=x))

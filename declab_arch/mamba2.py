@@ -141,6 +141,9 @@ class RMSNormGated(nn.Module):
 class Mixer(nn.Module):
     """The Mamba-2 mixer (HF `Mamba2Mixer`, mamba-ssm `Mamba2`)."""
 
+    # Tensor parallel (`declab_arch.tensor_parallel`): set on each rank's share; None on one process.
+    tp = None
+
     def __init__(self, config: Mamba2Config):
         super().__init__()
         self.config = config
@@ -199,7 +202,7 @@ class Mixer(nn.Module):
 
     def gate_in_step(self, rows: int, impl: str) -> bool:
         """Whether a decode step of `rows` sequences applies the gate in the SSM step (see `step`)."""
-        return impl == "triton" and self.norm.group_size == self.config.d_inner and rows <= GATE_IN_STEP_ROWS
+        return impl == "triton" and self.tp is None and self.norm.group_size == self.config.d_inner and rows <= GATE_IN_STEP_ROWS
 
     def step(self, h, conv_state, ssm_state, impl: str, *, positions, state_ready: bool = False, h_scale=None,
              residual=None, next_norm=None):
@@ -248,6 +251,10 @@ class Mixer(nn.Module):
             state_ready=state_ready,
             norm=(self.norm.weight, sumsq) if gate_in_step else None,
         ).reshape(h.shape[0], c.d_inner)
+        if self.tp is not None:
+            # Tensor parallel: the modules all-reduce out_proj's partial sums (and a norm group's sum of
+            # squares when the group spans ranks), which the fused norm + out_proj GEMV cannot.
+            return self.out_proj(self.norm(y, z))
         early_tiles = 2 if h.shape[0] <= EARLY_TILES_ROWS else 1
         if gate_in_step and residual is not None:
             return gemv.linear_residual_norm(y, self.out_proj.weight, residual, next_norm.weight, self.out_proj.bias,
@@ -281,6 +288,9 @@ class Backbone(nn.Module):
 
 
 class Mamba2LM(nn.Module):
+    # Tensor parallel (`declab_arch.tensor_parallel`): set on each rank's share; None on one process.
+    tp = None
+
     def __init__(self, config: Mamba2Config):
         super().__init__()
         self.config = config
@@ -353,7 +363,12 @@ class Mamba2LM(nn.Module):
         layers = self.backbone.layers
         norms = [block.norm for block in layers] + [self.backbone.norm_f]
         table = self.backbone.embeddings.weight
-        h, r = mamba2_norm.embed_rmsnorm(tokens, table, norms[0].weight, norms[0].eps, impl=impl)
+        if self.tp is None:
+            h, r = mamba2_norm.embed_rmsnorm(tokens, table, norms[0].weight, norms[0].eps, impl=impl)
+        else:
+            # Tensor parallel: the vocabulary-parallel lookup is all-reduced before the norm.
+            r = self.embed(tokens)
+            h = norms[0](r)
         if layers[0].mixer.gate_in_step(tokens.shape[0], impl):
             # Every norm after the first comes with the projections around it: out_proj writes the
             # residual, h = residual * weight and its partial sums of squares; the in-projection

@@ -334,6 +334,9 @@ def shifted(h, first):
 
 
 class RWKV7(nn.Module):
+    # Tensor parallel (`declab_arch.tensor_parallel`): set on each rank's share; None on one process.
+    tp = None
+
     def __init__(self, config: RWKV7Config):
         super().__init__()
         self.config = config
@@ -398,7 +401,8 @@ class RWKV7(nn.Module):
 
     def forward_step(self, tokens, shift, wkv, *, impl):
         """One token per sequence: tokens `[B]`; shift and wkv updated in place. Logits `[B, V]`."""
-        if impl == "triton":
+        # Tensor parallel runs the modules (its row-parallel projections all-reduce), on the same kernels.
+        if impl == "triton" and self.tp is None:
             return self.fused_step(tokens, shift, wkv)
         x = self.model.embeddings(tokens)
         v_first = None

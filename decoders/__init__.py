@@ -20,7 +20,7 @@ from decoders.sampling import GREEDY, Sampling
 from decoders.speculative import speculative
 from declab_kernels import resolve_impl
 
-__all__ = ["load", "speculative", "family_of", "check_model", "parse_device", "check_page_size", "user_errors", "USER_ERRORS", "Decoder", "Generation", "Memory", "StepOut", "Sampling", "GREEDY", "UsageError", "CheckpointError", "FAMILIES"]
+__all__ = ["load", "speculative", "family_of", "model_config", "check_model", "parse_device", "check_page_size", "user_errors", "USER_ERRORS", "Decoder", "Generation", "Memory", "StepOut", "Sampling", "GREEDY", "UsageError", "CheckpointError", "FAMILIES"]
 
 # The registry: family -> its Decoder class, the family's record (`decoders.base.Decoder` says what it
 # declares), imported on first use so that a family's optional dependencies stay optional. A new
@@ -144,11 +144,14 @@ def check_model(name_or_path, *, context: int | None = None) -> str:
     return family
 
 
-def load(name_or_path, *, family: str | None = None, device=None, dtype=None, impl: str = "auto", seed: int = 0, **options) -> Decoder:
+def load(name_or_path, *, family: str | None = None, device=None, dtype=None, impl: str = "auto", seed: int = 0, tp=None,
+         **options) -> Decoder:
     """A decoder from a preset name (random weights) or a checkpoint folder.
 
     device defaults to CUDA when available; dtype to bfloat16 on a GPU and float32 on the CPU;
     impl is "auto" (Triton on a GPU), "triton" or "ref". `options` go to the family (page_size, ...).
+    With `tp` (a `declab_arch.tensor_parallel.Group`, see `decoders.distributed`) the decoder is this
+    rank's share of the model, split over the group's ranks, every one of which must load it alike.
     """
     device = parse_device(device)
     dtype = parse_dtype(dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -159,11 +162,17 @@ def load(name_or_path, *, family: str | None = None, device=None, dtype=None, im
     family = family or family_of(name_or_path)
     check_options(family, options)
     common = dict(device=device, dtype=dtype, impl=impl, **options)
+    cls = family_class(family)
+    if tp is not None:
+        from decoders.distributed import tp_class
+
+        cls = tp_class(cls)
+        common["tp_group"] = tp
     path = Path(str(name_or_path))
     if path.is_dir():
-        return family_class(family).from_checkpoint(path, **common)
+        return cls.from_checkpoint(path, **common)
     name = str(name_or_path)
-    return family_class(family).from_preset(read_json(CONFIG_DIR / f"{name}.json"), name, seed=seed, **common)
+    return cls.from_preset(read_json(CONFIG_DIR / f"{name}.json"), name, seed=seed, **common)
 
 
 def detect_family(hf: dict, path: Path) -> str:
