@@ -191,6 +191,9 @@ class Rotary(nn.Module):
 
 class Attention(FusedLinears):
     FUSED = {"qkv": ("q_proj", "k_proj", "v_proj")}
+    # Tensor parallel (`declab_arch.tensor_parallel`): the ranks the o-projection's partial sums are
+    # reduced over on the fused path; None on one process.
+    tp = None
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
@@ -248,6 +251,8 @@ class Attention(FusedLinears):
 
 class MLP(FusedLinears):
     FUSED = {"gate_up": ("gate_proj", "up_proj")}
+    # Tensor parallel: the ranks down's partial sums are reduced over on the fused path (see Attention).
+    tp = None
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
@@ -283,16 +288,22 @@ class Block(nn.Module):
         """One block of the packed forward: x [N, d] the residual stream. With `fold` every norm runs
         inside the GEMV after it and every residual add inside the GEMV before it (four GEMV launches,
         no norm kernel; h unused); else h = input_layernorm(x) comes in and each residual add runs
-        inside the norm kernel after it (`fusions.AddRMSNorm`). Returns (x_out, next_norm(x_out) or None)."""
-        post_ln = self.post_attention_layernorm
+        inside the norm kernel after it (`fusions.AddRMSNorm`). Returns (x_out, next_norm(x_out) or None).
+        Under tensor parallel the o and down projections' partial sums are all-reduced before each add."""
+        attn, mlp, post_ln = self.self_attn, self.mlp, self.post_attention_layernorm
         if fold:
             inln = self.input_layernorm
-            x = attend(x, fusions.RMSNorm(inln.weight, inln.eps), fusions.Residual(x))
-            return self.mlp.forward_paged(x, pre=fusions.RMSNorm(post_ln.weight, post_ln.eps), post=fusions.Residual(x),
-                                          impl=impl), None
-        h, x = attend(h, None, fusions.AddRMSNorm(x, post_ln.weight, post_ln.eps))
-        h, x = self.mlp.forward_paged(h, post=fusions.AddRMSNorm(x, next_norm.weight, next_norm.eps), impl=impl)
+            x = attend(x, fusions.RMSNorm(inln.weight, inln.eps), fusions.Residual(x, reduce_of(attn)))
+            return mlp.forward_paged(x, pre=fusions.RMSNorm(post_ln.weight, post_ln.eps),
+                                     post=fusions.Residual(x, reduce_of(mlp)), impl=impl), None
+        h, x = attend(h, None, fusions.AddRMSNorm(x, post_ln.weight, post_ln.eps, reduce_of(attn)))
+        h, x = mlp.forward_paged(h, post=fusions.AddRMSNorm(x, next_norm.weight, next_norm.eps, reduce_of(mlp)), impl=impl)
         return x, h
+
+
+def reduce_of(module):
+    """The all-reduce of a module's row-parallel projection under tensor parallel (`module.tp`), else None."""
+    return None if module.tp is None else module.tp.reduce
 
 
 class Trunk(nn.Module):
@@ -306,6 +317,9 @@ class Trunk(nn.Module):
 
 
 class Llama(nn.Module):
+    # Tensor parallel (`declab_arch.tensor_parallel`): set on each rank's share; None on one process.
+    tp = None
+
     def __init__(self, config: LlamaConfig, *, causal: bool = True):
         super().__init__()
         self.config = config
@@ -375,6 +389,8 @@ class Llama(nn.Module):
         return self
 
 
+# The name a saved config.json gives the lab family (`declab_family`).
+FAMILY = "transformer"
 HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}
 
 
@@ -417,7 +433,8 @@ def config_from_hf(hf: dict, source: str) -> LlamaConfig:
     )
 
 
-def is_hf_llama(hf: dict) -> bool:
+def detects(hf: dict) -> bool:
+    """Whether an HF config.json describes a causal Llama/Qwen2/Mistral model."""
     # A Llama-shaped masked-diffusion model (LLaDA style) is bidirectional: not this family.
     if hf.get("mask_token_id") is not None or hf.get("is_causal") is False:
         return False
@@ -429,13 +446,13 @@ def read_config(folder: Path) -> LlamaConfig:
     """The config of a Llama/Qwen2/Mistral checkpoint folder, checked, without reading its weights."""
     folder = Path(folder)
     hf = read_json(folder / "config.json")
-    if not is_hf_llama(hf):
+    if not detects(hf):
         raise CheckpointError(f"{folder}: unknown architecture {hf.get('architectures') or hf.get('model_type')}")
     return parse_config(config_from_hf, hf, str(folder))
 
 
-def load_hf(folder: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
-    """Config and state dict (HF names) of a Llama/Qwen2/Mistral checkpoint folder."""
+def load(folder: Path) -> tuple[LlamaConfig, Llama]:
+    """Config and model of a Llama/Qwen2/Mistral checkpoint folder (HF names)."""
     folder = Path(folder)
     config = read_config(folder)
     tensors = load_weights(folder)
@@ -443,17 +460,17 @@ def load_hf(folder: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
         tensors.pop("lm_head.weight", None)
     # Buffers HF may save that the lab recomputes.
     tensors = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
-    return config, tensors
+    return config, build(config, tensors, str(folder))
 
 
-def save(model: Llama, folder: Path, *, family: str = "transformer") -> None:
+def save(model: Llama, folder: Path) -> None:
     """An HF-style Llama folder (config.json + model.safetensors) that also names the lab family, so
     `decoders.load(folder)` and transformers both read it."""
     from safetensors.torch import save_file
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    values = {"declab_family": family, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", **asdict(model.config)}
+    values = {"declab_family": FAMILY, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", **asdict(model.config)}
     (folder / "config.json").write_text(json.dumps(values, indent=2) + "\n")
     save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"))
 

@@ -236,17 +236,19 @@ class TimeMix(nn.Module):
                               tuple(p.data_ptr() for p in params))
         return self._packed
 
-    def step(self, xs, v_first, state, *, impl):
+    def step(self, xs, v_first, state, *, impl, reduce=None):
         """One token: xs `[6, B, C]` the mixed inputs (r, k, v, w, a, g); state `[B, H, K, V]` float32
-        updated in place. Returns (out `[B, C]`, v_first `[B, C]`)."""
+        updated in place. Returns (out `[B, C]`, v_first `[B, c]`), c the channels of this process's heads
+        (C, or C / ranks under tensor parallel, whose all-reduce `reduce` sums o_proj's partial products)."""
         pack = self.packed()
-        C = xs.shape[-1]
+        # r_proj's rows: the channels r, k and v have here
+        c = pack.down_splits[1]
         nb = len(pack.ranks)
         offs = list(itertools.accumulate(pack.ranks, initial=0))
-        # [B, 3C + R]: each row block of the packed weight times its own mixed input, the weights read once
+        # [B, 3c + R]: each row block of the packed weight times its own mixed input, the weights read once
         y = gemv.linear(xs, pack.down, pre=fusions.Select(pack.down_splits, pack.panels), impl=impl)
-        r, k, v = (y[:, j * C : (j + 1) * C] for j in range(3))
-        lo = [y[:, 3 * C + offs[j] : 3 * C + offs[j + 1]] for j in range(nb)]
+        r, k, v = (y[:, j * c : (j + 1) * c] for j in range(3))
+        lo = [y[:, 3 * c + offs[j] : 3 * c + offs[j + 1]] for j in range(nb)]
         # [nb * B, R] block-diagonal activations, then [nb * B, C]: row block j is LoRA j's output
         u = gemv.linear(lora_hidden(lo, [act for _, act in self.loras()], impl=impl), pack.up, impl=impl)
         bias_v = self.v_lora.lora[2].bias if self.layer else None
@@ -260,7 +262,8 @@ class TimeMix(nn.Module):
         o = wkv7_step(r, self.heads(w), k, v, a, b, state, impl=impl, state_ready=True)
         g = u[(nb - 1) * xs.shape[1] :]
         out = gate_output(o, r, k, v, g, self.r_k, self.g_norm.weight, self.g_norm.bias, eps=self.g_norm.eps, impl=impl)
-        return gemv.linear(out, self.o_proj.weight, impl=impl), (x[2] if self.layer == 0 else v_first)
+        out = gemv.linear(out, self.o_proj.weight, impl=impl)
+        return (out if reduce is None else reduce(out)), (x[2] if self.layer == 0 else v_first)
 
 
 class ChannelMix(nn.Module):
@@ -311,6 +314,9 @@ def shifted(h, first):
 
 
 class RWKV7(nn.Module):
+    # Tensor parallel (`declab_arch.tensor_parallel`): set on each rank's share; None on one process.
+    tp = None
+
     def __init__(self, config: RWKV7Config):
         super().__init__()
         self.config = config
@@ -387,19 +393,23 @@ class RWKV7(nn.Module):
         if hasattr(layers[0], "pre_norm"):
             n = layers[0].pre_norm
             x = add_norm_shift(x, None, n.weight, n.bias, eps=n.eps, impl=impl)
+        # Tensor parallel: o_proj and the FFN's value projection are row-parallel, their products all-reduced.
+        reduce = None if self.tp is None else self.tp.reduce
         delta, v_first = None, None
         for i, block in enumerate(layers):
             n = block.attn_norm
             # [6, B, C]
             xs = add_norm_shift(x, delta, n.weight, n.bias, shift[i, 0], block.attn.packed().mix, eps=n.eps, impl=impl,
                                 state_ready=True)
-            out, v_first = block.attn.step(xs, v_first, wkv[i], impl=impl)
+            out, v_first = block.attn.step(xs, v_first, wkv[i], impl=impl, reduce=reduce)
             n, ffn = block.ffn_norm, block.ffn
             # [1, B, C]
             xk = add_norm_shift(x, out, n.weight, n.bias, shift[i, 1], ffn.x_k.view(1, -1), eps=n.eps, impl=impl,
                                 state_ready=True)
             delta = gemv.linear(gemv.linear(xk[0], ffn.key.weight, impl=impl), ffn.value.weight,
                                 pre=fusions.SqReLU(scratch=True), impl=impl)
+            if reduce is not None:
+                delta = reduce(delta)
         n = self.model.norm
         h = add_norm_shift(x, delta, n.weight, n.bias, eps=n.eps, impl=impl)
         w = self.model.embeddings.weight if self.config.tie_word_embeddings else self.lm_head.weight
@@ -436,7 +446,8 @@ class RWKV7(nn.Module):
         return self
 
 
-def is_fla_rwkv7(hf: dict) -> bool:
+def detects(hf: dict) -> bool:
+    """Whether a config.json is an fla-hub RWKV-7's."""
     return hf.get("model_type") == "rwkv7" or "RWKV7ForCausalLM" in (hf.get("architectures") or [])
 
 
@@ -486,15 +497,15 @@ def read_config(folder: Path) -> RWKV7Config:
     if hf.get("declab_family") == FAMILY:
         values = {k: v for k, v in hf.items() if k != "declab_family"}
         config = config_from_dict(RWKV7Config, values, str(folder))
-    elif is_fla_rwkv7(hf):
+    elif detects(hf):
         config = parse_config(config_from_hf, hf, str(folder))
     else:
         raise CheckpointError(f"{folder}: unknown architecture {hf.get('architectures') or hf.get('model_type')}")
     return config
 
 
-def load(folder: Path) -> tuple[RWKV7Config, dict[str, torch.Tensor]]:
-    """Config and state dict of an fla RWKV-7 folder or one in the lab's own format."""
+def load(folder: Path) -> tuple[RWKV7Config, RWKV7]:
+    """Config and model of an fla RWKV-7 folder or one in the lab's own format."""
     folder = Path(folder)
     config = read_config(folder)
     tensors = load_weights(folder)
@@ -505,7 +516,7 @@ def load(folder: Path) -> tuple[RWKV7Config, dict[str, torch.Tensor]]:
         stacked = tensors.pop(name)
         for j, mix in enumerate(("x_r", "x_w", "x_k", "x_v", "x_a", "x_g")):
             tensors[name[: -len("x_x")] + mix] = stacked[j].reshape(1, 1, -1)
-    return config, tensors
+    return config, build(config, tensors, str(folder))
 
 
 def save(model: RWKV7, folder: Path) -> None:

@@ -44,12 +44,10 @@ read like the autoregressive families' one token per step.
 
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from declab_arch import llama, maskpredict
-from declab_arch.checkpoint import load_tokenizer
 from decoders.base import Decoder, Memory, StepOut, UsageError, record_graph
 from decoders.kv_cache import PagedKVCache
 from decoders.sampling import GREEDY, Sampling, sample
@@ -120,6 +118,9 @@ def _ranks(score: torch.Tensor, descending: bool) -> torch.Tensor:
 
 class MaskPredictDecoder(Decoder):
     family = "maskpredict"
+    arch = maskpredict
+    presets = "maskpredict"
+    state_kind = "canvas"
 
     def __init__(self, model, config, *, iterations: int | None = None, rule: str | None = None, block_length: int | None = None,
                  threshold: float | None = None, length_beam: int | None = None, prefix_cache: bool = True, page_size: int = 16, score_bound: str | None = None, **kwargs):
@@ -151,24 +152,6 @@ class MaskPredictDecoder(Decoder):
             raise UsageError(f"unknown score_bound {score_bound!r} (known: {', '.join(BOUNDS)})")
         self.page_size = page_size
         self.mask_token_id = config.mask_token_id
-
-    @classmethod
-    def detects(cls, hf_config: dict) -> bool:
-        return hf_config.get("declab_family") == maskpredict.FAMILY or maskpredict.is_masked_diffusion(hf_config)
-
-    @classmethod
-    def from_preset(cls, values: dict, name: str, *, seed: int = 0, **kwargs):
-        config = maskpredict.preset_config(values, name)
-        return cls(maskpredict.build(config, None, name, seed=seed), config, source=name, **kwargs)
-
-    @classmethod
-    def from_checkpoint(cls, folder: Path, **kwargs):
-        config, model = maskpredict.load(folder)
-        return cls(model, config, source=str(folder), tokenizer=load_tokenizer(folder), **kwargs)
-
-    def save(self, folder: Path) -> None:
-        """The model in the lab's own checkpoint format (config.json + model.safetensors)."""
-        maskpredict.save(self.model, folder)
 
     def describe(self) -> dict:
         out = super().describe()

@@ -508,7 +508,7 @@ class EngineTarget:
         from decoders.engine import Engine
 
         family = decoders.family_of(model)
-        options = {"page_size": args.page_size} if family in ("transformer", "maskpredict") else {}
+        options = {"page_size": args.page_size} if "page_size" in decoders.family_options(family) else {}
         self.decoder = decoders.load(model, device=args.device, dtype=args.dtype, impl=args.impl, seed=args.seed, **options)
         self.engine = Engine(self.decoder, max_batch=args.max_batch, max_step_tokens=args.max_step_tokens)
         # The engine's limit, which its KV pool can make shorter than the model's context.
@@ -707,10 +707,11 @@ def model_limits(model: str) -> tuple[int, int | None]:
     import decoders
     from declab_arch.checkpoint import CONFIG_DIR, read_json
 
-    family = decoders.family_of(model)
+    _, lab_config = decoders.model_config(model)
+    limit = getattr(lab_config, "max_position_embeddings", None)
     path = Path(model)
     config = read_json(path / "config.json" if path.is_dir() else CONFIG_DIR / f"{model}.json")
-    return config["vocab_size"], config.get("max_position_embeddings") if family in ("transformer", "maskpredict") else None
+    return config["vocab_size"], limit
 
 
 def point_workload(args, load: dict, target, model: str, lengths) -> tuple[wl.Workload, str]:
@@ -781,7 +782,7 @@ def short_summary(records: list[dict], env: dict, out: str) -> dict:
 
 
 def run(args) -> int:
-    from declab_kernels.benchtools import append_jsonl, environment
+    from decoders.records import append_jsonl, environment
 
     if args.replot is not None:
         return replot(args.replot, args.plot)

@@ -269,13 +269,14 @@ def _check_residual(kind, residual, x, n):
 
 class Residual(Post):
     """residual + y in the residual's dtype (any float dtype), the product rounded to x's dtype before
-    the add: a decoder layer's residual add. A row-parallel projection's all-reduce belongs before
-    this add (in the unfused form: on y; a fused residual then needs the reduced product first)."""
+    the add: a decoder layer's residual add. `reduce` (a row-parallel projection's all-reduce under
+    tensor parallel, in place on y, returning it) runs on the product before the add; the fused
+    epilogue cannot, so with `reduce` the unfused form runs."""
 
     kind = "residual"
 
-    def __init__(self, residual):
-        self.residual = residual
+    def __init__(self, residual, reduce=None):
+        self.residual, self.reduce = residual, reduce
 
     def check(self, x, n, k):
         super().check(x, n, k)
@@ -283,7 +284,7 @@ class Residual(Post):
 
     def fusable(self, x) -> bool:
         r = self.residual
-        return r.stride(-1) == 1 and r.is_floating_point() and no_grad(r)
+        return self.reduce is None and r.stride(-1) == 1 and r.is_floating_point() and no_grad(r)
 
     def kernel_args(self) -> dict:
         return {"residual": self.residual}
@@ -291,8 +292,11 @@ class Residual(Post):
     def key(self) -> tuple:
         return (self.kind, dtype_name(self.residual))
 
+    def reduced(self, y):
+        return y if self.reduce is None else self.reduce(y)
+
     def unfused(self, y, impl):
-        return self.residual + y
+        return self.residual + self.reduced(y)
 
 
 class ResidualNorm(Residual):
@@ -303,8 +307,8 @@ class ResidualNorm(Residual):
 
     kind = "residual_norm"
 
-    def __init__(self, residual, norm_weight):
-        super().__init__(residual)
+    def __init__(self, residual, norm_weight, reduce=None):
+        super().__init__(residual, reduce)
         self.norm_weight = norm_weight
 
     def check(self, x, n, k):
@@ -319,6 +323,7 @@ class ResidualNorm(Residual):
         return {"residual": self.residual, "norm_out": self.norm_weight}
 
     def unfused(self, y, impl):
+        y = self.reduced(y)
         r = (self.residual.float() + y.float()).to(self.residual.dtype)
         h = (r.float() * self.norm_weight.float()).to(y.dtype)
         return r, h, r.float().square().sum(-1, keepdim=True)
@@ -331,8 +336,8 @@ class AddRMSNorm(Residual):
 
     kind = "add_rms_norm"
 
-    def __init__(self, residual, norm_weight, eps):
-        super().__init__(residual)
+    def __init__(self, residual, norm_weight, eps, reduce=None):
+        super().__init__(residual, reduce)
         self.norm_weight, self.eps = norm_weight, eps
 
     def fusable(self, x) -> bool:
@@ -341,4 +346,4 @@ class AddRMSNorm(Residual):
     def unfused(self, y, impl):
         from declab_kernels import rmsnorm
 
-        return rmsnorm.add_rms_norm(y, self.residual, self.norm_weight, self.eps, impl=impl)
+        return rmsnorm.add_rms_norm(self.reduced(y), self.residual, self.norm_weight, self.eps, impl=impl)

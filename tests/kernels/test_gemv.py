@@ -304,7 +304,7 @@ def test_gemv_norm_prologue_refuses_groups_and_bad_shapes():
 
 @pytest.mark.parametrize("impl", ["ref", "triton"])
 @pytest.mark.parametrize("group_size", [96, 48])
-def test_gated_norm_linear_matches_the_pair(impl, group_size):
+def test_gated_rms_norm_pre_matches_the_pair(impl, group_size):
     """On the CPU (and with several groups anywhere) it is the unfused pair; ref is its definition."""
     from declab_kernels.mamba2_norm import gated_rmsnorm
 
@@ -397,7 +397,7 @@ def test_gemv_rms_scale_epilogue_matches_the_pair(kind, M, N, K, parts, nan_empt
 
 @pytest.mark.parametrize("impl", ["ref", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rms_scaled_linear_matches_the_norm_and_projection(impl, dtype):
+def test_rms_scale_pre_matches_the_norm_and_projection(impl, dtype):
     torch.manual_seed(1)
     x, nw, w, b = rms_inputs(2, 24, 96, dtype=dtype)
     xw, sumsq = scale_inputs(x, nw, 4)
@@ -453,7 +453,7 @@ def test_gemv_norm_out_refuses_bad_input():
 
 @pytest.mark.parametrize("impl", ["ref", "triton"])
 @pytest.mark.parametrize("r_dtype", [torch.float32, torch.bfloat16])
-def test_linear_residual_norm_then_rms_scaled_linear_is_the_sublayer(impl, r_dtype):
+def test_residual_norm_post_then_rms_scale_pre_is_the_sublayer(impl, r_dtype):
     """Two ops for r += W x; rmsnorm(r) @ W2; on the CPU the pairs."""
     torch.manual_seed(2)
     x, nw, w, b = rms_inputs(2, 24, 96)
@@ -473,7 +473,7 @@ def test_linear_residual_norm_then_rms_scaled_linear_is_the_sublayer(impl, r_dty
 
 
 def test_statistics_ops_pass_early_tiles_to_the_gemv(monkeypatch):
-    """`early_tiles` of rms_scaled_linear and linear_residual_norm reaches the GEMV that runs, the fused
+    """`early_tiles` of `linear` with RMSScale and ResidualNorm reaches the GEMV that runs, the fused
     one or the pair's `linear` (on the CPU the pair)."""
     import declab_kernels.gemv.triton as T
 
@@ -567,7 +567,7 @@ def test_gemv_rms_norm_and_residual_refuse_bad_input():
 
 @pytest.mark.parametrize("impl", ["ref", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rms_norm_linear_and_linear_residual_match_their_definitions(impl, dtype):
+def test_rms_norm_pre_and_residual_post_match_their_definitions(impl, dtype):
     """On the CPU they are the pairs (the norm kernel + the projection, the projection + the add)
     (bf16 against float32 math: SwiGLU of bf16 products is off by ~2% in norm)."""
     torch.manual_seed(0)
@@ -743,7 +743,7 @@ def test_gemv_prologue_epilogue_refuse_bad_input():
 
 
 @pytest.mark.parametrize("impl", ["ref", "triton"])
-def test_act_linear_matches_the_pair_and_keeps_x(impl):
+def test_sqrelu_pre_matches_the_pair_and_keeps_x(impl):
     """On the CPU it is the unfused pair; x stays as it was unless the caller lends it as scratch."""
     x, w, b = sqrelu_inputs(2, 24, 96)
     x = x.contiguous()
@@ -789,7 +789,7 @@ def test_fused_choice_measures_on_a_copy(monkeypatch, pick, scratch):
 
 
 @pytest.mark.parametrize("impl", ["ref", "triton"])
-def test_swiglu_linear_matches_the_pair(impl):
+def test_swiglu_post_matches_the_pair(impl):
     x, w, b = sqrelu_inputs(2, 48, 96)
     assert rel(linear(x, w, b, post=fu.SwiGLU(), impl=impl), swiglu_pair(x, w, b)) < 1e-5
 
@@ -878,7 +878,7 @@ def _as_triton_config(kw):
 
 
 @pytest.mark.parametrize("impl", ["ref", "triton"])
-def test_select_linear_is_blockwise_f_linear(impl, monkeypatch):
+def test_select_pre_is_blockwise_f_linear(impl, monkeypatch):
     """On the CPU (and with impl="ref") it is each input's block by F.linear; with the fused path
     stood in for on the CPU, both picks give the same columns."""
     from declab_kernels.gemv.triton import CONFIGS
@@ -907,7 +907,7 @@ def test_select_linear_is_blockwise_f_linear(impl, monkeypatch):
 
 @gpu_only
 @pytest.mark.parametrize("M", [1, 4])
-def test_gpu_select_linear_bf16(M):
+def test_gpu_select_pre_bf16(M):
     from declab_kernels.gemv.triton import CONFIGS, config_fits, gemv_triton, select_align
 
     # rwkv7-1.5b's packed down-projection: r, k, v (+ v's LoRA), w, a and g LoRAs

@@ -1,7 +1,7 @@
 """A/B of two source trees of the lab on the graphed decode step (GPU only): the no-regression check.
 
     git archive OLD_COMMIT | tar -x -C /tmp/before
-    python scripts/version_ab.py results/version_ab.jsonl --tree before=/tmp/before --tree after=.
+    python -m declab_bench.version_ab results/version_ab.jsonl --tree before=/tmp/before --tree after=.
 
 For each model (`--models`, default llama-1b, mamba2-1.3b, rwkv7-1.5b: random weights from `--seed`)
 one worker process per tree loads the decoder from that tree (PYTHONPATH set to it), prefills every
@@ -167,8 +167,12 @@ class Worker:
     def __init__(self, name, folder, spec, timeout):
         env = dict(os.environ, PYTHONPATH=str(folder))
         self.name, self.folder = name, folder
-        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)],
-                                     cwd=folder, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        # why: run from the tree's root (sys.path[0] is it, not this file's folder), so that every lab
+        # module the worker imports is that tree's
+        code = f"import runpy, sys; sys.argv = [{str(Path(__file__).resolve())!r}, '--worker', {json.dumps(spec)!r}]; " \
+               f"runpy.run_path(sys.argv[0], run_name='__main__')"
+        self.proc = subprocess.Popen([sys.executable, "-c", code], cwd=folder, env=env, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
         self.ready = self.read(timeout)
 
     def read(self, timeout=None) -> dict:

@@ -1,7 +1,6 @@
-"""scripts/version_ab.py: its refusals (one line, exit code 2, before any work), the summary and table
+"""declab_bench.version_ab: its refusals (one line, exit code 2, before any work), the summary and table
 it makes of the round records, and its reading of either GEMV choice API (the timing runs on a GPU)."""
 
-import importlib.util
 import json
 import types
 from pathlib import Path
@@ -9,10 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("version_ab", ROOT / "scripts" / "version_ab.py")
-version_ab = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(version_ab)
+from declab_bench import version_ab
 
 
 def tree(tmp_path, name, presets=("llama-1b",)):
