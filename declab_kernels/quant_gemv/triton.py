@@ -1,0 +1,198 @@
+"""Weight-only quantised GEMV in Triton (int8 per output channel, int4 group-wise), and the
+dequantisation kernels that the many-row path feeds to a dense matmul.
+
+GEMV (M <= MAX_ROWS rows of x): one program per BLOCK_N output rows walks K in tiles, loads the
+packed words of its rows (contiguous in K, so a row's words are one coalesced load), unpacks and
+dequantises them in registers and accumulates every x row's products in float32; the weight tile is
+unpacked once and reused by all M rows. For int4 with a power-of-two group the tile is at most one
+group wide, so each row of a tile has one scale and one zero point and the dequantisation is folded
+into the sums: sum_k (q_k - z) s x_k = s (sum_k q_k x_k - z sum_k x_k). Other group sizes gather
+the scale and zero of every element. On CUDA the tile sizes are autotuned per (N, K, rows); under
+the interpreter one configuration runs.
+"""
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from declab_kernels.quant_gemv import MAX_ROWS
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _int4_gemv_kernel(
+    x_ptr, q_ptr, s_ptr, z_ptr, out_ptr,
+    M, N, K, n_groups, stride_xm, stride_om,
+    GROUP: tl.constexpr, ONE_GROUP_TILE: tl.constexpr, M_POW2: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    n_mask = rn < N
+    rn64 = rn.to(tl.int64)
+    BLOCK_W: tl.constexpr = BLOCK_K // 8
+    rw = tl.arange(0, BLOCK_W)  # [BW] word in the tile
+    rj = tl.arange(0, 8)  # [8] nibble in the word
+    rows = tl.arange(0, M_POW2)
+    KW = K // 8
+    acc = tl.zeros([M_POW2, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        w_idx = k0 // 8 + rw  # [BW]
+        w_mask = w_idx < KW
+        words = tl.load(q_ptr + rn64[:, None] * KW + w_idx[None, :], mask=n_mask[:, None] & w_mask[None, :], other=0)
+        codes = ((words[:, :, None] >> (rj * 4)[None, None, :]) & 0xF).to(tl.float32)  # [BN, BW, 8]
+        kk = k0 + rw[:, None] * 8 + rj[None, :]  # [BW, 8] input index of each code
+        k_mask = kk < K
+        if ONE_GROUP_TILE:
+            # The tile lies inside one group: one scale and zero per row.
+            g_off = rn64 * n_groups + k0 // GROUP
+            s = tl.load(s_ptr + g_off, mask=n_mask, other=0.0).to(tl.float32)  # [BN]
+            z = tl.load(z_ptr + g_off, mask=n_mask, other=0).to(tl.float32)
+            for m in tl.static_range(M_POW2):
+                xm = tl.load(x_ptr + tl.minimum(m, M - 1) * stride_xm + kk, mask=k_mask, other=0.0).to(tl.float32)  # [BW, 8]
+                qx = tl.sum(tl.sum(codes * xm[None, :, :], axis=2), axis=1)  # [BN]
+                part = s * (qx - z * tl.sum(tl.sum(xm, axis=1), axis=0))
+                acc = tl.where(rows[:, None] == m, acc + part[None, :], acc)
+        else:
+            g_off = rn64[:, None, None] * n_groups + (kk // GROUP)[None, :, :]  # [BN, BW, 8]
+            e_mask = n_mask[:, None, None] & k_mask[None, :, :]
+            s = tl.load(s_ptr + g_off, mask=e_mask, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + g_off, mask=e_mask, other=0).to(tl.float32)
+            w = (codes - z) * s
+            for m in tl.static_range(M_POW2):
+                xm = tl.load(x_ptr + tl.minimum(m, M - 1) * stride_xm + kk, mask=k_mask, other=0.0).to(tl.float32)
+                part = tl.sum(tl.sum(w * xm[None, :, :], axis=2), axis=1)
+                acc = tl.where(rows[:, None] == m, acc + part[None, :], acc)
+    out_mask = (rows[:, None] < M) & n_mask[None, :]
+    tl.store(out_ptr + rows[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _int8_gemv_kernel(
+    x_ptr, q_ptr, s_ptr, out_ptr,
+    M, N, K, stride_xm, stride_om,
+    M_POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    n_mask = rn < N
+    rn64 = rn.to(tl.int64)
+    rk = tl.arange(0, BLOCK_K)
+    rows = tl.arange(0, M_POW2)
+    acc = tl.zeros([M_POW2, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        k_mask = kk < K
+        q = tl.load(q_ptr + rn64[:, None] * K + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0).to(tl.float32)
+        for m in tl.static_range(M_POW2):
+            xm = tl.load(x_ptr + tl.minimum(m, M - 1) * stride_xm + kk, mask=k_mask, other=0.0).to(tl.float32)  # [BK]
+            part = tl.sum(q * xm[None, :], axis=1)
+            acc = tl.where(rows[:, None] == m, acc + part[None, :], acc)
+    # The per-row scale is applied once, after the sum over K.
+    s = tl.load(s_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
+    out_mask = (rows[:, None] < M) & n_mask[None, :]
+    tl.store(out_ptr + rows[:, None] * stride_om + rn[None, :], (acc * s[None, :]).to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _int4_dequant_kernel(q_ptr, s_ptr, z_ptr, out_ptr, N, K, n_groups, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    BLOCK_W: tl.constexpr = BLOCK_K // 8
+    rw = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    rj = tl.arange(0, 8)
+    rn64 = rn.to(tl.int64)
+    KW = K // 8
+    mask2 = (rn < N)[:, None] & (rw < KW)[None, :]
+    words = tl.load(q_ptr + rn64[:, None] * KW + rw[None, :], mask=mask2, other=0)
+    codes = ((words[:, :, None] >> (rj * 4)[None, None, :]) & 0xF).to(tl.float32)  # [BN, BW, 8]
+    kk = rw[:, None] * 8 + rj[None, :]  # [BW, 8]
+    mask3 = (rn < N)[:, None, None] & (kk < K)[None, :, :]
+    g_off = rn64[:, None, None] * n_groups + (kk // GROUP)[None, :, :]
+    s = tl.load(s_ptr + g_off, mask=mask3, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + g_off, mask=mask3, other=0).to(tl.float32)
+    tl.store(out_ptr + rn64[:, None, None] * K + kk[None, :, :], ((codes - z) * s).to(out_ptr.dtype.element_ty), mask=mask3)
+
+
+@triton.jit
+def _int8_dequant_kernel(q_ptr, s_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    rn64 = rn.to(tl.int64)
+    mask = (rn < N)[:, None] & (rk < K)[None, :]
+    q = tl.load(q_ptr + rn64[:, None] * K + rk[None, :], mask=mask, other=0).to(tl.float32)
+    s = tl.load(s_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rn64[:, None] * K + rk[None, :], (q * s[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# Candidates autotuning measures per (N, K, rows) on a GPU; BLOCK_K of the int4 kernel follows the group.
+GEMV_CONFIGS = [triton.Config({"BLOCK_N": bn}, num_warps=w) for bn in (4, 8, 16, 32) for w in (2, 4)]
+INT8_CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w) for bn in (4, 8, 16) for bk in (128, 256) for w in (2, 4)]
+_int4_tuned = triton.autotune(GEMV_CONFIGS, key=["N", "K", "M_POW2", "GROUP"])(_int4_gemv_kernel)
+_int8_tuned = triton.autotune(INT8_CONFIGS, key=["N", "K", "M_POW2"])(_int8_gemv_kernel)
+
+
+def int4_tile(group_size: int) -> tuple[int, bool]:
+    """(BLOCK_K, one group per tile) for a group size: a power-of-two group takes tiles of up to 256
+    inputs inside one group; any other group 256-wide tiles with per-element scales."""
+    if group_size & (group_size - 1) == 0 and group_size >= 8:
+        return min(group_size, 256), True
+    return 256, False
+
+
+def _check_x(x, K, name):
+    if x.dim() != 2 or x.stride(-1) != 1 or x.shape[1] != K or not 1 <= x.shape[0] <= MAX_ROWS:
+        raise ValueError(f"{name}: x must be [M, {K}] with 1 <= M <= {MAX_ROWS} and a contiguous last dimension, got {tuple(x.shape)}")
+
+
+def int4_gemv_triton(x, qweight, scales, zeros, group_size, *, out=None):
+    """x `[M, K]` (M <= MAX_ROWS) -> `[M, N]` in x's dtype; see `declab_kernels.quant_gemv`."""
+    N, K = qweight.shape[0], qweight.shape[1] * 8
+    _check_x(x, K, "int4_gemv")
+    M = x.shape[0]
+    if out is None:
+        out = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    block_k, one_group = int4_tile(group_size)
+    args = (x, qweight, scales, zeros, out, M, N, K, K // group_size, x.stride(0), out.stride(0))
+    consts = dict(GROUP=group_size, ONE_GROUP_TILE=one_group, M_POW2=triton.next_power_of_2(M), BLOCK_K=block_k)
+    if INTERPRET:
+        _int4_gemv_kernel[(triton.cdiv(N, 8),)](*args, BLOCK_N=8, **consts)
+    else:
+        _int4_tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](*args, **consts)
+    return out
+
+
+def int8_gemv_triton(x, qweight, scale, *, out=None):
+    """x `[M, K]` (M <= MAX_ROWS) -> `[M, N]` in x's dtype; see `declab_kernels.quant_gemv`."""
+    N, K = qweight.shape
+    _check_x(x, K, "int8_gemv")
+    M = x.shape[0]
+    if out is None:
+        out = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    args = (x, qweight, scale, out, M, N, K, x.stride(0), out.stride(0))
+    if INTERPRET:
+        _int8_gemv_kernel[(triton.cdiv(N, 8),)](*args, M_POW2=triton.next_power_of_2(M), BLOCK_N=8, BLOCK_K=128)
+    else:
+        _int8_tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](*args, M_POW2=triton.next_power_of_2(M))
+    return out
+
+
+def dequantize_int4_triton(qweight, scales, zeros, group_size, dtype):
+    """Dense `[N, K]` in `dtype` (rounded once from the float32 dequantised value)."""
+    N, K = qweight.shape[0], qweight.shape[1] * 8
+    out = torch.empty(N, K, device=qweight.device, dtype=dtype)
+    bn, bk = 16, 256
+    _int4_dequant_kernel[(triton.cdiv(N, bn), triton.cdiv(K, bk))](
+        qweight, scales, zeros, out, N, K, K // group_size, GROUP=group_size, BLOCK_N=bn, BLOCK_K=bk)
+    return out
+
+
+def dequantize_int8_triton(qweight, scale, dtype):
+    """Dense `[N, K]` in `dtype` (rounded once from qweight * scale in float32)."""
+    N, K = qweight.shape
+    out = torch.empty(N, K, device=qweight.device, dtype=dtype)
+    bn, bk = 16, 256
+    _int8_dequant_kernel[(triton.cdiv(N, bn), triton.cdiv(K, bk))](qweight, scale, out, N, K, BLOCK_N=bn, BLOCK_K=bk)
+    return out
