@@ -100,7 +100,7 @@ def parse_quant(name: str, group_size: int | None = None) -> QuantSpec:
         raise QuantError(f"group size must be an integer, got {group_size!r}")
     if named is not None and group_size is not None and named != group_size:
         raise QuantError(f"quant {name!r} names group {named} but group size {group_size} was given")
-    group = named or group_size or DEFAULT_GROUP
+    group = named if named is not None else group_size if group_size is not None else DEFAULT_GROUP
     if group < 1:
         raise QuantError(f"group size must be at least 1, got {group}")
     return QuantSpec(4, "rtn" if m.group(1) else "gptq", group)

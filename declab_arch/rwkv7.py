@@ -524,7 +524,7 @@ def read_config(folder: Path) -> RWKV7Config:
     folder = Path(folder)
     hf = read_json(folder / "config.json")
     if hf.get("declab_family") == FAMILY:
-        values = {k: v for k, v in hf.items() if k != "declab_family"}
+        values = {k: v for k, v in hf.items() if k not in ("declab_family", "quantization")}
         config = config_from_dict(RWKV7Config, values, str(folder))
     elif is_fla_rwkv7(hf):
         config = parse_config(config_from_hf, hf, str(folder))

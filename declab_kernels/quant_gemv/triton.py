@@ -20,6 +20,8 @@ import triton.language as tl
 from declab_kernels.quant_gemv import MAX_ROWS
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# Under the interpreter, which runs programs one after another, wide row blocks: few programs.
+INTERPRET_BLOCK_N = 32
 
 
 @triton.jit
@@ -158,7 +160,7 @@ def int4_gemv_triton(x, qweight, scales, zeros, group_size, *, out=None):
     args = (x, qweight, scales, zeros, out, M, N, K, K // group_size, x.stride(0), out.stride(0))
     consts = dict(GROUP=group_size, ONE_GROUP_TILE=one_group, M_POW2=triton.next_power_of_2(M), BLOCK_K=block_k)
     if INTERPRET:
-        _int4_gemv_kernel[(triton.cdiv(N, 8),)](*args, BLOCK_N=8, **consts)
+        _int4_gemv_kernel[(triton.cdiv(N, INTERPRET_BLOCK_N),)](*args, BLOCK_N=INTERPRET_BLOCK_N, **consts)
     else:
         _int4_tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](*args, **consts)
     return out
@@ -173,7 +175,7 @@ def int8_gemv_triton(x, qweight, scale, *, out=None):
         out = torch.empty(M, N, device=x.device, dtype=x.dtype)
     args = (x, qweight, scale, out, M, N, K, x.stride(0), out.stride(0))
     if INTERPRET:
-        _int8_gemv_kernel[(triton.cdiv(N, 8),)](*args, M_POW2=triton.next_power_of_2(M), BLOCK_N=8, BLOCK_K=128)
+        _int8_gemv_kernel[(triton.cdiv(N, INTERPRET_BLOCK_N),)](*args, M_POW2=triton.next_power_of_2(M), BLOCK_N=INTERPRET_BLOCK_N, BLOCK_K=128)
     else:
         _int8_tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](*args, M_POW2=triton.next_power_of_2(M))
     return out
