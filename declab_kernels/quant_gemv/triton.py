@@ -4,11 +4,13 @@ dequantisation kernels that the many-row path feeds to a dense matmul.
 GEMV (M <= MAX_ROWS rows of x): one program per BLOCK_N output rows walks K in tiles, loads the
 packed words of its rows (contiguous in K, so a row's words are one coalesced load), unpacks and
 dequantises them in registers and accumulates every x row's products in float32; the weight tile is
-unpacked once and reused by all M rows. For int4 with a power-of-two group the tile is at most one
-group wide, so each row of a tile has one scale and one zero point and the dequantisation is folded
-into the sums: sum_k (q_k - z) s x_k = s (sum_k q_k x_k - z sum_k x_k). Other group sizes gather
-the scale and zero of every element. On CUDA the tile sizes are autotuned per (N, K, rows); under
-the interpreter one configuration runs.
+unpacked once and reused by all M rows. For int4 with a power-of-two group the tile is loaded as
+sub-blocks that each lie inside one group ([BLOCK_N, sub-blocks, words], 3-D from the pointers, no
+reshape), the eight nibbles of a word are taken one at a time against a stride-8 slice of x, and the
+dequantisation is folded into each sub-block's sums: sum_k (q_k - z) s x_k = s (sum_k q_k x_k -
+z sum_k x_k), one scale and zero point a row and sub-block. Other group sizes gather the scale and
+zero of every element. On CUDA the tile sizes are autotuned per (N, K, rows, group); under the
+interpreter one configuration runs.
 """
 
 import os
@@ -28,37 +30,57 @@ INTERPRET_BLOCK_N = 32
 def _int4_gemv_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr, out_ptr,
     M, N, K, n_groups, stride_xm, stride_om,
-    GROUP: tl.constexpr, ONE_GROUP_TILE: tl.constexpr, M_POW2: tl.constexpr,
+    GROUP: tl.constexpr, POW2_GROUP: tl.constexpr, M_POW2: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     n_mask = rn < N
     rn64 = rn.to(tl.int64)
-    BLOCK_W: tl.constexpr = BLOCK_K // 8
-    rw = tl.arange(0, BLOCK_W)  # [BW] word in the tile
-    rj = tl.arange(0, 8)  # [8] nibble in the word
     rows = tl.arange(0, M_POW2)
     KW = K // 8
     acc = tl.zeros([M_POW2, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        w_idx = k0 // 8 + rw  # [BW]
-        w_mask = w_idx < KW
-        words = tl.load(q_ptr + rn64[:, None] * KW + w_idx[None, :], mask=n_mask[:, None] & w_mask[None, :], other=0)
-        codes = ((words[:, :, None] >> (rj * 4)[None, None, :]) & 0xF).to(tl.float32)  # [BN, BW, 8]
-        kk = k0 + rw[:, None] * 8 + rj[None, :]  # [BW, 8] input index of each code
-        k_mask = kk < K
-        if ONE_GROUP_TILE:
-            # The tile lies inside one group: one scale and zero per row.
-            g_off = rn64 * n_groups + k0 // GROUP
-            s = tl.load(s_ptr + g_off, mask=n_mask, other=0.0).to(tl.float32)  # [BN]
-            z = tl.load(z_ptr + g_off, mask=n_mask, other=0).to(tl.float32)
+    if POW2_GROUP:
+        # The tile is NSUB sub-blocks of SUB inputs, each inside one group: words [BN, NSUB, SUBW],
+        # contiguous along the last two dimensions, so a row's words are one wide load.
+        SUB: tl.constexpr = GROUP if GROUP < BLOCK_K else BLOCK_K
+        NSUB: tl.constexpr = BLOCK_K // SUB
+        SUBW: tl.constexpr = SUB // 8
+        rs = tl.arange(0, NSUB)
+        rw = tl.arange(0, SUBW)
+        for k0 in range(0, K, BLOCK_K):
+            w_idx = k0 // 8 + rs[:, None] * SUBW + rw[None, :]  # [NSUB, SUBW]
+            w_mask = w_idx < KW
+            words = tl.load(q_ptr + rn64[:, None, None] * KW + w_idx[None, :, :], mask=n_mask[:, None, None] & w_mask[None, :, :], other=0)
+            sub0 = k0 + rs * SUB  # [NSUB] first input of each sub-block
+            g_off = rn64[:, None] * n_groups + (sub0 // GROUP)[None, :]  # [BN, NSUB]
+            g_mask = n_mask[:, None] & (sub0 < K)[None, :]
+            s = tl.load(s_ptr + g_off, mask=g_mask, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + g_off, mask=g_mask, other=0).to(tl.float32)
             for m in tl.static_range(M_POW2):
-                xm = tl.load(x_ptr + tl.minimum(m, M - 1) * stride_xm + kk, mask=k_mask, other=0.0).to(tl.float32)  # [BW, 8]
-                qx = tl.sum(tl.sum(codes * xm[None, :, :], axis=2), axis=1)  # [BN]
-                part = s * (qx - z * tl.sum(tl.sum(xm, axis=1), axis=0))
+                x_row = x_ptr + tl.minimum(m, M - 1) * stride_xm
+                qx = tl.zeros([BLOCK_N, NSUB, SUBW], dtype=tl.float32)
+                xs = tl.zeros([NSUB, SUBW], dtype=tl.float32)
+                # Nibble j of every word: inputs 8 w + j, loaded as a stride-8 slice of x.
+                for j in tl.static_range(8):
+                    xj = tl.load(x_row + w_idx * 8 + j, mask=w_mask, other=0.0).to(tl.float32)  # [NSUB, SUBW]
+                    cj = ((words >> (4 * j)) & 0xF).to(tl.float32)
+                    qx += cj * xj[None, :, :]
+                    xs += xj
+                # sum_k (q_k - z) s x_k = s (sum_k q_k x_k - z sum_k x_k) within each sub-block.
+                part = tl.sum(s * (tl.sum(qx, axis=2) - z * tl.sum(xs, axis=1)[None, :]), axis=1)  # [BN]
                 acc = tl.where(rows[:, None] == m, acc + part[None, :], acc)
-        else:
+    else:
+        BLOCK_W: tl.constexpr = BLOCK_K // 8
+        rw = tl.arange(0, BLOCK_W)  # [BW] word in the tile
+        rj = tl.arange(0, 8)  # [8] nibble in the word
+        for k0 in range(0, K, BLOCK_K):
+            w_idx = k0 // 8 + rw
+            w_mask = w_idx < KW
+            words = tl.load(q_ptr + rn64[:, None] * KW + w_idx[None, :], mask=n_mask[:, None] & w_mask[None, :], other=0)
+            codes = ((words[:, :, None] >> (rj * 4)[None, None, :]) & 0xF).to(tl.float32)  # [BN, BW, 8]
+            kk = k0 + rw[:, None] * 8 + rj[None, :]  # [BW, 8] input index of each code
+            k_mask = kk < K
             g_off = rn64[:, None, None] * n_groups + (kk // GROUP)[None, :, :]  # [BN, BW, 8]
             e_mask = n_mask[:, None, None] & k_mask[None, :, :]
             s = tl.load(s_ptr + g_off, mask=e_mask, other=0.0).to(tl.float32)
@@ -129,19 +151,17 @@ def _int8_dequant_kernel(q_ptr, s_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLO
     tl.store(out_ptr + rn64[:, None] * K + rk[None, :], (q * s[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-# Candidates autotuning measures per (N, K, rows) on a GPU; BLOCK_K of the int4 kernel follows the group.
-GEMV_CONFIGS = [triton.Config({"BLOCK_N": bn}, num_warps=w) for bn in (4, 8, 16, 32) for w in (2, 4)]
+# Candidates autotuning measures per (N, K, rows, group) on a GPU (4 to 32 rows of 128 to 1024 inputs a tile).
+GEMV_CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w)
+                for bn, bk, w in ((4, 512, 4), (4, 1024, 4), (8, 256, 4), (8, 512, 4), (8, 1024, 8), (16, 256, 4), (16, 512, 8), (32, 128, 4))]
 INT8_CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w) for bn in (4, 8, 16) for bk in (128, 256) for w in (2, 4)]
 _int4_tuned = triton.autotune(GEMV_CONFIGS, key=["N", "K", "M_POW2", "GROUP"])(_int4_gemv_kernel)
 _int8_tuned = triton.autotune(INT8_CONFIGS, key=["N", "K", "M_POW2"])(_int8_gemv_kernel)
 
 
-def int4_tile(group_size: int) -> tuple[int, bool]:
-    """(BLOCK_K, one group per tile) for a group size: a power-of-two group takes tiles of up to 256
-    inputs inside one group; any other group 256-wide tiles with per-element scales."""
-    if group_size & (group_size - 1) == 0 and group_size >= 8:
-        return min(group_size, 256), True
-    return 256, False
+def pow2_group(group_size: int) -> bool:
+    """Whether the folded path runs: a power-of-two group of at least one word (8 inputs)."""
+    return group_size >= 8 and group_size & (group_size - 1) == 0
 
 
 def _check_x(x, K, name):
@@ -156,11 +176,10 @@ def int4_gemv_triton(x, qweight, scales, zeros, group_size, *, out=None):
     M = x.shape[0]
     if out is None:
         out = torch.empty(M, N, device=x.device, dtype=x.dtype)
-    block_k, one_group = int4_tile(group_size)
     args = (x, qweight, scales, zeros, out, M, N, K, K // group_size, x.stride(0), out.stride(0))
-    consts = dict(GROUP=group_size, ONE_GROUP_TILE=one_group, M_POW2=triton.next_power_of_2(M), BLOCK_K=block_k)
+    consts = dict(GROUP=group_size, POW2_GROUP=pow2_group(group_size), M_POW2=triton.next_power_of_2(M))
     if INTERPRET:
-        _int4_gemv_kernel[(triton.cdiv(N, INTERPRET_BLOCK_N),)](*args, BLOCK_N=INTERPRET_BLOCK_N, **consts)
+        _int4_gemv_kernel[(triton.cdiv(N, INTERPRET_BLOCK_N),)](*args, BLOCK_N=INTERPRET_BLOCK_N, BLOCK_K=256, **consts)
     else:
         _int4_tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](*args, **consts)
     return out
