@@ -129,3 +129,12 @@ def test_cuda_graph_replay():
     graph.replay()
     assert rel(out, Q.int4_linear_ref(x, qweight, scales, zeros, 128)) < 1e-2
     assert not torch.equal(out, expected)
+
+
+@pytest.mark.skipif(GPU, reason="the refusal without a GPU")
+def test_bench_needs_a_gpu(capsys):
+    from declab_kernels.quant_gemv import bench
+
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--out", "unused.jsonl"])
+    assert exit_info.value.code == 2 and capsys.readouterr().err.count("\n") == 1
