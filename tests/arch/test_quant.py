@@ -13,7 +13,6 @@ from safetensors.torch import save_file
 
 import decoders
 from declab_arch import llama, mamba2, quant as Q
-from declab_kernels import quant_gemv
 
 
 def rel(a, b):
