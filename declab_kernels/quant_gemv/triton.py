@@ -154,7 +154,8 @@ def _int8_dequant_kernel(q_ptr, s_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLO
 # Candidates autotuning measures per (N, K, rows, group) on a GPU (4 to 32 rows of 128 to 1024 inputs a tile).
 GEMV_CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w)
                 for bn, bk, w in ((4, 512, 4), (4, 1024, 4), (8, 256, 4), (8, 512, 4), (8, 1024, 8), (16, 256, 4), (16, 512, 8), (32, 128, 4))]
-INT8_CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w) for bn in (4, 8, 16) for bk in (128, 256) for w in (2, 4)]
+INT8_CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w)
+                for bn, bk, w in ((4, 1024, 4), (4, 2048, 8), (8, 512, 4), (8, 1024, 8), (16, 256, 4), (16, 512, 8), (32, 256, 8), (2, 2048, 4))]
 _int4_tuned = triton.autotune(GEMV_CONFIGS, key=["N", "K", "M_POW2", "GROUP"])(_int4_gemv_kernel)
 _int8_tuned = triton.autotune(INT8_CONFIGS, key=["N", "K", "M_POW2"])(_int8_gemv_kernel)
 
