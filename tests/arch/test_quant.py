@@ -292,3 +292,20 @@ def test_lab_checkpoint_mismatch_is_one_line_exit_2(tmp_path, capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "does not match the quantisation config (group 8" in err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("method", ["int8", "int4-g16", "int4-rtn-g16"])
+def test_gpu_bf16_matmul_path(method):
+    decoder = decoders.load("llama-tiny", device="cuda", dtype="bf16", impl="ref")
+    model = decoder.model
+    mapping = Q.quantize_model(model, method, calib_tokens=calib().cuda())
+    assert all(w.dtype == torch.bfloat16 and w.device.type == "cuda" for w in mapping.values())
+    for T in (1, 20):
+        tokens = calib(2, T, seed=4).cuda()
+        with torch.no_grad():
+            with Q.routed(model, mapping, impl="ref"):
+                expected = model(tokens)
+            with Q.routed(model, mapping, impl="triton"):
+                assert rel(model(tokens), expected) < 2e-2
