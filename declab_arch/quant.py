@@ -456,10 +456,12 @@ def _check_shape(name, t, shape, what):
 
 
 def _from_lab(entry: dict, tensors: dict, source: str, dtype) -> tuple[QuantSpec, dict]:
+    if "quant" not in entry:
+        raise QuantError(f"{source}: config.json's quantization entry names no quant")
     try:
         spec = parse_quant(entry["quant"])
-    except (KeyError, TypeError):
-        raise QuantError(f"{source}: config.json's quantization entry names no quant") from None
+    except QuantError as e:
+        raise QuantError(f"{source}: config.json's quantization entry: {e}") from None
     if entry.get("group_size", spec.group_size) != spec.group_size or entry.get("bits", spec.bits) != spec.bits:
         raise QuantError(f"{source}: config.json's quantization entry ({entry}) contradicts its quant {spec.name!r}")
     mapping = {}

@@ -309,3 +309,27 @@ def test_gpu_bf16_matmul_path(method):
                 expected = model(tokens)
             with Q.routed(model, mapping, impl="triton"):
                 assert rel(model(tokens), expected) < 2e-2
+
+
+def test_lab_checkpoint_other_mismatches(tmp_path):
+    from safetensors.torch import load_file
+
+    model = model_of("llama-tiny")
+    Q.save(tmp_path, model, Q.quantize_model(model, "int4-rtn-g16"), Q.parse_quant("int4-rtn-g16"), llama.save)
+    config = json.loads((tmp_path / "config.json").read_text())
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+
+    def rewrite(entry, drop=()):
+        (tmp_path / "config.json").write_text(json.dumps({**config, "quantization": entry}))
+        save_file({k: v for k, v in tensors.items() if k not in drop}, str(tmp_path / "model.safetensors"))
+
+    for entry, drop, match in [
+        ({**config["quantization"], "quant": "int8", "bits": 8, "group_size": None}, (), "is not an int8"),
+        (config["quantization"], ("model.layers.1.mlp.up_proj.scales",), "is not an int4"),
+        ({**config["quantization"], "bits": 8}, (), "contradicts its quant"),
+        ({"bits": 4}, (), "names no quant"),
+        ({**config["quantization"], "quant": "int5"}, (), "unknown quant"),
+    ]:
+        rewrite(entry, drop)
+        with pytest.raises(Q.QuantError, match=match):
+            Q.read_checkpoint(tmp_path)
