@@ -24,7 +24,9 @@ are set from its columns as updated when the group is reached; the updates withi
 applied column by column and the block's accumulated error is carried to the later columns at once.
 The Hessians come from one pass of the unquantised model's reference forward over the calibration
 tokens (every linear sees the float model's activations, not those of already-quantised layers),
-one K x K float32 matrix per distinct layer input (q/k/v share one, as do gate/up).
+one K x K float32 matrix per distinct layer input (q/k/v share one, as do gate/up; layers sharing
+one are quantised as one weight of all their rows, which GPTQ treats row by row: the same result in
+one pass over the columns).
 
 `quantize_model(model, method, calib_tokens=..., group_size=..., head=False)` returns a mapping from
 weight names to weight objects: every `nn.Linear`'s "<module>.weight" (not embeddings, norms,
@@ -192,6 +194,10 @@ class Int4Weight:
     def to(self, device=None, dtype=None):
         return Int4Weight(self.qweight.to(device), self.scales.to(device), self.zeros.to(device), self.group_size, dtype or self.dtype)
 
+    def rows(self, start: int, end: int):
+        """Output rows start:end as a weight of their own (copies)."""
+        return Int4Weight(*(t[start:end].clone() for t in (self.qweight, self.scales, self.zeros)), self.group_size, self.dtype)
+
     @staticmethod
     def cat(parts):
         """The rows of `parts` (same K and group) as one weight."""
@@ -338,7 +344,8 @@ def collect_hessians(model, layers: dict[str, nn.Linear], tokens, *, head: bool 
     missing = [n for n in list(layers) + ([LM_HEAD + ".weight"] if head else []) if n not in owner]
     if missing:
         raise QuantError(f"{missing[0]}: the reference forward never called this layer, so it has no calibration inputs")
-    return {n: sums[owner[n]] / counts[owner[n]] for n in owner}
+    means = {key: sums[key] / counts[key] for key in sums}
+    return {n: means[owner[n]] for n in owner}
 
 
 def quantize_model(model, method: str, *, calib_tokens=None, group_size: int | None = None, head: bool = False,
@@ -362,14 +369,23 @@ def quantize_model(model, method: str, *, calib_tokens=None, group_size: int | N
         device = next(model.parameters()).device
         hessians = collect_hessians(model, layers, calib_tokens.to(device), head=head, batch_size=batch_size)
     out = {}
+    if spec.method == "gptq":
+        # Layers with one input (q/k/v, gate/up) share H, and GPTQ treats every output row on its
+        # own: their rows run as one weight, one pass over the columns instead of one each.
+        shared = {}
+        for name in weights:
+            shared.setdefault(id(hessians[name]), []).append(name)
+        for names in shared.values():
+            joint = torch.cat([weights[n].detach() for n in names])
+            q = quantize_int4_gptq(joint, hessians[names[0]], spec.group_size, dtype or weights[names[0]].dtype, name=names[0])
+            start = 0
+            for n in names:
+                out[n] = q.rows(start, start + weights[n].shape[0])
+                start += weights[n].shape[0]
+        return add_fused(model, {n: out[n] for n in weights})
     for name, w in weights.items():
         act = dtype or w.dtype
-        if spec.bits == 8:
-            out[name] = quantize_int8(w, act)
-        elif spec.method == "rtn":
-            out[name] = quantize_int4_rtn(w, spec.group_size, act, name=name)
-        else:
-            out[name] = quantize_int4_gptq(w, hessians[name], spec.group_size, act, name=name)
+        out[name] = quantize_int8(w, act) if spec.bits == 8 else quantize_int4_rtn(w, spec.group_size, act, name=name)
     return add_fused(model, out)
 
 

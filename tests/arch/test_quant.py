@@ -334,3 +334,17 @@ def test_lab_checkpoint_other_mismatches(tmp_path):
         rewrite(entry, drop)
         with pytest.raises(Q.QuantError, match=match):
             Q.read_checkpoint(tmp_path)
+
+
+def test_gptq_of_layers_sharing_an_input_is_per_layer_gptq():
+    model = model_of("llama-tiny")
+    tokens = calib()
+    mapping = Q.quantize_model(model, "int4-g16", calib_tokens=tokens)
+    layers = Q.linear_layers(model)
+    hessians = Q.collect_hessians(model, layers, tokens)
+    attn = "model.layers.0.self_attn"
+    assert hessians[f"{attn}.q_proj.weight"] is hessians[f"{attn}.v_proj.weight"]
+    assert hessians[f"{attn}.q_proj.weight"] is not hessians[f"{attn}.o_proj.weight"]
+    for name in (f"{attn}.k_proj.weight", "model.layers.1.mlp.up_proj.weight"):
+        alone = Q.quantize_int4_gptq(layers[name].weight, hessians[name], 16)
+        assert rel(mapping[name].dequantize(), alone.dequantize()) < 1e-6
