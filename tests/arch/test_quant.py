@@ -124,6 +124,7 @@ def test_every_family_matmul_path_matches_dequantised_reference(preset, group, m
     assert 0 < rel(routed, plain) < (0.05 if method == "int8" else 0.5)
 
 
+@pytest.mark.interpreter
 def test_triton_matmul_path_llama():
     model = model_of("llama-tiny")
     mapping = Q.quantize_model(model, "int4-rtn-g16")
