@@ -10,7 +10,8 @@ bf16 x of M rows (1 and 16) times weight `[N, K]` for (N, K) in SHAPES. Per case
 3. µs per call from a CUDA graph of `copies` calls, each on its own copy of the weight, so that the
    copies together (>= 256 MB, at least two) overflow L2 and every call reads its weight from HBM;
    bytes = packed weight + scales + zeros (int4) or weight + scales (int8) or the bf16 weight, plus
-   x and y; GB/s and the fraction of the copy bandwidth measured at the start of the run.
+   x and y; GB/s and the fraction of the copy bandwidth measured at the start of the run; the
+   configuration autotuning picked (tile sizes, and for int4 how x is fed: X_TILE).
 One JSON line per case (with `declab_kernels.benchtools.environment`) appended to `--out` as soon as
 it is measured. After `--budget` seconds the remaining cases are skipped (and listed). A table at the
 end, then one JSON line summarising the run. About 1-2 minutes on an H200.
@@ -78,6 +79,12 @@ def measure(fmt, M, N, K, copy_bw):
     first_s = time.perf_counter() - t0
     err = rel(y, ref(x))
     record = {"format": fmt, "M": M, "N": N, "K": K, "weight_bytes": wbytes, "rel_err": err, "ok": err < TOL, "first_call_s": round(first_s, 3)}
+    if fmt != "bf16":
+        from declab_kernels.quant_gemv import triton as T
+
+        # The configuration autotuning picked for this shape (the last one tuned).
+        tuned = T._int4_tuned if fmt.startswith("int4") else T._int8_tuned
+        record["triton_config"] = str(tuned.best_config)
     if not record["ok"]:
         return record
     copies = max(2, min(MAX_COPIES, math.ceil(ROTATE_BYTES / wbytes)))

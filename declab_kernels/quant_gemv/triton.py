@@ -6,8 +6,9 @@ packed words of its rows (contiguous in K, so a row's words are one coalesced lo
 dequantises them in registers and accumulates every x row's products in float32; the weight tile is
 unpacked once and reused by all M rows. For int4 with a power-of-two group the tile is loaded as
 sub-blocks that each lie inside one group ([BLOCK_N, sub-blocks, words], 3-D from the pointers, no
-reshape), the eight nibbles of a word are taken one at a time against a stride-8 slice of x, and the
-dequantisation is folded into each sub-block's sums: sum_k (q_k - z) s x_k = s (sum_k q_k x_k -
+reshape), multiplied either as [BLOCK_N, sub-blocks, words, 8] codes in input order against a
+contiguous x tile of that shape, or nibble by nibble against stride-8 slices of x (autotuning picks
+per shape), and the dequantisation is folded into each sub-block's sums: sum_k (q_k - z) s x_k = s (sum_k q_k x_k -
 z sum_k x_k), one scale and zero point a row and sub-block. Other group sizes gather the scale and
 zero of every element. On CUDA the tile sizes are autotuned per (N, K, rows, group); under the
 interpreter one configuration runs.
@@ -24,6 +25,7 @@ from declab_kernels.quant_gemv import MAX_ROWS
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Under the interpreter, which runs programs one after another, wide row blocks: few programs.
 INTERPRET_BLOCK_N = 32
+INTERPRET_CONFIG = dict(BLOCK_N=INTERPRET_BLOCK_N, BLOCK_K=256, X_TILE=True)
 
 
 @triton.jit
@@ -31,7 +33,7 @@ def _int4_gemv_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr, out_ptr,
     M, N, K, n_groups, stride_xm, stride_om,
     GROUP: tl.constexpr, POW2_GROUP: tl.constexpr, M_POW2: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, X_TILE: tl.constexpr = True,
 ):
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
@@ -41,17 +43,24 @@ def _int4_gemv_kernel(
     KW = K // 8
     acc = tl.zeros([M_POW2, BLOCK_N], dtype=tl.float32)
     if POW2_GROUP:
-        # The tile is NSUB sub-blocks of SUB inputs, each inside one group: words [BN, NSUB, SUBW],
-        # contiguous along the last two dimensions, so a row's words are one wide load.
+        # The tile is NSUB sub-blocks of SUB inputs, each inside one group: words [BN, NSUB, SUBW]
+        # (contiguous along the last two dimensions: a row's words are one wide load). X_TILE: codes
+        # [BN, NSUB, SUBW, 8] in input order against a contiguous x tile of that shape; else each
+        # nibble against a stride-8 slice of x (autotuning measures both).
         SUB: tl.constexpr = GROUP if GROUP < BLOCK_K else BLOCK_K
         NSUB: tl.constexpr = BLOCK_K // SUB
         SUBW: tl.constexpr = SUB // 8
         rs = tl.arange(0, NSUB)
         rw = tl.arange(0, SUBW)
+        rj = tl.arange(0, 8)
         for k0 in range(0, K, BLOCK_K):
             w_idx = k0 // 8 + rs[:, None] * SUBW + rw[None, :]  # [NSUB, SUBW]
             w_mask = w_idx < KW
             words = tl.load(q_ptr + rn64[:, None, None] * KW + w_idx[None, :, :], mask=n_mask[:, None, None] & w_mask[None, :, :], other=0)
+            if X_TILE:
+                codes = ((words[:, :, :, None] >> (rj * 4)[None, None, None, :]) & 0xF).to(tl.float32)  # [BN, NSUB, SUBW, 8]
+                kk = w_idx[:, :, None] * 8 + rj[None, None, :]  # [NSUB, SUBW, 8] input of each code
+                k_mask = kk < K
             sub0 = k0 + rs * SUB  # [NSUB] first input of each sub-block
             g_off = rn64[:, None] * n_groups + (sub0 // GROUP)[None, :]  # [BN, NSUB]
             g_mask = n_mask[:, None] & (sub0 < K)[None, :]
@@ -59,16 +68,22 @@ def _int4_gemv_kernel(
             z = tl.load(z_ptr + g_off, mask=g_mask, other=0).to(tl.float32)
             for m in tl.static_range(M_POW2):
                 x_row = x_ptr + tl.minimum(m, M - 1) * stride_xm
-                qx = tl.zeros([BLOCK_N, NSUB, SUBW], dtype=tl.float32)
-                xs = tl.zeros([NSUB, SUBW], dtype=tl.float32)
-                # Nibble j of every word: inputs 8 w + j, loaded as a stride-8 slice of x.
-                for j in tl.static_range(8):
-                    xj = tl.load(x_row + w_idx * 8 + j, mask=w_mask, other=0.0).to(tl.float32)  # [NSUB, SUBW]
-                    cj = ((words >> (4 * j)) & 0xF).to(tl.float32)
-                    qx += cj * xj[None, :, :]
-                    xs += xj
+                if X_TILE:
+                    xm = tl.load(x_row + kk, mask=k_mask, other=0.0).to(tl.float32)
+                    qx = tl.sum(tl.sum(codes * xm[None, :, :, :], axis=3), axis=2)  # [BN, NSUB]
+                    xs = tl.sum(tl.sum(xm, axis=2), axis=1)  # [NSUB]
+                else:
+                    # Nibble j of every word against the stride-8 slice of x it multiplies.
+                    q3 = tl.zeros([BLOCK_N, NSUB, SUBW], dtype=tl.float32)
+                    x3 = tl.zeros([NSUB, SUBW], dtype=tl.float32)
+                    for j in tl.static_range(8):
+                        xj = tl.load(x_row + w_idx * 8 + j, mask=w_mask, other=0.0).to(tl.float32)  # [NSUB, SUBW]
+                        q3 += ((words >> (4 * j)) & 0xF).to(tl.float32) * xj[None, :, :]
+                        x3 += xj
+                    qx = tl.sum(q3, axis=2)
+                    xs = tl.sum(x3, axis=1)
                 # sum_k (q_k - z) s x_k = s (sum_k q_k x_k - z sum_k x_k) within each sub-block.
-                part = tl.sum(s * (tl.sum(qx, axis=2) - z * tl.sum(xs, axis=1)[None, :]), axis=1)  # [BN]
+                part = tl.sum(s * (qx - z * xs[None, :]), axis=1)  # [BN]
                 acc = tl.where(rows[:, None] == m, acc + part[None, :], acc)
     else:
         BLOCK_W: tl.constexpr = BLOCK_K // 8
@@ -151,9 +166,11 @@ def _int8_dequant_kernel(q_ptr, s_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLO
     tl.store(out_ptr + rn64[:, None] * K + rk[None, :], (q * s[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-# Candidates autotuning measures per (N, K, rows, group) on a GPU (4 to 32 rows of 128 to 1024 inputs a tile).
-GEMV_CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w)
-                for bn, bk, w in ((4, 512, 4), (4, 1024, 4), (8, 256, 4), (8, 512, 4), (8, 1024, 8), (16, 256, 4), (16, 512, 8), (32, 128, 4))]
+# Candidates autotuning measures per (N, K, rows, group) on a GPU: 4 to 32 rows of 256 to 1024 inputs
+# a tile, x fed as a contiguous tile or as nibble slices (X_TILE; only the power-of-two-group path reads it).
+GEMV_CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "X_TILE": xt}, num_warps=w)
+                for bn, bk, w in ((4, 512, 4), (8, 512, 4), (8, 1024, 8), (16, 256, 4), (16, 512, 8), (32, 256, 8))
+                for xt in (True, False)]
 INT8_CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w)
                 for bn, bk, w in ((4, 1024, 4), (4, 2048, 8), (8, 512, 4), (8, 1024, 8), (16, 256, 4), (16, 512, 8), (32, 256, 8), (2, 2048, 4))]
 _int4_tuned = triton.autotune(GEMV_CONFIGS, key=["N", "K", "M_POW2", "GROUP"])(_int4_gemv_kernel)
@@ -170,8 +187,10 @@ def _check_x(x, K, name):
         raise ValueError(f"{name}: x must be [M, {K}] with 1 <= M <= {MAX_ROWS} and a contiguous last dimension, got {tuple(x.shape)}")
 
 
-def int4_gemv_triton(x, qweight, scales, zeros, group_size, *, out=None):
-    """x `[M, K]` (M <= MAX_ROWS) -> `[M, N]` in x's dtype; see `declab_kernels.quant_gemv`."""
+def int4_gemv_triton(x, qweight, scales, zeros, group_size, *, out=None, config=None):
+    """x `[M, K]` (M <= MAX_ROWS) -> `[M, N]` in x's dtype; see `declab_kernels.quant_gemv`.
+    `config` (BLOCK_N, BLOCK_K, X_TILE, num_warps): that configuration instead of the autotuned one
+    (the interpreter's default: INTERPRET_CONFIG)."""
     N, K = qweight.shape[0], qweight.shape[1] * 8
     _check_x(x, K, "int4_gemv")
     M = x.shape[0]
@@ -179,8 +198,10 @@ def int4_gemv_triton(x, qweight, scales, zeros, group_size, *, out=None):
         out = torch.empty(M, N, device=x.device, dtype=x.dtype)
     args = (x, qweight, scales, zeros, out, M, N, K, K // group_size, x.stride(0), out.stride(0))
     consts = dict(GROUP=group_size, POW2_GROUP=pow2_group(group_size), M_POW2=triton.next_power_of_2(M))
-    if INTERPRET:
-        _int4_gemv_kernel[(triton.cdiv(N, INTERPRET_BLOCK_N),)](*args, BLOCK_N=INTERPRET_BLOCK_N, BLOCK_K=256, **consts)
+    if config is None and INTERPRET:
+        config = INTERPRET_CONFIG
+    if config is not None:
+        _int4_gemv_kernel[(triton.cdiv(N, config["BLOCK_N"]),)](*args, **consts, **config)
     else:
         _int4_tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](*args, **consts)
     return out

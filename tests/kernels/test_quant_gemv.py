@@ -61,6 +61,17 @@ def test_int4_gemv_triton_matches_ref(N, K, group, M, nan_empty):
     assert rel(out, Q.int4_linear_ref(x, qweight, scales, zeros, group)) < 1e-5
 
 
+@pytest.mark.parametrize("x_tile", [True, False])
+@pytest.mark.parametrize("N, K, group", [(37, 384, 128), (16, 256, 32), (5, 64, 8)])
+def test_int4_x_feeds_match(N, K, group, x_tile, nan_empty):
+    from declab_kernels.quant_gemv.triton import int4_gemv_triton
+
+    qweight, scales, zeros = int4_case(N, K, group)
+    x = torch.randn(3, K, device=DEVICE)
+    config = dict(BLOCK_N=16, BLOCK_K=128, X_TILE=x_tile)
+    assert rel(int4_gemv_triton(x, qweight, scales, zeros, group, config=config), Q.int4_linear_ref(x, qweight, scales, zeros, group)) < 1e-5
+
+
 @pytest.mark.parametrize("N, K", [(37, 200), (8, 1024), (33, 136)])
 @pytest.mark.parametrize("M", [1, 3, 16])
 def test_int8_gemv_triton_matches_ref(N, K, M, nan_empty):
