@@ -349,3 +349,15 @@ def test_gptq_of_layers_sharing_an_input_is_per_layer_gptq():
     for name in (f"{attn}.k_proj.weight", "model.layers.1.mlp.up_proj.weight"):
         alone = Q.quantize_int4_gptq(layers[name].weight, hessians[name], 16)
         assert rel(mapping[name].dequantize(), alone.dequantize()) < 1e-6
+
+
+def test_tied_head_round_trip(tmp_path):
+    model = model_of("llama-tiny")
+    mapping = Q.quantize_model(model, "int8", head=True)
+    Q.save(tmp_path, model, mapping, Q.parse_quant("int8"), llama.save)
+    assert json.loads((tmp_path / "config.json").read_text())["quantization"]["head"] is True
+    _, read, tensors = Q.read_checkpoint(tmp_path)
+    assert torch.equal(read["lm_head.weight"].qweight, mapping["lm_head.weight"].qweight)
+    # The tied head is the embedding table, which stays dense and is the only copy.
+    assert "lm_head.weight" not in tensors and "model.embed_tokens.weight" in tensors
+    llama.build(llama.read_config(tmp_path), tensors, str(tmp_path))
