@@ -33,7 +33,8 @@ weight names to weight objects: every `nn.Linear`'s "<module>.weight" (not embed
 convolutions or the Mask-Predict length head; the LM head under "lm_head.weight" only with
 `head=True`, tied or not), and each fused projection of a `FusedLinears` module ("<module>.qkv_weight",
 "<module>.gate_up_weight") as the concatenation of its parts. The model is not modified; `routed`
-runs a model's module-called linears through the weight objects, `dequantized` gives dense weights.
+runs a model's module-called linears through the weight objects, `dequantized` gives dense weights,
+`weight_bytes` the model's parameter bytes with the quantised layers packed.
 
 Checkpoints: `save` writes a family's folder with the quantised layers as "<module>.qweight",
 ".scales", ".zeros" (int4) or ".qweight", ".scale" (int8) and a `quantization` entry in config.json;
@@ -402,6 +403,18 @@ def add_fused(model, mapping: dict) -> dict:
                 if all(n in mapping for n in names):
                     out[f"{prefix}.{fused}_weight"] = type(mapping[names[0]]).cat([mapping[n] for n in names])
     return out
+
+
+def weight_bytes(model, mapping: dict) -> int:
+    """Bytes of the model's parameters with each quantised layer at its packed size (weights, scales,
+    zeros); a quantised tied head adds its packed copy to the embedding table it leaves dense."""
+    total = 0
+    for name, p in model.named_parameters():
+        total += mapping[name].nbytes if name in mapping else p.numel() * p.element_size()
+    head = mapping.get(LM_HEAD + ".weight")
+    if head is not None and LM_HEAD + ".weight" not in dict(model.named_parameters()):
+        total += head.nbytes
+    return total
 
 
 def dequantized(mapping: dict) -> dict[str, torch.Tensor]:

@@ -361,3 +361,17 @@ def test_tied_head_round_trip(tmp_path):
     # The tied head is the embedding table, which stays dense and is the only copy.
     assert "lm_head.weight" not in tensors and "model.embed_tokens.weight" in tensors
     llama.build(llama.read_config(tmp_path), tensors, str(tmp_path))
+
+
+def test_weight_bytes():
+    model = model_of("llama-tiny")
+    dense = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert Q.weight_bytes(model, {}) == dense
+    mapping = Q.quantize_model(model, "int8")
+    layers = Q.linear_layers(model)
+    linear_bytes = sum(m.weight.numel() * 4 for m in layers.values())
+    packed = sum(m.weight.numel() + m.weight.shape[0] * 4 for m in layers.values())
+    assert Q.weight_bytes(model, mapping) == dense - linear_bytes + packed
+    with_head = Q.quantize_model(model, "int8", head=True)
+    V, d = model.model.embed_tokens.weight.shape
+    assert Q.weight_bytes(model, with_head) == dense - linear_bytes + packed + V * d + V * 4
