@@ -12,6 +12,10 @@ per shape), and the dequantisation is folded into each sub-block's sums: sum_k (
 z sum_k x_k), one scale and zero point a row and sub-block. Other group sizes gather the scale and
 zero of every element. On CUDA the tile sizes are autotuned per (N, K, rows, group); under the
 interpreter one configuration runs.
+
+PDL (constexpr, `declab_kernels.pdl`, launched with launch_pdl): every program calls
+gdc_launch_dependents() first, loads its first weight tile (int4: words, scales and zeros; int8: the
+row scales and the first tile), then gdc_wait() before it reads x or stores anything.
 """
 
 import os
@@ -20,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from declab_kernels import pdl
 from declab_kernels.quant_gemv import MAX_ROWS
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -29,109 +34,151 @@ INTERPRET_CONFIG = dict(BLOCK_N=INTERPRET_BLOCK_N, BLOCK_K=256, X_TILE=True)
 
 
 @triton.jit
-def _int4_gemv_kernel(
-    x_ptr, q_ptr, s_ptr, z_ptr, out_ptr,
-    M, N, K, n_groups, stride_xm, stride_om,
-    GROUP: tl.constexpr, POW2_GROUP: tl.constexpr, M_POW2: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, X_TILE: tl.constexpr = True,
-):
-    pid = tl.program_id(0)
-    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
-    n_mask = rn < N
-    rn64 = rn.to(tl.int64)
-    rows = tl.arange(0, M_POW2)
+def _int4_load(q_ptr, s_ptr, z_ptr, rn64, n_mask, k0, K, n_groups,
+               GROUP: tl.constexpr, POW2_GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The weight tile at inputs k0 .. k0 + BLOCK_K of the program's rows: (words, scales, zeros)."""
     KW = K // 8
-    acc = tl.zeros([M_POW2, BLOCK_N], dtype=tl.float32)
     if POW2_GROUP:
-        # The tile is NSUB sub-blocks of SUB inputs, each inside one group: words [BN, NSUB, SUBW]
-        # (contiguous along the last two dimensions: a row's words are one wide load). X_TILE: codes
-        # [BN, NSUB, SUBW, 8] in input order against a contiguous x tile of that shape; else each
-        # nibble against a stride-8 slice of x (autotuning measures both).
+        # NSUB sub-blocks of SUB inputs, each inside one group: words [BN, NSUB, SUBW], contiguous
+        # along the last two dimensions (a row's words are one wide load); scales, zeros [BN, NSUB].
         SUB: tl.constexpr = GROUP if GROUP < BLOCK_K else BLOCK_K
         NSUB: tl.constexpr = BLOCK_K // SUB
         SUBW: tl.constexpr = SUB // 8
         rs = tl.arange(0, NSUB)
-        rw = tl.arange(0, SUBW)
-        rj = tl.arange(0, 8)
-        for k0 in range(0, K, BLOCK_K):
-            w_idx = k0 // 8 + rs[:, None] * SUBW + rw[None, :]  # [NSUB, SUBW]
-            w_mask = w_idx < KW
-            words = tl.load(q_ptr + rn64[:, None, None] * KW + w_idx[None, :, :], mask=n_mask[:, None, None] & w_mask[None, :, :], other=0)
-            if X_TILE:
-                codes = ((words[:, :, :, None] >> (rj * 4)[None, None, None, :]) & 0xF).to(tl.float32)  # [BN, NSUB, SUBW, 8]
-                kk = w_idx[:, :, None] * 8 + rj[None, None, :]  # [NSUB, SUBW, 8] input of each code
-                k_mask = kk < K
-            sub0 = k0 + rs * SUB  # [NSUB] first input of each sub-block
-            g_off = rn64[:, None] * n_groups + (sub0 // GROUP)[None, :]  # [BN, NSUB]
-            g_mask = n_mask[:, None] & (sub0 < K)[None, :]
-            s = tl.load(s_ptr + g_off, mask=g_mask, other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + g_off, mask=g_mask, other=0).to(tl.float32)
-            for m in tl.static_range(M_POW2):
-                x_row = x_ptr + tl.minimum(m, M - 1) * stride_xm
-                if X_TILE:
-                    xm = tl.load(x_row + kk, mask=k_mask, other=0.0).to(tl.float32)
-                    qx = tl.sum(tl.sum(codes * xm[None, :, :, :], axis=3), axis=2)  # [BN, NSUB]
-                    xs = tl.sum(tl.sum(xm, axis=2), axis=1)  # [NSUB]
-                else:
-                    # Nibble j of every word against the stride-8 slice of x it multiplies.
-                    q3 = tl.zeros([BLOCK_N, NSUB, SUBW], dtype=tl.float32)
-                    x3 = tl.zeros([NSUB, SUBW], dtype=tl.float32)
-                    for j in tl.static_range(8):
-                        xj = tl.load(x_row + w_idx * 8 + j, mask=w_mask, other=0.0).to(tl.float32)  # [NSUB, SUBW]
-                        q3 += ((words >> (4 * j)) & 0xF).to(tl.float32) * xj[None, :, :]
-                        x3 += xj
-                    qx = tl.sum(q3, axis=2)
-                    xs = tl.sum(x3, axis=1)
-                # sum_k (q_k - z) s x_k = s (sum_k q_k x_k - z sum_k x_k) within each sub-block.
-                part = tl.sum(s * (qx - z * xs[None, :]), axis=1)  # [BN]
-                acc = tl.where(rows[:, None] == m, acc + part[None, :], acc)
+        w_idx = k0 // 8 + rs[:, None] * SUBW + tl.arange(0, SUBW)[None, :]  # [NSUB, SUBW]
+        words = tl.load(q_ptr + rn64[:, None, None] * KW + w_idx[None, :, :], mask=n_mask[:, None, None] & (w_idx < KW)[None, :, :], other=0)
+        sub0 = k0 + rs * SUB  # [NSUB] first input of each sub-block
+        g_off = rn64[:, None] * n_groups + (sub0 // GROUP)[None, :]
+        g_mask = n_mask[:, None] & (sub0 < K)[None, :]
     else:
-        BLOCK_W: tl.constexpr = BLOCK_K // 8
-        rw = tl.arange(0, BLOCK_W)  # [BW] word in the tile
-        rj = tl.arange(0, 8)  # [8] nibble in the word
-        for k0 in range(0, K, BLOCK_K):
-            w_idx = k0 // 8 + rw
-            w_mask = w_idx < KW
-            words = tl.load(q_ptr + rn64[:, None] * KW + w_idx[None, :], mask=n_mask[:, None] & w_mask[None, :], other=0)
-            codes = ((words[:, :, None] >> (rj * 4)[None, None, :]) & 0xF).to(tl.float32)  # [BN, BW, 8]
-            kk = k0 + rw[:, None] * 8 + rj[None, :]  # [BW, 8] input index of each code
+        # words [BN, BW]; scales, zeros gathered per element [BN, BW, 8].
+        w_idx = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        words = tl.load(q_ptr + rn64[:, None] * KW + w_idx[None, :], mask=n_mask[:, None] & (w_idx < KW)[None, :], other=0)
+        kk = w_idx[:, None] * 8 + tl.arange(0, 8)[None, :]  # [BW, 8]
+        g_off = rn64[:, None, None] * n_groups + (kk // GROUP)[None, :, :]
+        g_mask = n_mask[:, None, None] & (kk < K)[None, :, :]
+    s = tl.load(s_ptr + g_off, mask=g_mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + g_off, mask=g_mask, other=0).to(tl.float32)
+    return words, s, z
+
+
+@triton.jit
+def _int4_accumulate(acc, words, s, z, x_ptr, stride_xm, M, k0, K, rows,
+                     GROUP: tl.constexpr, POW2_GROUP: tl.constexpr, X_TILE: tl.constexpr, M_POW2: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc `[M_POW2, BN]` plus every x row's products with one weight tile of `_int4_load`."""
+    KW = K // 8
+    rj = tl.arange(0, 8)
+    if POW2_GROUP:
+        SUB: tl.constexpr = GROUP if GROUP < BLOCK_K else BLOCK_K
+        NSUB: tl.constexpr = BLOCK_K // SUB
+        SUBW: tl.constexpr = SUB // 8
+        w_idx = k0 // 8 + tl.arange(0, NSUB)[:, None] * SUBW + tl.arange(0, SUBW)[None, :]  # [NSUB, SUBW]
+        w_mask = w_idx < KW
+        if X_TILE:
+            # Codes [BN, NSUB, SUBW, 8] in input order against a contiguous x tile of that shape.
+            codes = ((words[:, :, :, None] >> (rj * 4)[None, None, None, :]) & 0xF).to(tl.float32)
+            kk = w_idx[:, :, None] * 8 + rj[None, None, :]  # [NSUB, SUBW, 8] input of each code
             k_mask = kk < K
-            g_off = rn64[:, None, None] * n_groups + (kk // GROUP)[None, :, :]  # [BN, BW, 8]
-            e_mask = n_mask[:, None, None] & k_mask[None, :, :]
-            s = tl.load(s_ptr + g_off, mask=e_mask, other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + g_off, mask=e_mask, other=0).to(tl.float32)
-            w = (codes - z) * s
-            for m in tl.static_range(M_POW2):
-                xm = tl.load(x_ptr + tl.minimum(m, M - 1) * stride_xm + kk, mask=k_mask, other=0.0).to(tl.float32)
-                part = tl.sum(tl.sum(w * xm[None, :, :], axis=2), axis=1)
-                acc = tl.where(rows[:, None] == m, acc + part[None, :], acc)
+        for m in tl.static_range(M_POW2):
+            x_row = x_ptr + tl.minimum(m, M - 1) * stride_xm
+            if X_TILE:
+                xm = tl.load(x_row + kk, mask=k_mask, other=0.0).to(tl.float32)
+                qx = tl.sum(tl.sum(codes * xm[None, :, :, :], axis=3), axis=2)  # [BN, NSUB]
+                xs = tl.sum(tl.sum(xm, axis=2), axis=1)  # [NSUB]
+            else:
+                # Nibble j of every word against the stride-8 slice of x it multiplies.
+                q3 = tl.zeros([BLOCK_N, NSUB, SUBW], dtype=tl.float32)
+                x3 = tl.zeros([NSUB, SUBW], dtype=tl.float32)
+                for j in tl.static_range(8):
+                    xj = tl.load(x_row + w_idx * 8 + j, mask=w_mask, other=0.0).to(tl.float32)  # [NSUB, SUBW]
+                    q3 += ((words >> (4 * j)) & 0xF).to(tl.float32) * xj[None, :, :]
+                    x3 += xj
+                qx = tl.sum(q3, axis=2)
+                xs = tl.sum(x3, axis=1)
+            # sum_k (q_k - z) s x_k = s (sum_k q_k x_k - z sum_k x_k) within each sub-block.
+            part = tl.sum(s * (qx - z * xs[None, :]), axis=1)  # [BN]
+            acc = tl.where(rows[:, None] == m, acc + part[None, :], acc)
+    else:
+        kk = k0 + tl.arange(0, BLOCK_K // 8)[:, None] * 8 + rj[None, :]  # [BW, 8]
+        k_mask = kk < K
+        w = (((words[:, :, None] >> (rj * 4)[None, None, :]) & 0xF).to(tl.float32) - z) * s  # [BN, BW, 8]
+        for m in tl.static_range(M_POW2):
+            xm = tl.load(x_ptr + tl.minimum(m, M - 1) * stride_xm + kk, mask=k_mask, other=0.0).to(tl.float32)
+            part = tl.sum(tl.sum(w * xm[None, :, :], axis=2), axis=1)
+            acc = tl.where(rows[:, None] == m, acc + part[None, :], acc)
+    return acc
+
+
+@triton.jit
+def _int4_gemv_kernel(
+    x_ptr, q_ptr, s_ptr, z_ptr, out_ptr,
+    M, N, K, n_groups, stride_xm, stride_om,
+    GROUP: tl.constexpr, POW2_GROUP: tl.constexpr, M_POW2: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, X_TILE: tl.constexpr = True, PDL: tl.constexpr = False,
+):
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    n_mask = rn < N
+    rn64 = rn.to(tl.int64)
+    rows = tl.arange(0, M_POW2)
+    acc = tl.zeros([M_POW2, BLOCK_N], dtype=tl.float32)
+    k_start = 0
+    if PDL:
+        # Let the next kernel launch now, fetch the first weight tile (no kernel of a decode step
+        # writes a weight) while the previous kernel finishes, and wait for it before reading x.
+        tl.extra.cuda.gdc_launch_dependents()
+        words, s, z = _int4_load(q_ptr, s_ptr, z_ptr, rn64, n_mask, 0, K, n_groups, GROUP, POW2_GROUP, BLOCK_K)
+        tl.extra.cuda.gdc_wait()
+        acc = _int4_accumulate(acc, words, s, z, x_ptr, stride_xm, M, 0, K, rows, GROUP, POW2_GROUP, X_TILE, M_POW2, BLOCK_N, BLOCK_K)
+        k_start = BLOCK_K
+    for k0 in range(k_start, K, BLOCK_K):
+        words, s, z = _int4_load(q_ptr, s_ptr, z_ptr, rn64, n_mask, k0, K, n_groups, GROUP, POW2_GROUP, BLOCK_K)
+        acc = _int4_accumulate(acc, words, s, z, x_ptr, stride_xm, M, k0, K, rows, GROUP, POW2_GROUP, X_TILE, M_POW2, BLOCK_N, BLOCK_K)
     out_mask = (rows[:, None] < M) & n_mask[None, :]
     tl.store(out_ptr + rows[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _int8_load(q_ptr, rn64, n_mask, k0, K, BLOCK_K: tl.constexpr):
+    """The int8 weight tile `[BN, BLOCK_K]` at inputs k0 .. k0 + BLOCK_K, as float32."""
+    kk = k0 + tl.arange(0, BLOCK_K)
+    return tl.load(q_ptr + rn64[:, None] * K + kk[None, :], mask=n_mask[:, None] & (kk < K)[None, :], other=0).to(tl.float32)
+
+
+@triton.jit
+def _int8_accumulate(acc, q, x_ptr, k0, K, M, stride_xm, rows, M_POW2: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc `[M_POW2, BN]` plus every x row's products with the tile q of `_int8_load`."""
+    kk = k0 + tl.arange(0, BLOCK_K)
+    for m in tl.static_range(M_POW2):
+        xm = tl.load(x_ptr + tl.minimum(m, M - 1) * stride_xm + kk, mask=kk < K, other=0.0).to(tl.float32)  # [BK]
+        part = tl.sum(q * xm[None, :], axis=1)
+        acc = tl.where(rows[:, None] == m, acc + part[None, :], acc)
+    return acc
 
 
 @triton.jit
 def _int8_gemv_kernel(
     x_ptr, q_ptr, s_ptr, out_ptr,
     M, N, K, stride_xm, stride_om,
-    M_POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    M_POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    pid = tl.program_id(0)
-    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     n_mask = rn < N
     rn64 = rn.to(tl.int64)
-    rk = tl.arange(0, BLOCK_K)
     rows = tl.arange(0, M_POW2)
     acc = tl.zeros([M_POW2, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + rk
-        k_mask = kk < K
-        q = tl.load(q_ptr + rn64[:, None] * K + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0).to(tl.float32)
-        for m in tl.static_range(M_POW2):
-            xm = tl.load(x_ptr + tl.minimum(m, M - 1) * stride_xm + kk, mask=k_mask, other=0.0).to(tl.float32)  # [BK]
-            part = tl.sum(q * xm[None, :], axis=1)
-            acc = tl.where(rows[:, None] == m, acc + part[None, :], acc)
+    s = tl.load(s_ptr + rn64, mask=n_mask, other=0.0).to(tl.float32)
+    k_start = 0
+    if PDL:
+        # As the int4 kernel: the first weight tile (and the scales above) before the wait, x after.
+        tl.extra.cuda.gdc_launch_dependents()
+        q = _int8_load(q_ptr, rn64, n_mask, 0, K, BLOCK_K)
+        tl.extra.cuda.gdc_wait()
+        acc = _int8_accumulate(acc, q, x_ptr, 0, K, M, stride_xm, rows, M_POW2, BLOCK_K)
+        k_start = BLOCK_K
+    for k0 in range(k_start, K, BLOCK_K):
+        acc = _int8_accumulate(acc, _int8_load(q_ptr, rn64, n_mask, k0, K, BLOCK_K), x_ptr, k0, K, M, stride_xm, rows, M_POW2, BLOCK_K)
     # The per-row scale is applied once, after the sum over K.
-    s = tl.load(s_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
     out_mask = (rows[:, None] < M) & n_mask[None, :]
     tl.store(out_ptr + rows[:, None] * stride_om + rn[None, :], (acc * s[None, :]).to(out_ptr.dtype.element_ty), mask=out_mask)
 
@@ -208,11 +255,14 @@ def int4_gemv_triton(x, qweight, scales, zeros, group_size, *, out=None, config=
         out = torch.empty(M, N, device=x.device, dtype=x.dtype)
     args = (x, qweight, scales, zeros, out, M, N, K, K // group_size, x.stride(0), out.stride(0))
     consts = dict(GROUP=group_size, POW2_GROUP=pow2_group(group_size), M_POW2=triton.next_power_of_2(M))
+    use_pdl = pdl(x.device, __name__)
+    consts.update(PDL=use_pdl, launch_pdl=use_pdl)
     if config is None and INTERPRET:
         config = INTERPRET_CONFIG
     if config is not None:
         _int4_gemv_kernel[(triton.cdiv(N, config["BLOCK_N"]),)](*args, **consts, **config)
     else:
+        # The autotuner passes the keywords that are no configuration's (launch_pdl too) to every launch.
         _int4_tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](*args, **consts)
     return out
 
@@ -225,10 +275,12 @@ def int8_gemv_triton(x, qweight, scale, *, out=None):
     if out is None:
         out = torch.empty(M, N, device=x.device, dtype=x.dtype)
     args = (x, qweight, scale, out, M, N, K, x.stride(0), out.stride(0))
+    use_pdl = pdl(x.device, __name__)
+    consts = dict(M_POW2=triton.next_power_of_2(M), PDL=use_pdl, launch_pdl=use_pdl)
     if INTERPRET:
-        _int8_gemv_kernel[(triton.cdiv(N, INTERPRET_BLOCK_N),)](*args, M_POW2=triton.next_power_of_2(M), BLOCK_N=INTERPRET_BLOCK_N, BLOCK_K=128)
+        _int8_gemv_kernel[(triton.cdiv(N, INTERPRET_BLOCK_N),)](*args, BLOCK_N=INTERPRET_BLOCK_N, BLOCK_K=128, **consts)
     else:
-        _int8_tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](*args, M_POW2=triton.next_power_of_2(M))
+        _int8_tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](*args, **consts)
     return out
 
 

@@ -149,3 +149,36 @@ def test_bench_needs_a_gpu(capsys):
     with pytest.raises(SystemExit) as exit_info:
         bench.main(["--out", "unused.jsonl"])
     assert exit_info.value.code == 2 and capsys.readouterr().err.count("\n") == 1
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("x_tile", [True, False])
+@pytest.mark.parametrize("M, N, K, group", [(1, 9, 64, 32), (3, 17, 200, 40), (2, 5, 1024, 128), (1, 6, 24, 8)])
+def test_int4_pdl_path(monkeypatch, M, N, K, group, x_tile):
+    """Weights before the wait, x and the output after it (test_pdl's guard), results bit for bit."""
+    from test_pdl import run_pdl
+
+    from declab_kernels.quant_gemv import triton as T
+
+    def make():
+        qweight, scales, zeros = int4_case(N, K, group)
+        x = torch.randn(M, K, generator=torch.Generator().manual_seed(1))
+        config = dict(BLOCK_N=8, BLOCK_K=128, X_TILE=x_tile)
+        return (lambda: [T.int4_gemv_triton(x, qweight, scales, zeros, group, config=config)]), (x,)
+
+    run_pdl(monkeypatch, "quant_gemv", make)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("M, N, K", [(1, 9, 100), (4, 33, 300)])
+def test_int8_pdl_path(monkeypatch, M, N, K):
+    from test_pdl import run_pdl
+
+    from declab_kernels.quant_gemv import triton as T
+
+    def make():
+        qweight, scale = int8_case(N, K)
+        x = torch.randn(M, K, generator=torch.Generator().manual_seed(1))
+        return (lambda: [T.int8_gemv_triton(x, qweight, scale)]), (x,)
+
+    run_pdl(monkeypatch, "quant_gemv", make)
