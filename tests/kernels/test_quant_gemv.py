@@ -182,3 +182,19 @@ def test_int8_pdl_path(monkeypatch, M, N, K):
         return (lambda: [T.int8_gemv_triton(x, qweight, scale)]), (x,)
 
     run_pdl(monkeypatch, "quant_gemv", make)
+
+
+@gpu_only
+def test_gpu_pdl_equals_no_pdl(monkeypatch):
+    qweight, scales, zeros = int4_case(4096, 4096, 128)
+    q8, s8 = int8_case(4096, 4096)
+    x = torch.randn(4, 4096, device="cuda", dtype=torch.bfloat16)
+
+    def chain():
+        # Each product feeds the next: a PDL kernel reads what the one before it wrote.
+        y = Q.int4_linear(x, qweight, scales, zeros, 128, impl="triton")
+        return Q.int8_linear(y, q8, s8, impl="triton")
+
+    with_pdl = chain()
+    monkeypatch.setenv("DECLAB_PDL", "0")
+    assert torch.equal(chain(), with_pdl)
