@@ -67,14 +67,13 @@ def _int4_accumulate(acc, words, s, z, x_ptr, stride_xm, M, k0, K, rows,
                      GROUP: tl.constexpr, POW2_GROUP: tl.constexpr, X_TILE: tl.constexpr, M_POW2: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """acc `[M_POW2, BN]` plus every x row's products with one weight tile of `_int4_load`."""
-    KW = K // 8
     rj = tl.arange(0, 8)
     if POW2_GROUP:
         SUB: tl.constexpr = GROUP if GROUP < BLOCK_K else BLOCK_K
         NSUB: tl.constexpr = BLOCK_K // SUB
         SUBW: tl.constexpr = SUB // 8
         w_idx = k0 // 8 + tl.arange(0, NSUB)[:, None] * SUBW + tl.arange(0, SUBW)[None, :]  # [NSUB, SUBW]
-        w_mask = w_idx < KW
+        w_mask = w_idx < K // 8
         if X_TILE:
             # Codes [BN, NSUB, SUBW, 8] in input order against a contiguous x tile of that shape.
             codes = ((words[:, :, :, None] >> (rj * 4)[None, None, None, :]) & 0xF).to(tl.float32)
