@@ -245,10 +245,11 @@ class TimeMix(nn.Module):
         c = pack.down_splits[1]
         nb = len(pack.ranks)
         offs = list(itertools.accumulate(pack.ranks, initial=0))
-        # [B, 3c + R]: each row block of the packed weight times its own mixed input, the weights read once
+        # [B, 3c + R] as column pieces: each row block of the packed weight times its own mixed input, the
+        # weights read once
         y = gemv.linear(xs, pack.down, pre=fusions.Select(pack.down_splits, pack.panels), impl=impl)
-        r, k, v = (y[:, j * c : (j + 1) * c] for j in range(3))
-        lo = [y[:, 3 * c + offs[j] : 3 * c + offs[j + 1]] for j in range(nb)]
+        r, k, v = (y.cols(j * c, (j + 1) * c) for j in range(3))
+        lo = [y.cols(3 * c + offs[j], 3 * c + offs[j + 1]) for j in range(nb)]
         # [nb * B, R] block-diagonal activations, then [nb * B, C]: row block j is LoRA j's output
         u = gemv.linear(lora_hidden(lo, [act for _, act in self.loras()], impl=impl), pack.up, impl=impl)
         bias_v = self.v_lora.lora[2].bias if self.layer else None

@@ -5,7 +5,8 @@ with the work around a projection fused into it as data.
   decode step. x `[..., K]` (with `pre` or `post`: `[M, K]`; with `fusions.Select`: `[S, M, K]`), weight
   `[N, K]` as nn.Linear stores it (or a weight object, below), bias `[N]`. `pre` / `post` are records of
   `declab_kernels.gemv.fusions` (RMSNorm, GatedRMSNorm, RMSScale, SqReLU, Select / SwiGLU, Residual,
-  ResidualNorm, AddRMSNorm); each says what it computes and returns. Without them the result is
+  ResidualNorm, AddRMSNorm); each says what it computes and returns (a `Select` projection: a
+  `fusions.Columns`, the result as column pieces). Without them the result is
   `F.linear(x, weight, bias)`. On a CUDA device with impl="triton", a dense weight and 1..`tuning.MAX_ROWS`
   rows, it runs, per choice-table key, the fastest of the unfused form and every Triton GEMV
   configuration that fits with the fusion in its prologue / epilogue, measured once when the key is
@@ -187,4 +188,5 @@ def _measured(x, weight, bias, pre, post, impl, early_tiles):
         return pair(x, weight)
     from declab_kernels.gemv.triton import gemv_triton
 
-    return gemv_triton(x, weight, bias, config=rec["config"], early_tiles=early_tiles, **fused)
+    out = gemv_triton(x, weight, bias, config=rec["config"], early_tiles=early_tiles, **fused)
+    return fusions.Columns([(0, out)]) if isinstance(pre, fusions.Select) else out

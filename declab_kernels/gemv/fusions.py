@@ -25,8 +25,8 @@ import torch.nn.functional as F
 
 from declab_kernels import tuning
 
-__all__ = ["Pre", "Post", "RMSNorm", "GatedRMSNorm", "RMSScale", "SqReLU", "Select", "SwiGLU", "Residual", "ResidualNorm",
-           "AddRMSNorm"]
+__all__ = ["Pre", "Post", "RMSNorm", "GatedRMSNorm", "RMSScale", "SqReLU", "Select", "Columns", "SwiGLU", "Residual",
+           "ResidualNorm", "AddRMSNorm"]
 
 
 def no_grad(*tensors) -> bool:
@@ -183,8 +183,8 @@ def check_row_splits(x, n, row_splits, caller="select") -> tuple:
 
 
 class Select(Pre):
-    """S inputs x `[S, M, K]`, one packed weight: output columns row_splits[i]:row_splits[i + 1] are input
-    i times those weight rows (RWKV-7's r/k/v and LoRA down-projections, each of its own token-shift
+    """S inputs x `[S, M, K]`, one packed weight: a `Columns` `[M, N]` whose columns
+    row_splits[i]:row_splits[i + 1] are input i times those weight rows (RWKV-7's r/k/v and LoRA down-projections, each of its own token-shift
     mix). Fused: each program multiplies its rows by the one input they take. Unfused, up to
     `tuning.CROSS_ROWS` rows: one GEMM of all S * M rows by the whole weight, the column blocks
     gathered (S times the products for the same weight bytes); more rows: by `panels`, else block by
@@ -219,10 +219,10 @@ class Select(Pre):
         if not dense or S * M <= tuning.CROSS_ROWS:
             flat = x.reshape(S * M, K)
             y = F.linear(flat, weight, bias) if dense else product(flat, bias)
-            return torch.cat([y[i * M : (i + 1) * M, a:b] for i, (a, b) in enumerate(self._blocks())], -1)
+            return Columns([(a, y[i * M : (i + 1) * M, a:b]) for i, (a, b) in enumerate(self._blocks())])
         if self.panels is None:
-            return torch.cat([F.linear(x[i], weight[a:b], None if bias is None else bias[a:b])
-                              for i, (a, b) in enumerate(self._blocks())], -1)
+            return Columns([(a, F.linear(x[i], weight[a:b], None if bias is None else bias[a:b]))
+                            for i, (a, b) in enumerate(self._blocks())])
         pieces = []
         for i0, i1, lo, hi, mode in self.panels:
             n = i1 - i0
@@ -238,8 +238,32 @@ class Select(Pre):
                     a, b = max(self.row_splits[i0 + j], lo), min(self.row_splits[i0 + j + 1], hi)
                     if b > a:
                         pieces.append((a, y[j * M : (j + 1) * M, a - lo : b - lo]))
-        out = torch.cat([t for _, t in sorted(pieces, key=lambda p: p[0])], -1)
-        return out if bias is None else out + bias
+        if bias is not None:
+            pieces = [(a, t + bias[a : a + t.shape[1]]) for a, t in pieces]
+        return Columns(sorted(pieces, key=lambda p: p[0]))
+
+
+class Columns:
+    """What a `Select` projection returns: the `[M, N]` result as column pieces, each a view of the
+    product that computed it (the unfused forms keep them apart: gathering them into one tensor would
+    cost a copy every step). `cols(a, b)` is the `[M, b - a]` block, a view when one piece holds it;
+    `cat()` the whole `[M, N]`."""
+
+    def __init__(self, pieces):
+        # [(first column, [M, width])] in column order, covering 0..N
+        self.pieces = list(pieces)
+        last_start, last = self.pieces[-1]
+        self.shape = (last.shape[0], last_start + last.shape[1])
+
+    def cols(self, a, b):
+        for start, t in self.pieces:
+            if start <= a and b <= start + t.shape[1]:
+                return t[:, a - start : b - start]
+        return torch.cat([t[:, max(a, s) - s : min(b, s + t.shape[1]) - s] for s, t in self.pieces
+                          if s < b and s + t.shape[1] > a], -1)
+
+    def cat(self):
+        return self.pieces[0][1] if len(self.pieces) == 1 else torch.cat([t for _, t in self.pieces], -1)
 
 
 class SwiGLU(Post):

@@ -885,7 +885,7 @@ def test_select_pre_is_blockwise_f_linear(impl, monkeypatch):
 
     x, w, b = select_inputs(5, 2, 96, SPLITS)
     want = select_ref(x, w, b, SPLITS)
-    assert rel(linear(x, w, b, pre=fu.Select(SPLITS), impl=impl), want) < 1e-5
+    assert rel(linear(x, w, b, pre=fu.Select(SPLITS), impl=impl).cat(), want) < 1e-5
     if impl == "ref":
         return
     monkeypatch.setattr(G_, "_dense_fusable", lambda *a, **k: True)
@@ -901,7 +901,7 @@ def test_select_pre_is_blockwise_f_linear(impl, monkeypatch):
 
     monkeypatch.setattr(G_, "_choose", choose)
     for _ in range(2):
-        assert rel(linear(x, w, b, pre=fu.Select(SPLITS), impl="triton"), want) < 1e-5
+        assert rel(linear(x, w, b, pre=fu.Select(SPLITS), impl="triton").cat(), want) < 1e-5
         G_._TABLE.clear()
 
 
@@ -919,6 +919,6 @@ def test_gpu_select_pre_bf16(M):
     assert fits
     for cfg in fits:
         assert rel(gemv_triton(x, w, config=cfg, select=splits), want) < 1e-2
-    assert rel(linear(x, w, pre=fu.Select(splits), impl="triton"), want) < 1e-2
+    assert rel(linear(x, w, pre=fu.Select(splits), impl="triton").cat(), want) < 1e-2
     rec = choice(M, splits[-1], C, pre="select:" + str(splits))
     assert rec["impl"] in ("triton", "torch") and rec["triton_us"] > 0 and rec["torch_us"] > 0

@@ -80,6 +80,9 @@ FUSED = ["rms_norm", "gated_rms_norm", "rms_scale", "sqrelu", "select", "swiglu"
 
 
 def outputs(result):
+    """A projection's result as a tuple of tensors (a Select's column pieces gathered)."""
+    if isinstance(result, fu.Columns):
+        return (result.cat(),)
     return result if isinstance(result, tuple) else (result,)
 
 
@@ -190,7 +193,16 @@ def test_select_unfused_layouts(monkeypatch, cross_rows, panels):
     monkeypatch.setattr(tuning, "CROSS_ROWS", cross_rows)
     x, w, b, _, _ = case("select")
     got = linear(x, w, b, pre=fu.Select(SPLITS, panels), impl="ref")
-    assert got.shape == (M, SPLITS[-1]) and rel(got, by_hand("select", x, w, b, None, None)[0]) < 1e-6
+    want = by_hand("select", x, w, b, None, None)[0]
+    assert got.shape == (M, SPLITS[-1]) and rel(got.cat(), want) < 1e-6
+    # the blocks the RWKV-7 step reads (r, k, v, v's LoRA, then w, a, g's) are views of the products, no copy
+    stored = {t.untyped_storage().data_ptr() for _, t in got.pieces}
+    for a, c in [(0, C), (C, 2 * C), (2 * C, 3 * C), *zip(SPLITS[3:], SPLITS[4:]), (3 * C, SPLITS[3])]:
+        block = got.cols(a, c)
+        assert block.shape == (M, c - a) and rel(block, want[:, a:c]) < 1e-6
+        assert block.untyped_storage().data_ptr() in stored
+    # columns across two pieces are gathered
+    assert rel(got.cols(C - 2, C + 2), want[:, C - 2 : C + 2]) < 1e-6
 
 
 def test_specs_refuse_bad_input():
