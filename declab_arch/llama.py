@@ -85,6 +85,13 @@ class PagedBatch:
     max_seqlen_q: int = 1
     impl: str = "ref"
     workspace: dict | None = field(default=None, repr=False)
+    # [L, num_blocks, block_size, Hkv] int8 row exponents of fp8 caches (declab_kernels.paged_attention)
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+    def scales(self, layer: int):
+        """The `scales=` argument of the paged attention calls for `layer` (None unless the cache is fp8)."""
+        return None if self.k_scale is None else (self.k_scale[layer], self.v_scale[layer])
 
 
 def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -234,13 +241,13 @@ class Attention(FusedLinears):
             return gemv.linear(out, self.o_proj.weight, impl="triton", early_tiles=early_tiles)
         return gemv.linear_residual(out, self.o_proj.weight, residual, impl="triton", early_tiles=early_tiles)
 
-    def qkv_fused_write_kv(self, x, positions, rope: Rotary, k_cache, v_cache, slot_mapping, norm=None):
+    def qkv_fused_write_kv(self, x, positions, rope: Rotary, k_cache, v_cache, slot_mapping, norm=None, scales=None):
         """Triton path of `qkv` + the cache write for packed x [N, d]: `qkv_projection` (with `norm`),
         then one kernel that rotates q and k in place and writes the rotated k and v into the pages at
-        `slot_mapping`."""
+        `slot_mapping` (`scales`: an fp8 cache's row exponents)."""
         q, k, v = self.qkv_projection(x, norm=norm)
         cos, sin = rope.tables()
-        rotary.apply_rotary_write_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping, impl="triton")
+        rotary.apply_rotary_write_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping, impl="triton", scales=scales)
         return q, k, v
 
     def forward(self, x, positions, rotary, causal: bool):
@@ -258,6 +265,7 @@ class Attention(FusedLinears):
         `residual` the result is residual + the attention output, added inside the o-projection GEMV."""
         fused = batch.impl == "triton"
         k_cache, v_cache = batch.k_cache[layer], batch.v_cache[layer]
+        scales = batch.scales(layer)
         if fused and batch.decode:
             # The decode kernel rotates q and k and writes the K/V row itself. The projections on
             # either side of it load two weight tiles before their PDL wait (measured faster at
@@ -265,22 +273,23 @@ class Attention(FusedLinears):
             q, k, v = self.qkv_projection(x, early_tiles=2, norm=norm)
             out = paged_attention.paged_decode_attention(
                 q, k_cache, v_cache, batch.block_tables, batch.seq_lens, self.scale, impl="triton", workspace=batch.workspace,
-                rope=(k, v, *rotary.tables()),
+                rope=(k, v, *rotary.tables()), scales=scales,
             )
             return self.out_projection(out, early_tiles=2, residual=residual)
         if fused:
-            q, _, _ = self.qkv_fused_write_kv(x, positions, rotary, k_cache, v_cache, batch.slot_mapping, norm=norm)
+            q, _, _ = self.qkv_fused_write_kv(x, positions, rotary, k_cache, v_cache, batch.slot_mapping, norm=norm, scales=scales)
         else:
             q, k, v = self.qkv(x, positions, rotary)
-            paged_attention.write_kv(k, v, k_cache, v_cache, batch.slot_mapping, impl=batch.impl)
+            paged_attention.write_kv(k, v, k_cache, v_cache, batch.slot_mapping, impl=batch.impl, scales=scales)
         if batch.decode:
             out = paged_attention.paged_decode_attention(
-                q, k_cache, v_cache, batch.block_tables, batch.seq_lens, self.scale, impl=batch.impl, workspace=batch.workspace
+                q, k_cache, v_cache, batch.block_tables, batch.seq_lens, self.scale, impl=batch.impl, workspace=batch.workspace,
+                scales=scales,
             )
         else:
             out = paged_attention.paged_prefill_attention(
                 q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.cu_seqlens_q, self.scale,
-                causal=batch.causal, impl=batch.impl, max_seqlen_q=batch.max_seqlen_q,
+                causal=batch.causal, impl=batch.impl, max_seqlen_q=batch.max_seqlen_q, scales=scales,
             )
         if fused:
             return self.out_projection(out, residual=residual)

@@ -4,10 +4,14 @@
     python -m decoders.compare --models llama-1b,mamba2-1.3b --ctx 4k..128k --batch 1,16
     python -m decoders.compare --models maskpredict-tiny --iterations 1,4,16 --block 8
     python -m decoders.compare --models llama-1b,mamba2-1.3b,rwkv7-1.5b --peers hf,mamba_ssm,fla
+    python -m decoders.compare --models llama-1b --ctx 128k --kv-dtype bf16,fp8
 
 With `--peers`, the libraries a user would run instead (`decoders.peers`) run after each model's own
 points on the same shapes, contexts and batches, each in its own row (`hf-eager:llama-1b`, ...); a peer
 that is not installed or does not run the model's family is recorded as such, with the reason.
+With `--kv-dtype`, every point of a model with a KV cache (transformer, Mask-Predict) is measured once
+per cache dtype (`fp8`: e4m3 pages, see `decoders.kv_cache`); the records carry `kv_dtype`, and on a
+GPU every record carries `max_batch_fits`, the largest batch whose state would fit at its context.
 
 Each finished point is appended to `--out` as one JSON object (an interrupted sweep keeps what it
 wrote); a point that does not fit in memory is recorded as skipped and the sweep goes on, and with
@@ -117,6 +121,23 @@ def parse_peers(text: str) -> list[str]:
     return names
 
 
+# Families whose decoders keep a paged KV cache (the ones that take page_size and kv_dtype).
+KV_FAMILIES = ("transformer", "maskpredict")
+
+
+def parse_kv_dtypes(text: str) -> list[str]:
+    """'bf16,fp8' -> ['bf16', 'fp8'] (known names only, in the order given, repeats dropped)."""
+    from decoders.kv_cache import KV_DTYPES
+
+    names = list(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
+    if not names:
+        raise ArgError(f"--kv-dtype {text!r} names no dtype (known: {', '.join(KV_DTYPES)})")
+    for name in names:
+        if name not in KV_DTYPES:
+            raise ArgError(f"--kv-dtype: unknown dtype {name!r} (known: {', '.join(KV_DTYPES)})")
+    return names
+
+
 def defaults(on_gpu: bool) -> dict:
     if on_gpu:
         return {"models": "llama-1b,mamba2-1.3b,rwkv7-1.5b,maskpredict-1b", "ctx": "4k..128k"}
@@ -136,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--page-size", type=int, default=16, help="KV cache page size for attention families")
+    p.add_argument("--kv-dtype", default=None,
+                   help="comma list of KV cache dtypes swept for attention families: fp8, bf16, ... (default: the model's dtype)")
     p.add_argument("--iterations", default="4", help="Mask-Predict: comma list of refinement passes T")
     p.add_argument("--block", type=int, default=None, help="Mask-Predict: semi-autoregressive block length")
     p.add_argument("--peers", default=None, help="comma list of peers run on the same points: hf, mamba_ssm, fla")
@@ -149,8 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def plan_points(models, ctxs, batches, iterations, peer_names=(), device=None, own=True):
-    """(model, family, T, batch, ctx, peer) in sweep order; T only for Mask-Predict models. After a
+def plan_points(models, ctxs, batches, iterations, peer_names=(), device=None, own=True, kv_dtypes=(None,)):
+    """(model, family, T, kv_dtype, batch, ctx, peer) in sweep order; T only for Mask-Predict models,
+    kv_dtype (one point per entry of `kv_dtypes`) only for the families with a KV cache. After a
     model's own points (peer None; left out when not `own`) come its peers' points (a `peers.Peer`),
     each peer's contexts in a row; a peer that cannot run the model is one point (a `peers.Absent`,
     batch and ctx None)."""
@@ -160,17 +184,18 @@ def plan_points(models, ctxs, batches, iterations, peer_names=(), device=None, o
     for model in models:
         family = decoders.family_of(model)
         for it in (iterations if family == "maskpredict" else [None]) if own else []:
-            for batch in batches:
-                for ctx in ctxs:
-                    yield model, family, it, batch, ctx, None
+            for kv in kv_dtypes if family in KV_FAMILIES else [None]:
+                for batch in batches:
+                    for ctx in ctxs:
+                        yield model, family, it, kv, batch, ctx, None
         for name in peer_names:
             for peer in peers.plan(name, model, family, device):
                 if isinstance(peer, peers.Absent):
-                    yield model, family, None, None, None, peer
+                    yield model, family, None, None, None, None, peer
                     continue
                 for batch in batches:
                     for ctx in ctxs:
-                        yield model, family, None, batch, ctx, peer
+                        yield model, family, None, None, batch, ctx, peer
 
 
 def first_line(error: BaseException) -> str:
@@ -180,11 +205,11 @@ def first_line(error: BaseException) -> str:
 
 def format_table(records: list[dict]) -> str:
     cols = [
-        ("model", "{}"), ("T", "{}"), ("batch", "{}"), ("ctx", "{}"), ("status", "{}"), ("ttft ms", "{:.1f}"),
+        ("model", "{}"), ("T", "{}"), ("kv", "{}"), ("batch", "{}"), ("ctx", "{}"), ("status", "{}"), ("ttft ms", "{:.1f}"),
         ("p50 ms", "{:.2f}"), ("p99 ms", "{:.2f}"), ("tok/s/seq", "{:.1f}"), ("tok/s", "{:.1f}"),
         ("prefill tok/s", "{:.0f}"), ("MBU", "{:.2f}"), ("MBU nom", "{:.2f}"), ("decay", "{:.2f}"), ("spread", "{:.0%}"),
     ]
-    keys = ["model", "iterations", "batch", "ctx", "status", "ttft_ms", "step_ms_p50", "step_ms_p99", "decode_tok_s_per_seq",
+    keys = ["model", "iterations", "kv_dtype", "batch", "ctx", "status", "ttft_ms", "step_ms_p50", "step_ms_p99", "decode_tok_s_per_seq",
             "decode_tok_s", "prefill_tok_s", "mbu", "mbu_nominal", "decay", "spread"]
     rows = [[name for name, _ in cols]]
     for r in records:
@@ -203,7 +228,8 @@ def cpu_note(records: list[dict], threads: int) -> str:
 
 def summary(records: list[dict], where: str) -> dict:
     """The last stdout line: where the full records are, and each point's status and headline figures."""
-    keep = ("model", "peer", "iterations", "batch", "ctx", "status", "decode_tok_s_per_seq", "step_ms_p50", "ttft_ms", "mbu", "mbu_nominal", "decay", "spread")
+    keep = ("model", "peer", "iterations", "kv_dtype", "batch", "ctx", "status", "decode_tok_s_per_seq", "step_ms_p50", "ttft_ms", "mbu",
+            "mbu_nominal", "decay", "spread", "max_batch_fits")
     # Four significant digits: a headline, not the record.
     points = [{k: float(f"{r[k]:.4g}") if isinstance(r[k], float) else r[k] for k in keep if r.get(k) is not None} for r in records]
     return {"out": where, "points": points, "ok": sum(r.get("status") == "ok" for r in records)}
@@ -319,6 +345,7 @@ def run(args) -> int:
         decoders.check_page_size(args.page_size)
     except UsageError as e:
         raise ArgError(f"--page-size: {e}") from None
+    kv_dtypes = parse_kv_dtypes(args.kv_dtype) if args.kv_dtype is not None else [None]
     try:
         resolve_impl(args.impl, device)
     except ValueError as e:
@@ -328,9 +355,11 @@ def run(args) -> int:
     if args.plot:
         check_figure_file(args.plot, "--plot")
     for model in models:
-        decoders.check_model(model, context=max(ctxs))
+        family = decoders.check_model(model, context=max(ctxs))
+        if args.kv_dtype is not None and family not in KV_FAMILIES:
+            raise ArgError(f"--kv-dtype: {model} ({family}) has no KV cache; leave it out of --models or drop --kv-dtype")
 
-    plan = list(plan_points(models, ctxs, batches, iterations, peer_names, device, own=not args.peers_only))
+    plan = list(plan_points(models, ctxs, batches, iterations, peer_names, device, own=not args.peers_only, kv_dtypes=kv_dtypes))
     threads = harness.pin_cpu_threads() if device.type == "cpu" else None
     env = {**environment(device), **({"cpu_threads": threads} if threads else {})}
     ceiling = harness.ceilings(device)
@@ -343,7 +372,7 @@ def run(args) -> int:
         progress = tqdm(total=len(plan), file=sys.stderr, unit="point")
     loaded, peer_models = {}, {}
     try:
-        for model, family, it, batch, ctx, peer in plan:
+        for model, family, it, kv, batch, ctx, peer in plan:
             if isinstance(peer, peers.Absent):
                 record = {"iterations": None, **peers.describe(peer, None, model, family), **env, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
                 record.update(status=peer.status, reason=peer.reason, ctx=None, batch=None)
@@ -352,13 +381,15 @@ def run(args) -> int:
                 if progress:
                     progress.update()
                 continue
-            key = (model, it)
+            key = (model, it, kv)
             if key not in loaded:
                 loaded.clear()
                 release_peers(peer_models, device)
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-                options = {"page_size": args.page_size} if family in ("transformer", "maskpredict") else {}
+                options = {"page_size": args.page_size} if family in KV_FAMILIES else {}
+                if kv is not None:
+                    options["kv_dtype"] = kv
                 if family == "maskpredict":
                     options.update(iterations=it, block_length=args.block)
                 try:
@@ -388,7 +419,7 @@ def run(args) -> int:
                 record = {**described, **env, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "ctx": ctx, "batch": batch,
                           "status": "timeout", "reason": str(e)}
             if record.get("decode_tok_s_per_seq"):
-                base = base_tok_s.setdefault((record["model"], it, batch), record["decode_tok_s_per_seq"])
+                base = base_tok_s.setdefault((record["model"], it, kv, batch), record["decode_tok_s_per_seq"])
                 record["decay"] = record["decode_tok_s_per_seq"] / base
             sink.append(record)
             records.append(record)

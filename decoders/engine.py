@@ -62,7 +62,7 @@ from dataclasses import dataclass, field
 import torch
 
 from decoders.base import UsageError, record_graph
-from decoders.kv_cache import PagedKVCache
+from decoders.kv_cache import PagedKVCache, kv_token_bytes
 from decoders.sampling import GREEDY, Sampling
 from declab_kernels.argmax import argmax
 
@@ -528,7 +528,8 @@ class PagedRunner(ARRunner):
         for i, (s, _) in enumerate(chunks):
             table[i, : len(kv.blocks[s.kv_seq])] = torch.tensor(kv.blocks[s.kv_seq], dtype=torch.int32)
         batch = llama.PagedBatch(
-            k_cache=kv.k, v_cache=kv.v, block_tables=on_device(table, dev), seq_lens=on_device(seq_lens, dev, torch.int32),
+            k_cache=kv.k, v_cache=kv.v, k_scale=kv.k_scale, v_scale=kv.v_scale, block_tables=on_device(table, dev),
+            seq_lens=on_device(seq_lens, dev, torch.int32),
             slot_mapping=on_device(torch.cat(slots), dev), decode=False, cu_seqlens_q=on_device(cu, dev), max_seqlen_q=max(q_lens),
             impl=self.impl,
         )
@@ -570,7 +571,7 @@ class PagedRunner(ARRunner):
             blocks = tables.gather(1, (positions // self.page).unsqueeze(1)).squeeze(1)
             slots = blocks * self.page + positions % self.page
         batch = llama.PagedBatch(
-            k_cache=self.kv.k, v_cache=self.kv.v, block_tables=tables,
+            k_cache=self.kv.k, v_cache=self.kv.v, k_scale=self.kv.k_scale, v_scale=self.kv.v_scale, block_tables=tables,
             seq_lens=torch.add(positions, 1, out=torch.empty_like(positions, dtype=torch.int32)),
             slot_mapping=slots, decode=True, impl=self.impl, workspace=self.workspace(b),
         )
@@ -825,14 +826,14 @@ class Engine:
             # Room for max_batch requests at the longest length (and the scratch block), within 60%
             # of the free GPU memory; on the CPU, max_batch requests of up to 1024 tokens.
             if d.device.type == "cuda":
-                per_block = 2 * c.num_hidden_layers * d.page_size * c.num_key_value_heads * c.head_dim * d.dtype.itemsize
+                per_block = d.page_size * kv_token_bytes(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, d.kv_dtype)
                 full = self.max_batch * -(-self.max_model_len // d.page_size) + 1
                 num_blocks = min(full, int(0.6 * torch.cuda.mem_get_info(d.device)[0]) // per_block)
             else:
                 num_blocks = self.max_batch * -(-min(self.max_model_len, 1024) // d.page_size) + 1
         try:
             return PagedKVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, block_size=d.page_size,
-                                num_blocks=num_blocks, memory_bytes=kv_memory_bytes, dtype=d.dtype, device=d.device)
+                                num_blocks=num_blocks, memory_bytes=kv_memory_bytes, dtype=d.kv_dtype, device=d.device)
         except ValueError as e:
             raise UsageError(str(e)) from None
 

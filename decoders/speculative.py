@@ -567,6 +567,8 @@ def verify_transformer(dec, cache, fed: torch.Tensor, start: torch.Tensor, slots
     batch = llama.PagedBatch(
         k_cache=kv.k,
         v_cache=kv.v,
+        k_scale=kv.k_scale,
+        v_scale=kv.v_scale,
         block_tables=tables,
         seq_lens=(start + T).to(torch.int32),
         slot_mapping=slots,
