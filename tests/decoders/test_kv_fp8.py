@@ -156,6 +156,21 @@ def test_compare_refuses_bad_kv_dtypes_in_one_line(tmp_path, args, message):
     assert "Traceback" not in result.stderr and not (tmp_path / "out.jsonl").exists()
 
 
+@pytest.mark.parametrize("command, message", [
+    (["decoders.engine", "--model", "mamba2-tiny", "--kv-dtype", "fp8"], "kv_dtype 'fp8': the mamba2 family has no KV cache"),
+    (["decoders.engine", "--model", "llama-tiny", "--kv-dtype", "fp9"], "unknown kv_dtype 'fp9'"),
+    (["decoders.serve", "--model", "rwkv7-tiny", "--kv-dtype", "fp8"], "--kv-dtype applies to the transformer family, not rwkv7"),
+    (["decoders.serve_bench", "--models", "llama-tiny,mamba2-tiny", "--kv-dtype", "fp8", "--no-progress"],
+     "--kv-dtype: mamba2-tiny (mamba2) has no KV cache"),
+])
+def test_serving_commands_refuse_bad_kv_dtypes_in_one_line(tmp_path, command, message):
+    out = ["--out", str(tmp_path / "out.jsonl")] if command[0] != "decoders.serve" else []
+    result = subprocess.run([sys.executable, "-m", *command, "--device", "cpu", *out], capture_output=True, text=True, timeout=300)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2 and len(errors) == 1 and message in errors[0], result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_compare_sweeps_kv_dtypes(tmp_path):
     from decoders import compare
 
