@@ -222,3 +222,34 @@ def test_scales_must_match_the_cache(impl):
     lens = torch.tensor([3], dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match="needs scales"):
         pa.paged_decode_attention(q, k8, v8, tables, lens, 1.0, impl=impl)
+
+
+def gpu_only(test):
+    return pytest.mark.gpu(pytest.mark.skipif(not GPU, reason="needs a GPU")(test))
+
+
+@gpu_only
+@pytest.mark.parametrize("seq_lens,page,group,heads,dim,variant", [
+    ([8192], 16, 4, 8, 64, "long"),
+    ([32768], 16, 4, 8, 128, "long"),
+    ([4096, 1000, 3], 128, 4, 8, 128, "split"),
+    ([2049] * 16, 16, 4, 8, 64, "split"),
+])
+def test_gpu_decode_fp8_long_contexts(seq_lens, page, group, heads, dim, variant):
+    k8, v8, scales, kf, vf, tables, lens = filled_cache(seq_lens, page, heads, dim, seed=8)
+    q = torch.randn(len(seq_lens), group * heads, dim, device=DEVICE).to(DTYPE)
+    want = pa.paged_decode_attention(q, k8, v8, tables, lens, dim**-0.5, impl="ref", scales=scales)
+    ws = pa.decode_workspace(len(seq_lens), q.shape[1], heads, dim, max(seq_lens), DEVICE, variant=variant)
+    got = pa.paged_decode_attention(q, k8, v8, tables, lens, dim**-0.5, impl="triton", workspace=ws, scales=scales)
+    assert rel_rms(got, want) < TOL
+
+
+@gpu_only
+def test_gpu_prefill_fp8_long_prompt():
+    k8, v8, scales, _, _, tables, lens = filled_cache([4096], 16, 2, 64, seed=9)
+    q = torch.randn(4096, 8, 64, device=DEVICE).to(DTYPE)
+    cu = torch.tensor([0, 4096], dtype=torch.int32, device=DEVICE)
+    want = pa.paged_prefill_attention(q, k8, v8, tables, lens, cu, 0.125, causal=True, impl="ref", scales=scales)
+    got = pa.paged_prefill_attention(q, k8, v8, tables, lens, cu, 0.125, causal=True, impl="triton", max_seqlen_q=4096,
+                                     scales=scales)
+    assert rel_rms(got, want) < TOL
