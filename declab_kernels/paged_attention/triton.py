@@ -22,7 +22,8 @@ FP8 (constexpr; float8_e4m3fn caches with `scales=(k_scale, v_scale)`, see `ref.
 kernel that writes a row quantizes it as the reference does (bit for bit: the exponent comes from
 the float32 bits of the row's largest magnitude), and every kernel that reads K/V converts the e4m3
 tile to q's dtype in registers and applies the rows' powers of two to the scores (K) and to the
-probabilities before p @ v (V), so the dots run on q's dtype as for a bf16 cache.
+probabilities before p @ v (V), so the dots run on q's dtype as for a bf16 cache. A float cache of
+another dtype than q (a bf16 cache under a float32 model) is converted the same way, unscaled.
 """
 
 from dataclasses import dataclass
@@ -396,7 +397,7 @@ def _decode_split_kernel(
             if FP8:
                 qk = tl.dot(q, tl.trans(k.to(q.dtype))) * (pow2(k_exp.to(tl.int32)) * qk_scale)[None, :]
             else:
-                qk = tl.dot(q, tl.trans(k)) * qk_scale
+                qk = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale
             qk = tl.where(valid[None, :], qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             alpha = tl.exp2(m_i - m_new)
@@ -412,7 +413,7 @@ def _decode_split_kernel(
                 p_v = p * pow2(v_exp.to(tl.int32))[None, :]
                 acc = acc * alpha[:, None] + tl.dot(p_v.to(q.dtype), v.to(q.dtype))
             else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
             m_i = m_new
         if n_valid == 1:
             # The only split with data: its result is final.
@@ -650,7 +651,7 @@ def _prefill_kernel(
                 v_pow = pow2(tl.load(vs_ptr + s_off).to(tl.int32))
                 qk = tl.dot(q, tl.trans(k.to(q.dtype))) * (k_pow * qk_scale)[None, :]
             else:
-                qk = tl.dot(q, tl.trans(k)) * qk_scale
+                qk = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(qk - m_new[:, None])
@@ -658,7 +659,7 @@ def _prefill_kernel(
             if FP8:
                 acc = acc * alpha[:, None] + tl.dot((p * v_pow[None, :]).to(q.dtype), v.to(q.dtype))
             else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
             m_i = m_new
         # Diagonal tiles (causal) and the partly filled last tile: masked.
         for n0 in range(full_end, hi, BLOCK_N):
@@ -679,7 +680,7 @@ def _prefill_kernel(
                 v_pow = pow2(tl.load(vs_ptr + s_off, mask=valid, other=0).to(tl.int32))
                 qk = tl.dot(q, tl.trans(k.to(q.dtype))) * (k_pow * qk_scale)[None, :]
             else:
-                qk = tl.dot(q, tl.trans(k)) * qk_scale
+                qk = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale
             if CAUSAL:
                 visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
             else:
@@ -696,7 +697,7 @@ def _prefill_kernel(
             if FP8:
                 acc = acc * alpha[:, None] + tl.dot((p * v_pow[None, :]).to(q.dtype), v.to(q.dtype))
             else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
             m_i = m_new
         if SPLITS == 1:
             out = acc / l_i[:, None]
