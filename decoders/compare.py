@@ -208,9 +208,10 @@ def format_table(records: list[dict]) -> str:
         ("model", "{}"), ("T", "{}"), ("kv", "{}"), ("batch", "{}"), ("ctx", "{}"), ("status", "{}"), ("ttft ms", "{:.1f}"),
         ("p50 ms", "{:.2f}"), ("p99 ms", "{:.2f}"), ("tok/s/seq", "{:.1f}"), ("tok/s", "{:.1f}"),
         ("prefill tok/s", "{:.0f}"), ("MBU", "{:.2f}"), ("MBU nom", "{:.2f}"), ("decay", "{:.2f}"), ("spread", "{:.0%}"),
+        ("max batch", "{}"),
     ]
     keys = ["model", "iterations", "kv_dtype", "batch", "ctx", "status", "ttft_ms", "step_ms_p50", "step_ms_p99", "decode_tok_s_per_seq",
-            "decode_tok_s", "prefill_tok_s", "mbu", "mbu_nominal", "decay", "spread"]
+            "decode_tok_s", "prefill_tok_s", "mbu", "mbu_nominal", "decay", "spread", "max_batch_fits"]
     rows = [[name for name, _ in cols]]
     for r in records:
         rows.append(["-" if r.get(k) is None else fmt.format(r[k]) for (_, fmt), k in zip(cols, keys)])
