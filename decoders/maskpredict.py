@@ -37,6 +37,9 @@ the continuation, as prefix-cached decoding runs the model; `score_bound="bidire
 without it) lets the context see the masked continuation, as LLaDA scores. `describe()["scoring"]`
 says which one a result used.
 
+`kv_dtype="fp8"` stores the prefix cache's pages in e4m3 with one exponent per row
+(`decoders.kv_cache`), as the transformer family does.
+
 `StepOut.committed` [B] counts the tokens each sequence's canvas gained in the pass (unmasked after
 minus before; with a length beam, those of the most likely length's candidate), so tokens per pass
 read like the autoregressive families' one token per step.

@@ -5,6 +5,9 @@ Prefill packs the prompts' tokens (several sequences, variable lengths) and runs
 prefix already there, so a 128k prompt never needs more than one chunk's attention scores. Before
 decoding, every sequence reserves the blocks for its prompt plus `max_new_tokens`, so a decode step
 computes its slots on the device from the block table and never returns to the host.
+
+`kv_dtype="fp8"` stores the pages in e4m3 with one exponent per row (`decoders.kv_cache`): about
+half the bytes per position, counted as such by `memory`.
 """
 
 from dataclasses import dataclass
