@@ -56,7 +56,8 @@ def dequantize(x8, e):
 
 
 def check_scales(k_cache, v_cache, scales):
-    """`scales` as an fp8 cache needs them (None for any other cache); raises ValueError otherwise."""
+    """`scales` checked against the caches: two int8 `[num_blocks, block_size, Hkv]` tensors for an fp8
+    cache, None for any other; raises ValueError otherwise. Returns them."""
     fp8 = k_cache.dtype == FP8
     if v_cache.dtype != k_cache.dtype:
         raise ValueError(f"the K and V caches must share a dtype, got {k_cache.dtype} and {v_cache.dtype}")
