@@ -202,6 +202,9 @@ class Rotary(nn.Module):
 
 class Attention(FusedLinears):
     FUSED = {"qkv": ("q_proj", "k_proj", "v_proj")}
+    # Tensor parallel (`declab_arch.tensor_parallel`): the ranks the o-projection's partial sums are
+    # reduced over on the fused path; None on one process.
+    tp = None
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
@@ -238,7 +241,8 @@ class Attention(FusedLinears):
         GEMV, `declab_kernels.gemv.linear_residual`) when given."""
         out = out.flatten(-2)
         if residual is None:
-            return gemv.linear(out, self.o_proj.weight, impl="triton", early_tiles=early_tiles)
+            y = gemv.linear(out, self.o_proj.weight, impl="triton", early_tiles=early_tiles)
+            return y if self.tp is None else self.tp.reduce(y)
         return gemv.linear_residual(out, self.o_proj.weight, residual, impl="triton", early_tiles=early_tiles)
 
     def qkv_fused_write_kv(self, x, positions, rope: Rotary, k_cache, v_cache, slot_mapping, norm=None, scales=None):
@@ -298,6 +302,8 @@ class Attention(FusedLinears):
 
 class MLP(FusedLinears):
     FUSED = {"gate_up": ("gate_proj", "up_proj")}
+    # Tensor parallel: the ranks down's partial sums are reduced over on the fused path (see Attention).
+    tp = None
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
@@ -319,7 +325,8 @@ class MLP(FusedLinears):
         else:
             act = gemv.rms_norm_linear(x, norm.weight, norm.eps, self.gate_up_weight, impl="triton", swiglu=True)
         if residual is None:
-            return gemv.linear(act, self.down_proj.weight, impl="triton")
+            y = gemv.linear(act, self.down_proj.weight, impl="triton")
+            return y if self.tp is None else self.tp.reduce(y)
         return gemv.linear_residual(act, self.down_proj.weight, residual, impl="triton")
 
 
@@ -363,6 +370,9 @@ class Trunk(nn.Module):
 
 
 class Llama(nn.Module):
+    # Tensor parallel (`declab_arch.tensor_parallel`): set on each rank's share; None on one process.
+    tp = None
+
     def __init__(self, config: LlamaConfig, *, causal: bool = True):
         super().__init__()
         self.config = config
@@ -412,7 +422,8 @@ class Llama(nn.Module):
         only the rows in `logit_index`."""
         layers = self.model.layers
         x = self.model.embed_tokens(tokens)  # [N, d], the residual stream
-        if x.shape[0] <= FOLD_ROWS:
+        # Tensor parallel keeps the residual adds out of the row-parallel GEMVs: they come after the all-reduce.
+        if x.shape[0] <= FOLD_ROWS and self.tp is None:
             for i, block in enumerate(layers):
                 x = block.forward_fused_rows(x, lambda x, b=block, i=i: b.self_attn.forward_paged(
                     x, positions, self.rotary, batch, i, norm=b.input_layernorm, residual=x))
@@ -445,6 +456,8 @@ class Llama(nn.Module):
         return self
 
 
+# The name a saved config.json gives the lab family (`declab_family`).
+FAMILY = "transformer"
 HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}
 
 
@@ -487,7 +500,8 @@ def config_from_hf(hf: dict, source: str) -> LlamaConfig:
     )
 
 
-def is_hf_llama(hf: dict) -> bool:
+def detects(hf: dict) -> bool:
+    """Whether an HF config.json describes a causal Llama/Qwen2/Mistral model."""
     # A Llama-shaped masked-diffusion model (LLaDA style) is bidirectional: not this family.
     if hf.get("mask_token_id") is not None or hf.get("is_causal") is False:
         return False
@@ -499,13 +513,13 @@ def read_config(folder: Path) -> LlamaConfig:
     """The config of a Llama/Qwen2/Mistral checkpoint folder, checked, without reading its weights."""
     folder = Path(folder)
     hf = read_json(folder / "config.json")
-    if not is_hf_llama(hf):
+    if not detects(hf):
         raise CheckpointError(f"{folder}: unknown architecture {hf.get('architectures') or hf.get('model_type')}")
     return parse_config(config_from_hf, hf, str(folder))
 
 
-def load_hf(folder: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
-    """Config and state dict (HF names) of a Llama/Qwen2/Mistral checkpoint folder."""
+def load(folder: Path) -> tuple[LlamaConfig, Llama]:
+    """Config and model of a Llama/Qwen2/Mistral checkpoint folder (HF names)."""
     folder = Path(folder)
     config = read_config(folder)
     tensors = load_weights(folder)
@@ -513,17 +527,17 @@ def load_hf(folder: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
         tensors.pop("lm_head.weight", None)
     # Buffers HF may save that the lab recomputes.
     tensors = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
-    return config, tensors
+    return config, build(config, tensors, str(folder))
 
 
-def save(model: Llama, folder: Path, *, family: str = "transformer") -> None:
+def save(model: Llama, folder: Path) -> None:
     """An HF-style Llama folder (config.json + model.safetensors) that also names the lab family, so
     `decoders.load(folder)` and transformers both read it."""
     from safetensors.torch import save_file
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    values = {"declab_family": family, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", **asdict(model.config)}
+    values = {"declab_family": FAMILY, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", **asdict(model.config)}
     (folder / "config.json").write_text(json.dumps(values, indent=2) + "\n")
     save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"))
 

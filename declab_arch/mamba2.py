@@ -141,6 +141,9 @@ class RMSNormGated(nn.Module):
 class Mixer(nn.Module):
     """The Mamba-2 mixer (HF `Mamba2Mixer`, mamba-ssm `Mamba2`)."""
 
+    # Tensor parallel (`declab_arch.tensor_parallel`): set on each rank's share; None on one process.
+    tp = None
+
     def __init__(self, config: Mamba2Config):
         super().__init__()
         self.config = config
@@ -199,7 +202,7 @@ class Mixer(nn.Module):
 
     def gate_in_step(self, rows: int, impl: str) -> bool:
         """Whether a decode step of `rows` sequences applies the gate in the SSM step (see `step`)."""
-        return impl == "triton" and self.norm.group_size == self.config.d_inner and rows <= GATE_IN_STEP_ROWS
+        return impl == "triton" and self.tp is None and self.norm.group_size == self.config.d_inner and rows <= GATE_IN_STEP_ROWS
 
     def step(self, h, conv_state, ssm_state, impl: str, *, positions, state_ready: bool = False, h_scale=None,
              residual=None, next_norm=None):
@@ -248,6 +251,10 @@ class Mixer(nn.Module):
             state_ready=state_ready,
             norm=(self.norm.weight, sumsq) if gate_in_step else None,
         ).reshape(h.shape[0], c.d_inner)
+        if self.tp is not None:
+            # Tensor parallel: the modules all-reduce out_proj's partial sums (and a norm group's sum of
+            # squares when the group spans ranks), which the fused norm + out_proj GEMV cannot.
+            return self.out_proj(self.norm(y, z))
         early_tiles = 2 if h.shape[0] <= EARLY_TILES_ROWS else 1
         if gate_in_step and residual is not None:
             return gemv.linear_residual_norm(y, self.out_proj.weight, residual, next_norm.weight, self.out_proj.bias,
@@ -281,6 +288,9 @@ class Backbone(nn.Module):
 
 
 class Mamba2LM(nn.Module):
+    # Tensor parallel (`declab_arch.tensor_parallel`): set on each rank's share; None on one process.
+    tp = None
+
     def __init__(self, config: Mamba2Config):
         super().__init__()
         self.config = config
@@ -353,7 +363,12 @@ class Mamba2LM(nn.Module):
         layers = self.backbone.layers
         norms = [block.norm for block in layers] + [self.backbone.norm_f]
         table = self.backbone.embeddings.weight
-        h, r = mamba2_norm.embed_rmsnorm(tokens, table, norms[0].weight, norms[0].eps, impl=impl)
+        if self.tp is None:
+            h, r = mamba2_norm.embed_rmsnorm(tokens, table, norms[0].weight, norms[0].eps, impl=impl)
+        else:
+            # Tensor parallel: the vocabulary-parallel lookup is all-reduced before the norm.
+            r = self.embed(tokens)
+            h = norms[0](r)
         if layers[0].mixer.gate_in_step(tokens.shape[0], impl):
             # Every norm after the first comes with the projections around it: out_proj writes the
             # residual, h = residual * weight and its partial sums of squares; the in-projection
@@ -421,6 +436,15 @@ def _dt_limit_fields(limit, source: str) -> dict:
     if lo < 0 or hi < lo:
         raise CheckpointError(f"{source}: dt limit {[lo, hi]} is not a range in [0, inf)")
     return {"dt_min_limit": lo, "dt_max_limit": None if math.isinf(hi) else hi}
+
+
+# The name a saved config.json gives the lab family (`declab_family`).
+FAMILY = "mamba2"
+
+
+def detects(hf: dict) -> bool:
+    """Whether a config.json is HF `Mamba2ForCausalLM`'s or the state-spaces `mamba2-*` layout's."""
+    return is_hf_mamba2(hf) or is_state_spaces_mamba2(hf)
 
 
 def is_hf_mamba2(hf: dict) -> bool:
@@ -504,7 +528,7 @@ def read_config(folder: Path) -> Mamba2Config:
     folder = Path(folder)
     source = str(folder)
     hf = read_json(folder / "config.json")
-    if hf.get("declab_family") == "mamba2":
+    if hf.get("declab_family") == FAMILY:
         values = {k: v for k, v in hf.items() if k != "declab_family"}
         config = config_from_dict(Mamba2Config, values, source)
     elif is_hf_mamba2(hf):
@@ -516,9 +540,9 @@ def read_config(folder: Path) -> Mamba2Config:
     return config
 
 
-def load(folder: Path) -> tuple[Mamba2Config, dict[str, torch.Tensor]]:
-    """Config and state dict (the lab's names) of a Mamba-2 folder: the lab's own format, HF
-    `Mamba2ForCausalLM`, or the state-spaces `mamba2-*` layout."""
+def load(folder: Path) -> tuple[Mamba2Config, Mamba2LM]:
+    """Config and model of a Mamba-2 folder: the lab's own format, HF `Mamba2ForCausalLM`, or the
+    state-spaces `mamba2-*` layout."""
     folder = Path(folder)
     config = read_config(folder)
     tensors = load_weights(folder)
@@ -526,7 +550,7 @@ def load(folder: Path) -> tuple[Mamba2Config, dict[str, torch.Tensor]]:
         tensors["backbone.embeddings.weight"] = tensors.pop("backbone.embedding.weight")
     if config.tie_embeddings:
         tensors.pop("lm_head.weight", None)
-    return config, tensors
+    return config, build(config, tensors, str(folder))
 
 
 def save(model: Mamba2LM, folder: Path) -> None:
@@ -535,6 +559,6 @@ def save(model: Mamba2LM, folder: Path) -> None:
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    values = {"declab_family": "mamba2", **asdict(model.config)}
+    values = {"declab_family": FAMILY, **asdict(model.config)}
     (folder / "config.json").write_text(json.dumps(values, indent=2) + "\n")
     save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"))

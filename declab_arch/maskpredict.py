@@ -193,12 +193,17 @@ def block_loss(model: MaskPredictLM, tokens: torch.Tensor, *, max_block: int | N
     return ((nll * masked).sum(1) / t / length).mean()
 
 
+def detects(hf: dict) -> bool:
+    """Whether a config.json is the lab's own Mask-Predict format or a masked-diffusion model's."""
+    return hf.get("declab_family") == FAMILY or is_masked_diffusion(hf)
+
+
 def is_masked_diffusion(hf: dict) -> bool:
     """Whether an HF config.json describes a bidirectional masked-diffusion model (LLaDA-style)."""
     archs = [str(a) for a in hf.get("architectures") or []]
     if hf.get("model_type") == "llada" or any(a.startswith("LLaDA") for a in archs):
         return True
-    # A Llama-family config marked as masked diffusion (not via `llama.is_hf_llama`, which should refuse these).
+    # A Llama-family config marked as masked diffusion (not via `llama.detects`, which should refuse these).
     llama_like = any(a in llama.HF_ARCHITECTURES for a in archs) or hf.get("model_type") in set(llama.HF_ARCHITECTURES.values())
     return llama_like and (hf.get("mask_token_id") is not None or hf.get("is_causal") is False)
 

@@ -334,6 +334,9 @@ def shifted(h, first):
 
 
 class RWKV7(nn.Module):
+    # Tensor parallel (`declab_arch.tensor_parallel`): set on each rank's share; None on one process.
+    tp = None
+
     def __init__(self, config: RWKV7Config):
         super().__init__()
         self.config = config
@@ -398,7 +401,8 @@ class RWKV7(nn.Module):
 
     def forward_step(self, tokens, shift, wkv, *, impl):
         """One token per sequence: tokens `[B]`; shift and wkv updated in place. Logits `[B, V]`."""
-        if impl == "triton":
+        # Tensor parallel runs the modules (its row-parallel projections all-reduce), on the same kernels.
+        if impl == "triton" and self.tp is None:
             return self.fused_step(tokens, shift, wkv)
         x = self.model.embeddings(tokens)
         v_first = None
@@ -476,7 +480,8 @@ class RWKV7(nn.Module):
         return self
 
 
-def is_fla_rwkv7(hf: dict) -> bool:
+def detects(hf: dict) -> bool:
+    """Whether a config.json is an fla-hub RWKV-7's."""
     return hf.get("model_type") == "rwkv7" or "RWKV7ForCausalLM" in (hf.get("architectures") or [])
 
 
@@ -526,15 +531,15 @@ def read_config(folder: Path) -> RWKV7Config:
     if hf.get("declab_family") == FAMILY:
         values = {k: v for k, v in hf.items() if k != "declab_family"}
         config = config_from_dict(RWKV7Config, values, str(folder))
-    elif is_fla_rwkv7(hf):
+    elif detects(hf):
         config = parse_config(config_from_hf, hf, str(folder))
     else:
         raise CheckpointError(f"{folder}: unknown architecture {hf.get('architectures') or hf.get('model_type')}")
     return config
 
 
-def load(folder: Path) -> tuple[RWKV7Config, dict[str, torch.Tensor]]:
-    """Config and state dict of an fla RWKV-7 folder or one in the lab's own format."""
+def load(folder: Path) -> tuple[RWKV7Config, RWKV7]:
+    """Config and model of an fla RWKV-7 folder or one in the lab's own format."""
     folder = Path(folder)
     config = read_config(folder)
     tensors = load_weights(folder)
@@ -545,7 +550,7 @@ def load(folder: Path) -> tuple[RWKV7Config, dict[str, torch.Tensor]]:
         stacked = tensors.pop(name)
         for j, mix in enumerate(("x_r", "x_w", "x_k", "x_v", "x_a", "x_g")):
             tensors[name[: -len("x_x")] + mix] = stacked[j].reshape(1, 1, -1)
-    return config, tensors
+    return config, build(config, tensors, str(folder))
 
 
 def save(model: RWKV7, folder: Path) -> None:

@@ -21,25 +21,24 @@ from decoders.sampling import GREEDY, Sampling
 from decoders.speculative import speculative
 from declab_kernels import resolve_impl
 
-__all__ = ["load", "speculative", "family_of", "check_model", "parse_device", "check_page_size", "user_errors", "USER_ERRORS", "Decoder", "Generation", "Memory", "StepOut", "Sampling", "GREEDY", "UsageError", "CheckpointError", "FAMILIES"]
+__all__ = ["load", "speculative", "family_of", "model_config", "check_model", "parse_device", "check_page_size", "user_errors", "USER_ERRORS", "Decoder", "Generation", "Memory", "StepOut", "Sampling", "GREEDY", "UsageError", "CheckpointError", "FAMILIES"]
 
-# family -> class, imported on first use so that a family's optional dependencies stay optional.
+# The registry: family -> its Decoder class, the family's record (`decoders.base.Decoder` says what it
+# declares), imported on first use so that a family's optional dependencies stay optional. A new
+# family is its decoder file (with its declab_arch module) and one line here.
 FAMILIES = {
     "transformer": "decoders.transformer:TransformerDecoder",
     "mamba2": "decoders.mamba2:Mamba2Decoder",
     "rwkv7": "decoders.rwkv7:RWKV7Decoder",
     "maskpredict": "decoders.maskpredict:MaskPredictDecoder",
 }
-# family -> its declab_arch module, whose read_config / preset_config check a config without weights.
-ARCH_MODULES = {"transformer": "declab_arch.llama", "mamba2": "declab_arch.mamba2", "rwkv7": "declab_arch.rwkv7", "maskpredict": "declab_arch.maskpredict"}
-# preset name prefix -> family
-PRESET_FAMILY = {"llama": "transformer", "mamba2": "mamba2", "rwkv7": "rwkv7", "maskpredict": "maskpredict"}
 # What a user can cause (a bad option, preset or checkpoint): reported in one line, not a traceback.
 USER_ERRORS = (UsageError, CheckpointError)
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 
 def family_class(family: str):
+    """The Decoder class (the record) of a registered family."""
     if family not in FAMILIES:
         raise UsageError(f"unknown family {family!r} (known: {', '.join(FAMILIES)})")
     module, name = FAMILIES[family].split(":")
@@ -120,35 +119,46 @@ def family_of(name_or_path) -> str:
         if "/" in name or path.exists():
             raise CheckpointError(f"{name}: not a checkpoint folder")
         raise UsageError(f"unknown preset {name!r} (presets: {', '.join(preset_names())})")
-    family = PRESET_FAMILY.get(name.split("-")[0])
-    if family is None:
-        raise UsageError(f"preset {name!r} names no known family")
-    return family
+    prefix = name.split("-")[0]
+    for family in FAMILIES:
+        if family_class(family).presets == prefix:
+            return family
+    raise UsageError(f"preset {name!r} names no known family")
+
+
+def model_config(name_or_path):
+    """(family, config) of a preset or checkpoint folder, checked, without reading any tensor."""
+    family = family_of(name_or_path)
+    arch = family_class(family).arch
+    path = Path(str(name_or_path))
+    if path.is_dir():
+        return family, arch.read_config(path)
+    return family, arch.preset_config(read_json(CONFIG_DIR / f"{name_or_path}.json"), str(name_or_path))
 
 
 def check_model(name_or_path, *, context: int | None = None) -> str:
     """What a command checks of a model before it spends time: the preset exists or the folder is a
     checkpoint of a known family with complete weights files, and `context` is within the config's
     maximum (where it states one). Cheap: no tensor is read. Returns the family."""
-    family = family_of(name_or_path)
+    family, config = model_config(name_or_path)
     path = Path(str(name_or_path))
     if path.is_dir():
-        config = importlib.import_module(ARCH_MODULES[family]).read_config(path)
         check_weights_files(path)
-    else:
-        config = importlib.import_module(ARCH_MODULES[family]).preset_config(read_json(CONFIG_DIR / f"{name_or_path}.json"), str(name_or_path))
     limit = getattr(config, "max_position_embeddings", None)
     if context is not None and limit is not None and context > limit:
         raise UsageError(f"context of {context} tokens is over {name_or_path}'s maximum of {limit}")
     return family
 
 
-def load(name_or_path, *, family: str | None = None, device=None, dtype=None, impl: str = "auto", seed: int = 0, **options) -> Decoder:
+def load(name_or_path, *, family: str | None = None, device=None, dtype=None, impl: str = "auto", seed: int = 0, tp=None,
+         **options) -> Decoder:
     """A decoder from a preset name (random weights) or a checkpoint folder.
 
     device defaults to CUDA when available; dtype to bfloat16 on a GPU and float32 on the CPU;
     impl is "auto" (Triton on a GPU), "triton" or "ref". `options` go to the family (page_size,
     kv_dtype="fp8" for an e4m3 KV cache in the transformer and Mask-Predict families, ...).
+    With `tp` (a `declab_arch.tensor_parallel.Group`, see `decoders.distributed`) the decoder is this
+    rank's share of the model, split over the group's ranks, every one of which must load it alike.
     """
     device = parse_device(device)
     dtype = parse_dtype(dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -159,11 +169,17 @@ def load(name_or_path, *, family: str | None = None, device=None, dtype=None, im
     family = family or family_of(name_or_path)
     check_options(family, options)
     common = dict(device=device, dtype=dtype, impl=impl, **options)
+    cls = family_class(family)
+    if tp is not None:
+        from decoders.distributed import tp_class
+
+        cls = tp_class(cls)
+        common["tp_group"] = tp
     path = Path(str(name_or_path))
     if path.is_dir():
-        return family_class(family).from_checkpoint(path, **common)
+        return cls.from_checkpoint(path, **common)
     name = str(name_or_path)
-    return family_class(family).from_preset(read_json(CONFIG_DIR / f"{name}.json"), name, seed=seed, **common)
+    return cls.from_preset(read_json(CONFIG_DIR / f"{name}.json"), name, seed=seed, **common)
 
 
 def detect_family(hf: dict, path: Path) -> str:

@@ -16,9 +16,11 @@ so that a step never synchronises with the host.
 import time
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field, is_dataclass
+from pathlib import Path
 
 import torch
 
+from declab_arch.checkpoint import load_tokenizer
 from decoders.sampling import GREEDY, Sampling, sample
 
 
@@ -84,9 +86,21 @@ class Timer:
 
 
 class Decoder(ABC):
-    """One model behind the shared interface. Subclasses set `family`."""
+    """One model behind the shared interface.
+
+    A family's Decoder class is its record, declared once: `family` (its name, as results and
+    `declab_family` in a saved config.json name it), `arch` (its `declab_arch` module, which provides
+    `preset_config(values, source)`, `read_config(folder)`, `detects(hf_config)`, `load(folder) ->
+    (config, model)`, `build(config, tensors, source, seed=)` and `save(model, folder)`), `presets`
+    (the prefix of its preset names: `llama` for `llama-1b`) and `state_kind`, what decoding carries:
+    "kv" (a paged KV cache, truncated on rollback), "recurrent" (fixed-size state tensors, snapshot
+    and restored) or "canvas" (Mask-Predict's canvas). Consumers read these instead of the name.
+    """
 
     family: str = ""
+    arch = None
+    presets: str = ""
+    state_kind: str = ""
 
     def __init__(self, model, config, *, device, dtype, impl, source, tokenizer=None, max_context=None, cuda_graphs=None):
         self.model = model.to(device=device, dtype=dtype).eval()
@@ -99,6 +113,31 @@ class Decoder(ABC):
         self.max_context = max_context
         # Decode steps replay a CUDA graph on the Triton path (the reference path synchronises).
         self.cuda_graphs = (self.device.type == "cuda" and impl == "triton") if cuda_graphs is None else cuda_graphs
+
+    @classmethod
+    def detects(cls, hf_config: dict) -> bool:
+        """Whether a checkpoint's config.json is of this family's format."""
+        return cls.arch.detects(hf_config)
+
+    @classmethod
+    def from_preset(cls, values: dict, name: str, *, seed: int = 0, **kwargs):
+        """Random weights (from `seed`) of the preset `values`, named `name`."""
+        config = cls.arch.preset_config(values, name)
+        return cls(cls.arch.build(config, None, name, seed=seed), config, source=name, **kwargs)
+
+    @classmethod
+    def from_checkpoint(cls, folder: Path, **kwargs):
+        """The checkpoint in `folder` with its tokenizer (where the folder has one)."""
+        config, model = cls.arch.load(folder)
+        return cls(model, config, source=str(folder), tokenizer=cls.load_tokenizer(folder), **kwargs)
+
+    @classmethod
+    def load_tokenizer(cls, folder: Path):
+        return load_tokenizer(folder)
+
+    def save(self, folder: Path) -> None:
+        """Write the model as a checkpoint folder naming its family (loadable by `decoders.load(folder)`)."""
+        self.arch.save(self.model, folder)
 
     def describe(self) -> dict:
         """What a result record says about this decoder."""

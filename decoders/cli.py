@@ -79,7 +79,7 @@ class JsonlSink:
         return str(self.path) if self.fallback is None else f"{self.path} and {self.fallback}"
 
     def append(self, record: dict) -> None:
-        from declab_kernels.benchtools import append_jsonl
+        from decoders.records import append_jsonl
 
         if self.fallback is None:
             try:
@@ -94,12 +94,19 @@ class JsonlSink:
 
 
 
+def reports_refusals() -> bool:
+    """Whether this process says what it refuses: under torchrun (RANK set) every rank finds the same
+    mistake and exits with 2, and rank 0 alone prints the line."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 class Parser(argparse.ArgumentParser):
     """argparse whose refusals are one line (`error: ...`, exit code 2) like the lab's own checks,
     not a usage block followed by the message."""
 
     def error(self, message: str):
-        print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
+        if reports_refusals():
+            print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
         raise SystemExit(2)
 
 
@@ -112,5 +119,6 @@ def run_command(build_parser, run, argv=None) -> int:
     try:
         return run(args)
     except USER_ERRORS as e:
-        print(f"error: {e}", file=sys.stderr)
+        if reports_refusals():
+            print(f"error: {e}", file=sys.stderr)
         return 2

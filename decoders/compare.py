@@ -22,6 +22,12 @@ each point's status and headline figures; the full records are in `--out`). Ever
 output path is checked before anything is measured: bad input is one line on stderr and exit code 2.
 On the CPU the figures exercise the code path and are not performance measurements (the table says
 so; each point is timed a few times and the spread recorded, see `decoders.harness`).
+
+Under `torchrun` (`decoders.distributed`): `--tp N` splits every model over the N processes (tensor
+parallel; rank 0 alone prints and writes, and each record adds the time the step's collectives take
+alone); `--spread` (the default with several processes and --tp 1) deals the points out to the ranks,
+each of which appends its records to `OUT.rankR` as they finish, and rank 0 writes them all to `--out`
+at the end. Every record carries `world_size` and `tp`.
 """
 
 import argparse
@@ -34,6 +40,7 @@ import time
 
 import torch
 
+from decoders import distributed
 from decoders.base import UsageError
 from decoders.speculative import parse_spec
 
@@ -121,10 +128,6 @@ def parse_peers(text: str) -> list[str]:
     return names
 
 
-# Families whose decoders keep a paged KV cache (the ones that take page_size and kv_dtype).
-KV_FAMILIES = ("transformer", "maskpredict")
-
-
 def parse_kv_dtypes(text: str) -> list[str]:
     """'bf16,fp8' -> ['bf16', 'fp8'] (known names only, in the order given, repeats dropped)."""
     from decoders.kv_cache import KV_DTYPES
@@ -169,6 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--point-timeout", type=float, default=None,
                    help="seconds after which a point (warm-up and measurement; a peer's first point also its build) is recorded as timeout")
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel over this many processes (launch with torchrun --nproc-per-node N)")
+    p.add_argument("--spread", action="store_true",
+                   help="share the points out over the processes of a torchrun launch (the default there with --tp 1)")
     return p
 
 
@@ -183,8 +189,9 @@ def plan_points(models, ctxs, batches, iterations, peer_names=(), device=None, o
 
     for model in models:
         family = decoders.family_of(model)
-        for it in (iterations if family == "maskpredict" else [None]) if own else []:
-            for kv in kv_dtypes if family in KV_FAMILIES else [None]:
+        takes = decoders.family_options(family)
+        for it in (iterations if "iterations" in takes else [None]) if own else []:
+            for kv in kv_dtypes if "kv_dtype" in takes else [None]:
                 for batch in batches:
                     for ctx in ctxs:
                         yield model, family, it, kv, batch, ctx, None
@@ -255,11 +262,13 @@ def measure_lab_point(args, dec, gate, model, it, batch, ctx, ceiling, env) -> d
         record.update(status="error", reason=f"correctness check failed to run: {gate['error']}", ctx=ctx, batch=batch)
     elif not gate["ok"]:
         record.update(status="refused", reason=f"{dec.impl} disagrees with the reference (rel. RMS {gate['rel_rms']:.2e} > {gate['tolerance']:.2e})", ctx=ctx, batch=batch)
-    elif (why := harness.fits(dec, batch, ctx, args.new_tokens)) is not None:
+    elif (why := fits(dec, batch, ctx, args.new_tokens)) is not None:
         record.update(status="skipped", reason=why, ctx=ctx, batch=batch)
     else:
         try:
             record.update(status="ok", **harness.measure(dec, ctx=ctx, batch=batch, new_tokens=args.new_tokens, ceiling=ceiling, seed=args.seed))
+            if getattr(dec, "tp", None) is not None:
+                record.update(distributed.collective_time(dec, batch))
         except torch.cuda.OutOfMemoryError as e:
             torch.cuda.empty_cache()
             record.update(status="skipped", reason=f"out of memory: {first_line(e)}", ctx=ctx, batch=batch)
@@ -267,6 +276,41 @@ def measure_lab_point(args, dec, gate, model, it, batch, ctx, ceiling, env) -> d
             # Recorded, not raised: one failing point must not cost the sweep its other points.
             record.update(status="error", reason=first_line(e), ctx=ctx, batch=batch)
     return record
+
+
+def fits(dec, batch, ctx, new_tokens):
+    """`harness.fits`; for a tensor-parallel decoder the first rank's reason, the same on all ranks."""
+    from decoders import harness
+
+    why = harness.fits(dec, batch, ctx, new_tokens)
+    return why if getattr(dec, "tp", None) is None else distributed.first_reason(why, dec.tp)
+
+
+def add_decay(records: list[dict]) -> None:
+    """Each record's decode tok/s over that of the first (smallest-context) record of its model,
+    iterations, KV cache dtype and batch, in sweep order."""
+    base = {}
+    for record in records:
+        if record.get("decode_tok_s_per_seq"):
+            key = (record["model"], record.get("iterations"), record.get("kv_dtype"), record["batch"])
+            first = base.setdefault(key, record["decode_tok_s_per_seq"])
+            record["decay"] = record["decode_tok_s_per_seq"] / first
+
+
+def check_distributed(args, models, peer_names, spec, here) -> bool:
+    """The launch checks (`distributed.check_launch`) and what tensor parallel does not combine with;
+    whether the points are spread over the ranks."""
+    distributed.check_launch(args.tp, args.spread, here, "decoders.compare")
+    if args.tp > 1:
+        for option, given in (("--peers", peer_names), ("--spec", spec), ("--point-timeout", args.point_timeout)):
+            if given:
+                raise ArgError(f"{option} does not combine with --tp (every rank must run the same work in step)")
+        import decoders
+
+        for model in models:
+            family, config = decoders.model_config(model)
+            distributed.check_splits(family, config, args.tp, model)
+    return here.launched and args.tp == 1
 
 
 def release_peers(peer_models: dict, device) -> None:
@@ -311,18 +355,73 @@ def measure_peer_point(args, dec, peer, peer_models, model, family, batch, ctx, 
     return record
 
 
-def run(args) -> int:
+def measure_point(args, point, loaded, peer_models, device, spec, tp, ctxs, ceiling, env, kept) -> dict:
+    """The record of one point of the plan. The lab's decoder of its model is loaded and gated once and
+    kept in `loaded` for the points after it (split over the ranks of `tp` when given); `kept` says
+    where the finished points are, for an error that ends the sweep."""
     import decoders
     from decoders import harness, peers
+
+    model, family, it, kv, batch, ctx, peer = point
+    if isinstance(peer, peers.Absent):
+        record = {"iterations": None, **peers.describe(peer, None, model, family), **env, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        record.update(status=peer.status, reason=peer.reason, ctx=None, batch=None)
+        return record
+    key = (model, it, kv)
+    if key not in loaded:
+        loaded.clear()
+        release_peers(peer_models, device)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        takes = decoders.family_options(family)
+        options = {"page_size": args.page_size} if "page_size" in takes else {}
+        if kv is not None:
+            options["kv_dtype"] = kv
+        if "iterations" in takes:
+            options.update(iterations=it, block_length=args.block)
+        try:
+            dec = decoders.load(model, device=device, dtype=args.dtype, impl=args.impl, seed=args.seed, tp=tp, **options)
+            dec.check_context(max(ctxs))
+        except decoders.USER_ERRORS as e:
+            # Found only when its weights are read (a mis-shaped tensor): the points before it stay.
+            raise type(e)(f"{e} ({kept})") from None
+        try:
+            gate = harness.check_against_reference(dec, new_tokens=args.new_tokens, seed=args.seed)
+        except RuntimeError as e:
+            gate = {"ok": False, "rel_rms": None, "tolerance": None, "error": first_line(e)}
+        if spec is not None:
+            # The gate checked the target's kernels; the points time it decoding speculatively.
+            dec = spec.wrap(dec)
+        loaded[key] = (dec, gate)
+    dec, gate = loaded[key]
+    try:
+        with deadline(args.point_timeout):
+            if peer is None:
+                record = measure_lab_point(args, dec, gate, model, it, batch, ctx, ceiling, env)
+            else:
+                record = measure_peer_point(args, dec, peer, peer_models, model, family, batch, ctx, ceiling, env)
+    except PointTimeout as e:
+        described = {"model": model, "iterations": it, **dec.describe()} if peer is None else \
+            {"iterations": None, **peers.describe(peer, dec, model, family)}
+        record = {**described, **env, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "ctx": ctx, "batch": batch,
+                  "status": "timeout", "reason": str(e)}
+    return record
+
+
+def run(args) -> int:
+    import decoders
+    from decoders import harness
     from declab_kernels import resolve_impl
-    from declab_kernels.benchtools import environment
+    from decoders.records import environment
     from decoders.cli import JsonlSink, check_figure_file, check_output_file
 
+    here = distributed.world()
+    lead = here.rank == 0
     device = decoders.parse_device(args.device)
     on_gpu = device.type == "cuda"
     chosen = defaults(on_gpu)
     said = [f"--{k} {v}" for k, v in chosen.items() if getattr(args, k) is None]
-    if said:
+    if said and lead:
         print(f"defaults for this {'GPU' if on_gpu else 'CPU'}: {' '.join(said)}", file=sys.stderr)
     models = list(dict.fromkeys(m.strip() for m in (args.models or chosen["models"]).split(",") if m.strip()))
     if not models:
@@ -352,85 +451,73 @@ def run(args) -> int:
     except ValueError as e:
         raise ArgError(f"--impl: {e}") from None
     spec = parse_spec(args.spec, targets=models, peers=peer_names) if args.spec else None
-    sink = JsonlSink(check_output_file(args.out, "--out"))
+    spread = check_distributed(args, models, peer_names, spec, here)
+    out = check_output_file(args.out, "--out")
+    # Spread: each rank appends its own records as they finish; rank 0 writes them all to --out at the end.
+    part = out.with_name(f"{out.name}.rank{here.rank}") if spread else None
+    sink = JsonlSink(part or out)
     if args.plot:
         check_figure_file(args.plot, "--plot")
     for model in models:
         family = decoders.check_model(model, context=max(ctxs))
-        if args.kv_dtype is not None and family not in KV_FAMILIES:
+        if args.kv_dtype is not None and "kv_dtype" not in decoders.family_options(family):
             raise ArgError(f"--kv-dtype: {model} ({family}) has no KV cache; leave it out of --models or drop --kv-dtype")
+    device = distributed.device_of(device, here)
 
+    group = distributed.setup(device, here) if here.launched else None
     plan = list(plan_points(models, ctxs, batches, iterations, peer_names, device, own=not args.peers_only, kv_dtypes=kv_dtypes))
+    mine = distributed.share(len(plan), here) if spread else range(len(plan))
+    tp = group if args.tp > 1 else None
     threads = harness.pin_cpu_threads() if device.type == "cpu" else None
-    env = {**environment(device), **({"cpu_threads": threads} if threads else {})}
+    env = {**environment(device), **({"cpu_threads": threads} if threads else {}), "world_size": here.size, "rank": here.rank, "tp": args.tp}
     ceiling = harness.ceilings(device)
-    print(f"ceilings on {env['device']}: copy {ceiling['copy_bytes_per_s'] / 1e12:.2f} TB/s, matmul {ceiling['matmul_flops'] / 1e12:.1f} TFLOP/s", file=sys.stderr)
-    records, base_tok_s = [], {}
+    if lead:
+        print(f"ceilings on {env['device']}: copy {ceiling['copy_bytes_per_s'] / 1e12:.2f} TB/s, matmul {ceiling['matmul_flops'] / 1e12:.1f} TFLOP/s", file=sys.stderr)
+    records, indexed = [], []
     progress = None
-    if not args.no_progress:
+    if not args.no_progress and lead:
         from tqdm import tqdm
 
-        progress = tqdm(total=len(plan), file=sys.stderr, unit="point")
+        progress = tqdm(total=len(mine), file=sys.stderr, unit="point")
     loaded, peer_models = {}, {}
     try:
-        for model, family, it, kv, batch, ctx, peer in plan:
-            if isinstance(peer, peers.Absent):
-                record = {"iterations": None, **peers.describe(peer, None, model, family), **env, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
-                record.update(status=peer.status, reason=peer.reason, ctx=None, batch=None)
-                sink.append(record)
-                records.append(record)
-                if progress:
-                    progress.update()
-                continue
-            key = (model, it, kv)
-            if key not in loaded:
-                loaded.clear()
-                release_peers(peer_models, device)
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-                options = {"page_size": args.page_size} if family in KV_FAMILIES else {}
-                if kv is not None:
-                    options["kv_dtype"] = kv
-                if family == "maskpredict":
-                    options.update(iterations=it, block_length=args.block)
-                try:
-                    dec = decoders.load(model, device=device, dtype=args.dtype, impl=args.impl, seed=args.seed, **options)
-                    dec.check_context(max(ctxs))
-                except decoders.USER_ERRORS as e:
-                    # Found only when its weights are read (a mis-shaped tensor): the points before it stay.
-                    raise type(e)(f"{e} ({len(records)} finished point(s) kept in {sink.where})") from None
-                try:
-                    gate = harness.check_against_reference(dec, new_tokens=args.new_tokens, seed=args.seed)
-                except RuntimeError as e:
-                    gate = {"ok": False, "rel_rms": None, "tolerance": None, "error": first_line(e)}
-                if spec is not None:
-                    # The gate checked the target's kernels; the points time it decoding speculatively.
-                    dec = spec.wrap(dec)
-                loaded[key] = (dec, gate)
-            dec, gate = loaded[key]
+        for index in mine:
+            model, family, it, _, batch, ctx, peer = plan[index]
             try:
-                with deadline(args.point_timeout):
-                    if peer is None:
-                        record = measure_lab_point(args, dec, gate, model, it, batch, ctx, ceiling, env)
-                    else:
-                        record = measure_peer_point(args, dec, peer, peer_models, model, family, batch, ctx, ceiling, env)
-            except PointTimeout as e:
-                described = {"model": model, "iterations": it, **dec.describe()} if peer is None else \
-                    {"iterations": None, **peers.describe(peer, dec, model, family)}
-                record = {**described, **env, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "ctx": ctx, "batch": batch,
-                          "status": "timeout", "reason": str(e)}
-            if record.get("decode_tok_s_per_seq"):
-                base = base_tok_s.setdefault((record["model"], it, kv, batch), record["decode_tok_s_per_seq"])
-                record["decay"] = record["decode_tok_s_per_seq"] / base
-            sink.append(record)
+                record = measure_point(args, plan[index], loaded, peer_models, device, spec, tp, ctxs, ceiling, env,
+                                       f"{len(records)} finished point(s) kept in {sink.where}")
+            except Exception as e:
+                if not spread:
+                    raise
+                # Spread: a rank's failure is this point's record; its other points and the other ranks' stay.
+                record = {"model": model, "iterations": it, **env, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "ctx": ctx, "batch": batch,
+                          "status": "error", "reason": f"rank {here.rank}: {first_line(e)}"}
+            if not spread:
+                add_decay(records + [record])
+            if lead or spread:
+                sink.append(record)
             records.append(record)
+            indexed.append((index, record))
             if progress:
                 progress.update()
     except KeyboardInterrupt:
         print(f"interrupted: {len(records)} finished point(s) kept in {sink.where}", file=sys.stderr)
+        spread = False
     finally:
         if progress:
             progress.close()
+    if spread:
+        gathered = distributed.collect(indexed, here)
+        part.unlink(missing_ok=True)
+        if not lead:
+            return 0 if len(records) == len(mine) else 130
+        records = [record for _, record in gathered]
+        add_decay(records)
+        sink = JsonlSink(out)
+        for record in records:
+            sink.append(record)
+    if not lead:
+        return 0 if len(records) == len(plan) else 130
     print(format_table(records))
     if reasons := format_reasons(records):
         print(reasons)
@@ -455,7 +542,10 @@ def main(argv=None) -> int:
     """Exit status: 0 when every point finished, 130 when interrupted, 2 for input the lab refuses."""
     from decoders.cli import run_command
 
-    return run_command(build_parser, run, argv)
+    try:
+        return run_command(build_parser, run, argv)
+    finally:
+        distributed.teardown()
 
 
 if __name__ == "__main__":

@@ -793,7 +793,8 @@ class Engine:
         limits = [x for x in (max_model_len, decoder.max_context) if x is not None]
         self.max_model_len = min(limits) if limits else None
         self.kv = None
-        if self.family == "transformer":
+        kind = decoder.state_kind
+        if kind == "kv":
             self.kv = self._new_pool(num_blocks, kv_memory_bytes)
             usable_tokens = (self.kv.pool.num_blocks - 1) * self.kv.block_size
             self.max_model_len = min(self.max_model_len or usable_tokens, usable_tokens)
@@ -801,10 +802,10 @@ class Engine:
                 raise UsageError(f"the KV pool of {self.kv.pool.num_blocks} blocks has no room for a request")
             self.runner = PagedRunner(decoder, self.kv, max_batch, self.max_model_len, graphs)
             self.scheduler = Scheduler(max_batch, max_step_tokens, kv=self.kv, max_chunk=decoder.chunk_tokens(self.max_model_len))
-        elif self.family in ("mamba2", "rwkv7"):
+        elif kind == "recurrent":
             self.runner = StateRunner(decoder, max_batch, graphs)
             self.scheduler = Scheduler(max_batch, max_step_tokens, slots=max_batch, max_chunk=decoder.prefill_chunk)
-        elif self.family == "maskpredict":
+        elif kind == "canvas":
             self.runner = CanvasRunner(decoder)
             self.scheduler = CohortScheduler(max_batch, max_step_tokens)
         else:
@@ -862,7 +863,7 @@ class Engine:
         if any(isinstance(t, bool) or not isinstance(t, int) for t in stop_ids):
             raise UsageError(f"stop_token_ids must be integers, got {stop_ids!r}")
         stop = frozenset(stop_ids)
-        if self.family == "maskpredict":
+        if isinstance(self.runner, CanvasRunner):
             self._check_canvas(n)
         rid = request.request_id
         if rid is None:
@@ -909,7 +910,7 @@ class Engine:
         autoregressive families the tokens are those of the previous call's launch (one step of
         lookahead, see the module docstring)."""
         start = time.perf_counter()
-        if self.family == "maskpredict":
+        if isinstance(self.runner, CanvasRunner):
             outputs = self._step_canvas()
         else:
             outputs = self._step_autoregressive()
@@ -1065,7 +1066,7 @@ def main(argv=None) -> int:
     import sys
 
     import decoders
-    from declab_kernels.benchtools import append_jsonl, environment
+    from decoders.records import append_jsonl, environment
     from decoders.cli import check_output_file
 
     args = build_parser().parse_args(argv)
@@ -1073,10 +1074,11 @@ def main(argv=None) -> int:
         if args.batch < 1 or args.new_tokens < 1 or args.new_tokens >= args.ctx:
             raise UsageError(f"need --batch >= 1 and 1 <= --new-tokens < --ctx, got {args.batch}, {args.new_tokens}, {args.ctx}")
         out = check_output_file(args.out, "--out")
-        if decoders.family_of(args.model) == "maskpredict":
+        record = decoders.family_class(decoders.family_of(args.model))
+        if record.state_kind == "canvas":
             raise UsageError("the measuring command runs the autoregressive families (a Mask-Predict cohort is a static "
                              "batch: python -m decoders.compare measures it)")
-        options = {"page_size": args.page_size} if decoders.family_of(args.model) == "transformer" else {}
+        options = {"page_size": args.page_size} if record.state_kind == "kv" else {}
         if args.kv_dtype is not None:
             options["kv_dtype"] = args.kv_dtype
         dec = decoders.load(args.model, device=args.device, dtype=args.dtype, impl=args.impl, seed=args.seed, **options)

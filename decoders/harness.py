@@ -28,7 +28,7 @@ import time
 import torch
 
 from decoders.base import Decoder
-from declab_kernels import benchtools
+from declab_kernels import timing
 
 
 # Timed generations of a point on the CPU (one on a GPU, where CUDA events time a quiet device).
@@ -81,7 +81,7 @@ def ceilings(device) -> dict:
     """Copy bandwidth and matmul rate of this device, measured now, beside its nominal bandwidth."""
     device = torch.device(device)
     nominal = nominal_bandwidth(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
-    return {"copy_bytes_per_s": benchtools.copy_bandwidth(device), "matmul_flops": benchtools.matmul_flops(device),
+    return {"copy_bytes_per_s": timing.copy_bandwidth(device), "matmul_flops": timing.matmul_flops(device),
             "nominal_bytes_per_s": nominal}
 
 

@@ -22,12 +22,10 @@ into slot position % d_conv, which no program of the step reads (`ssd.mamba2_dec
 """
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from declab_arch import mamba2
-from declab_arch.checkpoint import load_tokenizer
 from decoders.base import AutoregressiveDecoder, Memory
 
 # Parameters kept in float32 whatever the model dtype: A = -exp(A_log) and softplus(dt + dt_bias)
@@ -46,6 +44,9 @@ class Mamba2Cache:
 
 class Mamba2Decoder(AutoregressiveDecoder):
     family = "mamba2"
+    arch = mamba2
+    presets = "mamba2"
+    state_kind = "recurrent"
 
     def __init__(self, model, config, *, prefill_chunk: int = 8192, **kwargs):
         if prefill_chunk < 1:
@@ -57,25 +58,6 @@ class Mamba2Decoder(AutoregressiveDecoder):
                 if name in keep:
                     p.data = keep[name].to(self.device)
         self.prefill_chunk = prefill_chunk
-
-    @classmethod
-    def detects(cls, hf_config: dict) -> bool:
-        return mamba2.is_hf_mamba2(hf_config) or mamba2.is_state_spaces_mamba2(hf_config)
-
-    @classmethod
-    def from_preset(cls, values: dict, name: str, *, seed: int = 0, **kwargs):
-        config = mamba2.preset_config(values, name)
-        return cls(mamba2.build(config, None, name, seed=seed), config, source=name, **kwargs)
-
-    @classmethod
-    def from_checkpoint(cls, folder: Path, **kwargs):
-        config, tensors = mamba2.load(folder)
-        model = mamba2.build(config, tensors, str(folder))
-        return cls(model, config, source=str(folder), tokenizer=load_tokenizer(folder), **kwargs)
-
-    def save(self, folder: Path) -> None:
-        """Write the lab's own checkpoint format (loadable by `decoders.load(folder)`)."""
-        mamba2.save(self.model, folder)
 
     @torch.inference_mode()
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:

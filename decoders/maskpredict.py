@@ -47,12 +47,10 @@ read like the autoregressive families' one token per step.
 
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from declab_arch import llama, maskpredict
-from declab_arch.checkpoint import load_tokenizer
 from decoders.base import Decoder, Memory, StepOut, UsageError, record_graph
 from decoders.kv_cache import PagedKVCache, kv_token_bytes, resolve_kv_dtype
 from decoders.sampling import GREEDY, Sampling, sample
@@ -123,6 +121,9 @@ def _ranks(score: torch.Tensor, descending: bool) -> torch.Tensor:
 
 class MaskPredictDecoder(Decoder):
     family = "maskpredict"
+    arch = maskpredict
+    presets = "maskpredict"
+    state_kind = "canvas"
 
     def __init__(self, model, config, *, iterations: int | None = None, rule: str | None = None, block_length: int | None = None,
                  threshold: float | None = None, length_beam: int | None = None, prefix_cache: bool = True, page_size: int = 16, score_bound: str | None = None,
@@ -162,24 +163,6 @@ class MaskPredictDecoder(Decoder):
     def kv_dtype(self) -> torch.dtype:
         """What the prefix cache stores: float8_e4m3fn for kv_dtype="fp8", else the model's dtype (or the one asked for)."""
         return self._kv_dtype or self.dtype
-
-    @classmethod
-    def detects(cls, hf_config: dict) -> bool:
-        return hf_config.get("declab_family") == maskpredict.FAMILY or maskpredict.is_masked_diffusion(hf_config)
-
-    @classmethod
-    def from_preset(cls, values: dict, name: str, *, seed: int = 0, **kwargs):
-        config = maskpredict.preset_config(values, name)
-        return cls(maskpredict.build(config, None, name, seed=seed), config, source=name, **kwargs)
-
-    @classmethod
-    def from_checkpoint(cls, folder: Path, **kwargs):
-        config, model = maskpredict.load(folder)
-        return cls(model, config, source=str(folder), tokenizer=load_tokenizer(folder), **kwargs)
-
-    def save(self, folder: Path) -> None:
-        """The model in the lab's own checkpoint format (config.json + model.safetensors)."""
-        maskpredict.save(self.model, folder)
 
     def describe(self) -> dict:
         out = super().describe()

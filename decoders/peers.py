@@ -23,6 +23,7 @@ family it does not run is `not applicable`; both are recorded with the reason, n
 import dataclasses
 import importlib
 import inspect
+import sys
 from dataclasses import dataclass
 from typing import Callable
 
@@ -113,10 +114,32 @@ def hf_llama(config, device, dtype, *, static: bool):
     return model
 
 
+def import_mamba_ssm():
+    """Import mamba-ssm for peer runs and cross-checks (never on the lab's own path).
+
+    mamba-ssm built without its CUDA extension (MAMBA_SKIP_CUDA_BUILD=TRUE) still has its Triton
+    kernels, but its package imports the Mamba-1 `selective_scan_cuda` module at load; a stand-in
+    module lets that import succeed, and calling anything that needs the extension still fails.
+    Raises ImportError when mamba-ssm is not installed.
+    """
+    import importlib.machinery
+    import importlib.util
+    import types
+
+    if importlib.util.find_spec("mamba_ssm") is None:
+        raise ImportError("mamba-ssm is not installed (pip install -e '.[peers]', see the README)")
+    if "selective_scan_cuda" not in sys.modules and importlib.util.find_spec("selective_scan_cuda") is None:
+        stand_in = types.ModuleType("selective_scan_cuda")
+        # Importers that look the module up again (find_spec) need a spec on it.
+        stand_in.__spec__ = importlib.machinery.ModuleSpec("selective_scan_cuda", None)
+        sys.modules["selective_scan_cuda"] = stand_in
+    import mamba_ssm
+
+    return mamba_ssm
+
+
 def hf_mamba2(config, device, dtype):
     if torch.device(device).type == "cuda":
-        from declab_kernels.benchtools import import_mamba_ssm
-
         # transformers picks mamba-ssm's kernels when its modelling module is first imported and the
         # package imports; a build without the CUDA extension needs the stand-in to import.
         try:
@@ -136,8 +159,6 @@ def hf_mamba2(config, device, dtype):
 
 
 def mamba_ssm_model(config, device, dtype):
-    from declab_kernels.benchtools import import_mamba_ssm
-
     import_mamba_ssm()
     from mamba_ssm.models.config_mamba import MambaConfig
     from mamba_ssm.models.mixer_seq_simple import MambaLMHeadModel
@@ -208,8 +229,6 @@ def import_reason(module: str) -> str | None:
     """Why `module` cannot be imported, or None when it can."""
     try:
         if module == "mamba_ssm":
-            from declab_kernels.benchtools import import_mamba_ssm
-
             import_mamba_ssm()
         else:
             importlib.import_module(module)

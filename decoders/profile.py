@@ -33,7 +33,7 @@ from decoders.base import Timer
 from decoders.compare import parse_size
 from decoders.harness import ceilings, pin_cpu_threads
 from declab_kernels import gemv
-from declab_kernels.benchtools import environment
+from decoders.records import environment
 from decoders.cli import JsonlSink, Parser, check_output_file
 
 

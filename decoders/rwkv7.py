@@ -39,6 +39,9 @@ class RWKV7Cache:
 
 class RWKV7Decoder(AutoregressiveDecoder):
     family = "rwkv7"
+    arch = rwkv7
+    presets = "rwkv7"
+    state_kind = "recurrent"
 
     def __init__(self, model, config, *, prefill_chunk: int = 8192, **kwargs):
         # RWKV has no position limit: the state is the same size at any context.
@@ -48,36 +51,20 @@ class RWKV7Decoder(AutoregressiveDecoder):
         self.prefill_chunk = prefill_chunk
 
     @classmethod
-    def detects(cls, hf_config: dict) -> bool:
-        return rwkv7.is_fla_rwkv7(hf_config)
-
-    @classmethod
-    def from_preset(cls, values: dict, name: str, *, seed: int = 0, **kwargs):
-        config = rwkv7.preset_config(values, name)
-        return cls(rwkv7.build(config, None, name, seed=seed), config, source=name, **kwargs)
-
-    @classmethod
-    def from_checkpoint(cls, folder: Path, **kwargs):
-        config, tensors = rwkv7.load(folder)
-        model = rwkv7.build(config, tensors, str(folder))
+    def load_tokenizer(cls, folder: Path):
         try:
-            tokenizer = load_tokenizer(folder)
+            return load_tokenizer(folder)
         except (ValueError, OSError) as e:
             # fla-hub folders ship the RWKV world tokenizer as remote code, which the lab never runs:
             # the model still decodes token ids.
             log.warning("%s: tokenizer not loaded (%s); pass token ids", folder, str(e).splitlines()[0])
-            tokenizer = None
-        return cls(model, config, source=str(folder), tokenizer=tokenizer, **kwargs)
+            return None
 
     @torch.inference_mode()
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         tokens = torch.as_tensor(tokens, device=self.device)
         self.check_context(tokens.shape[-1])
         return self.model(tokens, impl=self.impl)
-
-    def save(self, folder: Path) -> None:
-        """Write the model in the lab's checkpoint format (loads back with `decoders.load(folder)`)."""
-        rwkv7.save(self.model, folder)
 
     def new_cache(self, prompt_lens: list[int], max_len: int) -> RWKV7Cache:
         shift, wkv = self.model.new_state(len(prompt_lens), device=self.device, dtype=self.dtype)

@@ -823,16 +823,16 @@ def main(argv=None) -> int:
         family = decoders.family_of(args.model)
         load_options, engine_options = {}, {}
         if args.page_size is not None:
-            if family != "transformer":
+            if decoders.family_class(family).state_kind != "kv":
                 raise UsageError(f"--page-size applies to the transformer family, not {family}")
             load_options["page_size"] = args.page_size
         if args.kv_dtype is not None:
-            if family != "transformer":
+            if decoders.family_class(family).state_kind != "kv":
                 raise UsageError(f"--kv-dtype applies to the transformer family, not {family}")
             decoders.kv_cache.parse_kv_dtype(args.kv_dtype)
             load_options["kv_dtype"] = args.kv_dtype
         if args.num_blocks is not None:
-            if family != "transformer":
+            if decoders.family_class(family).state_kind != "kv":
                 raise UsageError(f"--num-blocks applies to the transformer family, not {family}")
             engine_options["num_blocks"] = args.num_blocks
         if args.max_model_len is not None:

@@ -508,7 +508,7 @@ class EngineTarget:
         from decoders.engine import Engine
 
         family = decoders.family_of(model)
-        options = {"page_size": args.page_size} if family in ("transformer", "maskpredict") else {}
+        options = {"page_size": args.page_size} if "page_size" in decoders.family_options(family) else {}
         if args.kv_dtype is not None:
             options["kv_dtype"] = args.kv_dtype
         self.decoder = decoders.load(model, device=args.device, dtype=args.dtype, impl=args.impl, seed=args.seed, **options)
@@ -710,10 +710,11 @@ def model_limits(model: str) -> tuple[int, int | None]:
     import decoders
     from declab_arch.checkpoint import CONFIG_DIR, read_json
 
-    family = decoders.family_of(model)
+    _, lab_config = decoders.model_config(model)
+    limit = getattr(lab_config, "max_position_embeddings", None)
     path = Path(model)
     config = read_json(path / "config.json" if path.is_dir() else CONFIG_DIR / f"{model}.json")
-    return config["vocab_size"], config.get("max_position_embeddings") if family in ("transformer", "maskpredict") else None
+    return config["vocab_size"], limit
 
 
 def point_workload(args, load: dict, target, model: str, lengths) -> tuple[wl.Workload, str]:
@@ -784,7 +785,7 @@ def short_summary(records: list[dict], env: dict, out: str) -> dict:
 
 
 def run(args) -> int:
-    from declab_kernels.benchtools import append_jsonl, environment
+    from decoders.records import append_jsonl, environment
 
     if args.replot is not None:
         return replot(args.replot, args.plot)
@@ -810,8 +811,9 @@ def run(args) -> int:
         except UsageError as e:
             raise ArgError(f"--kv-dtype: {e}") from None
         for model in models:
-            if decoders.family_of(model) not in ("transformer", "maskpredict"):
-                raise ArgError(f"--kv-dtype: {model} ({decoders.family_of(model)}) has no KV cache")
+            family = decoders.family_of(model)
+            if "kv_dtype" not in decoders.family_options(family):
+                raise ArgError(f"--kv-dtype: {model} ({family}) has no KV cache")
     for model in models:
         _, max_context = model_limits(model)
         # The lengths against the context now, before any model is loaded.

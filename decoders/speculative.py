@@ -40,8 +40,15 @@ from decoders.base import AutoregressiveDecoder, Decoder, Memory, StepOut, Usage
 from decoders.sampling import GREEDY, Sampling, filtered_probs, sample
 
 MAX_K = 16
-RECURRENT = ("mamba2", "rwkv7")
-FAMILIES = ("transformer",) + RECURRENT
+# What a target or draft model may carry: state speculative decoding can roll back (`Decoder.state_kind`).
+KINDS = ("kv", "recurrent")
+
+
+def autoregressive_families() -> list[str]:
+    """The registered families whose decoders roll back (named in refusals)."""
+    import decoders
+
+    return [f for f in decoders.FAMILIES if decoders.family_class(f).state_kind in KINDS]
 
 
 def race(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -195,7 +202,7 @@ class ModelDraft(Draft):
         """k+1 decode steps from token [B] at pos [B]: (drafted [B, k], their distributions [B, k, V] or
         None when greedy, the recurrent states before the first step and after each but the last)."""
         dec = self.decoder
-        recurrent = dec.family in RECURRENT
+        recurrent = dec.state_kind == "recurrent"
         saved = [snapshot(cache)] if recurrent else []
         drafted, probs = [], []
         for j in range(k + 1):
@@ -215,7 +222,7 @@ class ModelDraft(Draft):
         return torch.stack(drafted, 1), torch.stack(probs, 1) if probs else None, saved
 
     def rollback(self, state, keep):
-        if self.decoder.family in RECURRENT:
+        if self.decoder.state_kind == "recurrent":
             restore_rows(state.cache, state.saved, keep)
             state.saved = []
         # A transformer draft's K/V past a position is rewritten before it is read again.
@@ -278,7 +285,7 @@ class HeadsDraft(Draft):
     wants_hidden = True
 
     def __init__(self, heads, target: AutoregressiveDecoder, source: str = ""):
-        if target.family != "transformer":
+        if target.state_kind != "kv":
             raise UsageError(f"draft heads read a transformer's hidden states; the target is {target.family}")
         if heads.hidden_size != target.config.hidden_size:
             raise UsageError(f"draft heads of hidden size {heads.hidden_size} do not fit {target.source} ({target.config.hidden_size})")
@@ -346,8 +353,8 @@ class SpeculativeDecoder(Decoder):
     family = "speculative"
 
     def __init__(self, target: AutoregressiveDecoder, draft, k: int = 4, *, recurrent_verify: str = "chunk", cuda_graphs: bool = False):
-        if not isinstance(target, AutoregressiveDecoder) or target.family not in FAMILIES:
-            raise UsageError(f"speculative decoding needs an autoregressive target ({', '.join(FAMILIES)}), got {getattr(target, 'family', target)!r}")
+        if not isinstance(target, AutoregressiveDecoder) or target.state_kind not in KINDS:
+            raise UsageError(f"speculative decoding needs an autoregressive target ({', '.join(autoregressive_families())}), got {getattr(target, 'family', target)!r}")
         if not 1 <= k <= MAX_K:
             raise UsageError(f"k must be from 1 to {MAX_K}, got {k}")
         if recurrent_verify not in ("chunk", "steps"):
@@ -355,8 +362,8 @@ class SpeculativeDecoder(Decoder):
         self.draft = as_draft(draft, target)
         if isinstance(self.draft, ModelDraft):
             d = self.draft.decoder
-            if d.family not in FAMILIES:
-                raise UsageError(f"a draft model must be autoregressive ({', '.join(FAMILIES)}), got {d.family!r}")
+            if d.state_kind not in KINDS:
+                raise UsageError(f"a draft model must be autoregressive ({', '.join(autoregressive_families())}), got {d.family!r}")
             if d.vocab_size != target.vocab_size:
                 raise UsageError(f"draft {d.source} has vocab_size {d.vocab_size}, the target {target.source} {target.vocab_size}: they must match")
             if d.device != target.device:
@@ -408,7 +415,7 @@ class SpeculativeDecoder(Decoder):
         t = self.target
         cache = t.new_cache(lens, max_len)
         logits = t.prefill_forward(cache, prompts)
-        if t.family == "transformer":
+        if t.state_kind == "kv":
             # Blocks are claimed as verification needs them and released on rollback.
             for s, n in zip(cache.seqs, lens):
                 cache.kv.truncate(s, n)
@@ -483,7 +490,7 @@ class SpeculativeDecoder(Decoder):
         for draft heads, the transformer's hidden states [B, T, d]."""
         t, cache, positions = self.target, state.cache, state.positions
         start = torch.tensor(positions, device=t.device)
-        if t.family == "transformer":
+        if t.state_kind == "kv":
             wants_hidden = getattr(self.draft, "wants_hidden", False)
             # Host side: claim the slots (new blocks as needed); the forward reads them as tensors.
             slots = torch.cat([cache.kv.append(s, fed.shape[1]) for s in cache.seqs]).to(t.device)
@@ -504,7 +511,7 @@ class SpeculativeDecoder(Decoder):
     def rollback(self, cache, saved, fed: torch.Tensor, positions: list[int], keep: list[int]) -> None:
         """Each target sequence b keeps the first keep[b] fed tokens."""
         t, T = self.target, fed.shape[1]
-        if t.family == "transformer":
+        if t.state_kind == "kv":
             for s, p, n in zip(cache.seqs, positions, keep):
                 cache.kv.truncate(s, p + n)
             return
@@ -674,6 +681,6 @@ def parse_spec(text: str, *, targets: list[str] = (), peers: list[str] = ()) -> 
     model_draft = fields["draft"] != "ngram" and not fields["draft"].startswith("heads:")
     for role, name in [("draft", fields["draft"])] * model_draft + [("model", t) for t in targets]:
         family = decoders.family_of(name)
-        if family not in FAMILIES:
-            raise UsageError(f"--spec: {role} {name!r} is {family}, not autoregressive ({', '.join(FAMILIES)})")
+        if decoders.family_class(family).state_kind not in KINDS:
+            raise UsageError(f"--spec: {role} {name!r} is {family}, not autoregressive ({', '.join(autoregressive_families())})")
     return SpecOption(fields["draft"], k, verify, graphs == "1")

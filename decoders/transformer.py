@@ -11,12 +11,10 @@ half the bytes per position, counted as such by `memory`.
 """
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from declab_arch import llama
-from declab_arch.checkpoint import load_tokenizer
 from decoders.base import AutoregressiveDecoder, Memory
 from decoders.kv_cache import PagedKVCache, kv_token_bytes, resolve_kv_dtype
 from declab_kernels import paged_attention
@@ -32,6 +30,9 @@ class TransformerCache:
 
 class TransformerDecoder(AutoregressiveDecoder):
     family = "transformer"
+    arch = llama
+    presets = "llama"
+    state_kind = "kv"
 
     def __init__(self, model, config, *, page_size: int = 16, num_blocks: int | None = None, kv_memory_bytes: int | None = None, prefill_chunk: int | None = None,
                  kv_dtype=None, **kwargs):
@@ -51,25 +52,6 @@ class TransformerDecoder(AutoregressiveDecoder):
 
     def describe(self) -> dict:
         return {**super().describe(), "kv_dtype": str(self.kv_dtype).removeprefix("torch.")}
-
-    @classmethod
-    def detects(cls, hf_config: dict) -> bool:
-        return llama.is_hf_llama(hf_config)
-
-    @classmethod
-    def from_preset(cls, values: dict, name: str, *, seed: int = 0, **kwargs):
-        config = llama.preset_config(values, name)
-        return cls(llama.build(config, None, name, seed=seed), config, source=name, **kwargs)
-
-    @classmethod
-    def from_checkpoint(cls, folder: Path, **kwargs):
-        config, tensors = llama.load_hf(folder)
-        model = llama.build(config, tensors, str(folder))
-        return cls(model, config, source=str(folder), tokenizer=load_tokenizer(folder), **kwargs)
-
-    def save(self, folder: Path) -> None:
-        """Write the model as an HF-style Llama folder naming the lab family (loadable by `decoders.load`)."""
-        llama.save(self.model, folder)
 
     def _new_kv(self, **size) -> PagedKVCache:
         c = self.config

@@ -34,7 +34,7 @@ import torch
 import decoders
 from eval import quality, samples, train
 from eval.tasks import make
-from declab_kernels.benchtools import append_jsonl, environment
+from decoders.records import append_jsonl, environment
 from decoders.cli import Parser, check_output_dir
 
 PRESETS = ["llama-30m", "mamba2-30m", "rwkv7-30m", "maskpredict-30m"]

@@ -44,11 +44,11 @@ import torch.nn.functional as F
 import decoders
 from decoders import cli
 from declab_arch.checkpoint import CONFIG_DIR, read_json
-from declab_kernels.benchtools import append_jsonl, environment
+from decoders.records import append_jsonl, environment
 from eval.train import lr_at
 
-FAMILIES = ["transformer", "mamba2", "rwkv7", "maskpredict"]
-TINY = {"transformer": "llama-tiny", "mamba2": "mamba2-tiny", "rwkv7": "rwkv7-tiny", "maskpredict": "maskpredict-tiny"}
+FAMILIES = list(decoders.FAMILIES)
+TINY = {f: f"{decoders.family_class(f).presets}-tiny" for f in FAMILIES}
 VOCAB = 512
 FILLER = 0
 KEYS = range(1, 256)
@@ -63,12 +63,13 @@ def model_values(family: str, width: int, layers: int) -> dict:
     """Config values of `family` at model width `width` with `layers` blocks: the tiny preset, resized."""
     values = read_json(CONFIG_DIR / f"{TINY[family]}.json")
     heads = width // HEAD_DIM
-    if family in ("transformer", "maskpredict"):
+    # Resized by the fields the family's config has: attention heads (Llama-shaped), d_model (Mamba-2), or neither (RWKV-7).
+    if "num_attention_heads" in values:
         values.update(hidden_size=width, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
                       head_dim=HEAD_DIM, intermediate_size=16 * math.ceil(8 * width / 3 / 16))
-        if family == "maskpredict":
+        if "mask_token_id" in values:
             values.update(mask_token_id=MASK, max_predicted_length=0)
-    elif family == "mamba2":
+    elif "d_model" in values:
         values.update(d_model=width, n_layer=layers, headdim=HEAD_DIM)
     else:
         values.update(hidden_size=width, num_hidden_layers=layers, head_dim=HEAD_DIM, intermediate_size=4 * width)
@@ -100,7 +101,7 @@ def answer_logits(dec, tokens: torch.Tensor, answers: torch.Tensor) -> tuple[tor
     """Logits [A, V] the model gives each answer position and the answers [A]: the autoregressive
     families read the position before it, Mask-Predict the masked position itself."""
     model = dec.model
-    if dec.family == "maskpredict":
+    if decoders.family_class(dec.family).state_kind == "canvas":
         logits = model(torch.where(answers, MASK, tokens))
         return logits[answers], tokens[answers]
     kwargs = {"impl": "ref"} if "impl" in inspect.signature(model.forward).parameters else {}

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 import decoders
-from declab_kernels.benchtools import append_jsonl, environment
+from decoders.records import append_jsonl, environment
 from decoders.cli import Parser, check_output_dir
 
 MQAR_TASK = re.compile(r"declab_mqar_(\d+)$")
@@ -155,13 +155,13 @@ def plot_iterations(runs: list[dict], path: Path) -> bool:
 
 def is_maskpredict(checkpoint: str) -> bool:
     """Whether a checkpoint folder or preset is of the Mask-Predict family (without loading weights)."""
+    from decoders import family_class
+
+    record = family_class("maskpredict")
     config = Path(checkpoint) / "config.json"
     if config.exists():
-        from decoders import family_class
-
-        hf = json.loads(config.read_text())
-        return hf.get("declab_family") == "maskpredict" or family_class("maskpredict").detects(hf)
-    return str(checkpoint).startswith("maskpredict")
+        return record.detects(json.loads(config.read_text()))
+    return str(checkpoint).startswith(record.presets)
 
 
 def runs_from_jsonl(path) -> list[dict]:

@@ -16,8 +16,8 @@ acceptance and wall speedup against plain decoding of the same target, in one pr
    draft position; for a state-space target both rollbacks (checkpoint and recompute, per-position
    states) are measured; the transformer target also with Medusa-style draft heads trained on its
    hidden states for --heads-seconds (`eval.train_heads`, into <work>/runs/<target>-heads).
-   On a GPU every point is measured eager, then again graph-captured (a model draft's k+1 steps
-   and the verify forward in CUDA graphs; a state-space target verifying as decode steps); a
+   On a GPU every point is measured graph-captured first (a model draft's k+1 steps and the verify
+   forward in CUDA graphs; a state-space target verifying as decode steps), then again eager; a
    graphed point that fails is recorded with its reason, not raised (--no-graphs: eager only).
 
 Every record is a JSON line appended to --out as it finishes (with environment()); the table is
@@ -36,7 +36,7 @@ import decoders
 from decoders import cli
 from decoders.speculative import MAX_K, SpeculativeDecoder
 from eval import train, train_heads
-from declab_kernels.benchtools import append_jsonl, environment
+from decoders.records import append_jsonl, environment
 
 TARGET = "llama-30m"
 STATE_TARGET = "mamba2-30m"
@@ -122,13 +122,15 @@ def spec_run(spec: SpeculativeDecoder, batches: list[list[list[int]]], new_token
 
 
 def measure(a, targets: dict, drafts: dict, prompts: list[list[int]], device) -> list[dict]:
-    """Every point eager first, then (on a GPU) graph-captured, so that a capture that fails costs
-    only the graphed points; a graphed point that raises is recorded with its reason."""
+    """On a GPU every point graph-captured first (the figure a user would run, so that a run cut short
+    still has it), then eager; a graphed point that raises is recorded with its reason, and the eager
+    points still run."""
     records, plain = [], {}
     env = environment(device)
-    for graphs in [False, True] if device.type == "cuda" and a.graphs else [False]:
+    for graphs in [True, False] if device.type == "cuda" and a.graphs else [False]:
         for target_name, target in targets.items():
-            verifies = ["chunk", "steps"] if target.family in ("mamba2", "rwkv7") else ["chunk"]
+            recurrent = target.state_kind == "recurrent"
+            verifies = ["chunk", "steps"] if recurrent else ["chunk"]
             for batch in a.batches:
                 batches = [prompts[i : i + batch] for i in range(0, len(prompts) - batch + 1, batch)]
                 if (target_name, batch) not in plain:
@@ -137,15 +139,15 @@ def measure(a, targets: dict, drafts: dict, prompts: list[list[int]], device) ->
                 plain_tokens, plain_s = plain[target_name, batch]
                 n_tokens = len(plain_tokens) * a.new_tokens
                 for draft_name, draft in drafts.items():
-                    if draft == "heads" and target.family != "transformer":
+                    if draft == "heads" and target.state_kind != "kv":
                         continue
                     for k in a.ks:
                         # Graphs capture the recurrent verification only as decode steps.
-                        for verify in verifies if not (graphs and target.family != "transformer") else ["steps"]:
+                        for verify in verifies if not (graphs and recurrent) else ["steps"]:
                             record = {
                                 "kind": "point", "target": target_name, "target_family": target.family,
                                 "draft": draft_name, "draft_family": draft if isinstance(draft, str) else draft.family,
-                                "k": k, "batch": batch, "recurrent_verify": verify if target.family != "transformer" else None,
+                                "k": k, "batch": batch, "recurrent_verify": verify if recurrent else None,
                                 "cuda_graphs": graphs, "prompts": len(plain_tokens), "prompt_tokens": a.prompt_tokens,
                                 "new_tokens": a.new_tokens, "plain_s": plain_s, "plain_tok_s": n_tokens / plain_s,
                             }
@@ -222,11 +224,12 @@ def run(a) -> list[dict]:
     draft_names = parse_list(a.drafts, "drafts")
     target_names = [n for n in (a.target, a.state_target) if n]
     families = {n: decoders.family_of(n) for n in target_names + draft_names}
-    if a.target and families[a.target] != "transformer":
+    kinds = {n: decoders.family_class(f).state_kind for n, f in families.items()}
+    if a.target and kinds[a.target] != "kv":
         raise decoders.UsageError(f"--target {a.target} is {families[a.target]}, not a transformer")
-    if a.state_target and families[a.state_target] not in ("mamba2", "rwkv7"):
+    if a.state_target and kinds[a.state_target] != "recurrent":
         raise decoders.UsageError(f"--state-target {a.state_target} is {families[a.state_target]}, not mamba2 or rwkv7")
-    if bad := [n for n in draft_names if families[n] not in ("transformer", "mamba2", "rwkv7")]:
+    if bad := [n for n in draft_names if kinds[n] not in ("kv", "recurrent")]:
         raise decoders.UsageError(f"--drafts {', '.join(bad)}: not autoregressive")
     train.check_corpus(str(a.corpus))
     cli.check_output_dir(a.work, "--work")

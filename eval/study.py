@@ -42,10 +42,12 @@ import torch
 
 import decoders
 from decoders import cli
-from declab_kernels.benchtools import append_jsonl, environment, matmul_flops
+from declab_kernels.timing import matmul_flops
+from decoders.records import append_jsonl, environment
 from eval import train
 
-PREFIX = {"transformer": "llama", "mamba2": "mamba2", "rwkv7": "rwkv7", "maskpredict": "maskpredict"}
+# family -> the prefix of its preset names (llama-1b, mamba2-1.3b, ...)
+PREFIX = {f: decoders.family_class(f).presets for f in decoders.FAMILIES}
 FLATTENED = 0.02
 
 

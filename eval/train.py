@@ -56,7 +56,7 @@ from declab_arch.checkpoint import CONFIG_DIR, read_json
 from decoders.cli import Parser, check_output_dir
 from eval.corpus import documents, shard_files
 from eval.tokenizer import BYTE_VOCAB, make_tokenizer, save_tokenizer
-from declab_kernels.benchtools import append_jsonl, environment
+from decoders.records import append_jsonl, environment
 
 BPE_SAMPLE_DOCS = 20000
 # Share of Mask-Predict's training windows whose prompt sees the block (the bidirectional bound's attention).
@@ -237,7 +237,7 @@ def loss_fn(dec):
     Mask-Predict the block loss of the first T tokens (a clean prompt, then a masked block that ends
     the sequence: what its decoding and scoring see)."""
     model = dec.model
-    if dec.family == "maskpredict":
+    if dec.state_kind == "canvas":
         from declab_arch.maskpredict import block_loss
 
         return lambda x, generator=None: block_loss(model, x[:, :-1], bidirectional=MASKPREDICT_BIDIRECTIONAL, generator=generator)

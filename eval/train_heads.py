@@ -24,7 +24,7 @@ import torch.nn.functional as F
 import decoders
 from decoders import cli
 from declab_arch.draft_heads import DraftHeads
-from declab_kernels.benchtools import append_jsonl, environment
+from decoders.records import append_jsonl, environment
 from eval import train
 
 PROBE_STEPS = 4
@@ -63,7 +63,7 @@ def train_heads(a) -> Path:
     device = decoders.parse_device(a.device)
     torch.manual_seed(a.seed)
     target = decoders.load(a.target, device=device, dtype="float32", impl="ref")
-    if target.family != "transformer":
+    if target.state_kind != "kv":
         raise decoders.UsageError(f"--target {a.target} is {target.family}: draft heads read a transformer's hidden states")
     if target.tokenizer is None:
         raise decoders.UsageError(f"--target {a.target} has no tokenizer: train it with eval.train")

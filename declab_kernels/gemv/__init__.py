@@ -180,7 +180,7 @@ def select_choices() -> dict:
 def _graph_us(call, weights) -> float:
     """µs per call of `call(w)`, one call per weight copy, replayed from a CUDA graph: as in a decode
     step, calls run back to back and every weight comes from HBM (the copies overflow L2)."""
-    from declab_kernels.benchtools import time_ms
+    from declab_kernels.timing import time_ms
 
     return time_ms(lambda: [call(w) for w in weights], graph=True, warmup=1, iters=5) * 1e3 / len(weights)
 

@@ -128,8 +128,6 @@ def rope_write(q, k, v, cos, sin, k_cache, v_cache, block_tables, seq_lens, scal
     """The step before decode when it is given `rope`: q `[B, Hq, D]` and k `[B, Hkv, D]` rotated at
     position seq_len - 1, the rotated k and v written into the cache at that position (sequences with
     seq_len 0 skipped); returns the rotated q."""
-    from declab_kernels.rotary.ref import rotate_ref
-
     pos = (seq_lens.long() - 1).clamp(min=0)
     block_size = k_cache.shape[1]
     pages = block_tables.long().gather(1, (pos // block_size).unsqueeze(1)).squeeze(1)
@@ -162,3 +160,15 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seql
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
         out[cu[b] : cu[b + 1]] = attend(q[cu[b] : cu[b + 1]], k, v, q_pos, scale, causal)
     return out.to(q.dtype)
+
+
+def rotate_ref(x, positions, cos, sin):
+    """x `[N, H, D]` at positions `[N]`, tables cos and sin `[P, D/2]` float32 -> `[N, H, D]` in x's dtype.
+
+    With x = [x1, x2] (the two halves of the head dimension) and angle a = positions * inv_freq:
+    [x1 cos a - x2 sin a, x2 cos a + x1 sin a].
+    """
+    c = cos[positions].unsqueeze(-2)  # [N, 1, D/2]
+    s = sin[positions].unsqueeze(-2)
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)

@@ -1,18 +1,11 @@
-"""Rotary position embedding (RoPE, HF's rotate-half convention): the PyTorch reference in float32."""
+"""Rotary position embedding (RoPE, HF's rotate-half convention): the PyTorch reference in float32.
 
-import torch
+The rotation itself, `rotate_ref`, is written once in `declab_kernels.paged_attention.ref`, whose
+RoPE-fused decode specifies it too: this folder writes into the paged caches, so it builds on
+paged_attention and never the reverse.
+"""
 
-
-def rotate_ref(x, positions, cos, sin):
-    """x `[N, H, D]` at positions `[N]`, tables cos and sin `[P, D/2]` float32 -> `[N, H, D]` in x's dtype.
-
-    With x = [x1, x2] (the two halves of the head dimension) and angle a = positions * inv_freq:
-    [x1 cos a - x2 sin a, x2 cos a + x1 sin a].
-    """
-    c = cos[positions].unsqueeze(-2)  # [N, 1, D/2]
-    s = sin[positions].unsqueeze(-2)
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
+from declab_kernels.paged_attention.ref import rotate_ref
 
 
 def apply_rotary_ref(q, k, positions, cos, sin):

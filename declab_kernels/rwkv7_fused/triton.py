@@ -15,7 +15,7 @@ PDL (constexpr of every kernel, see `declab_kernels.pdl`): gdc_launch_dependents
 the first load of an activation; weights (norm weights and biases, mixes, k_k, k_a, r_k) are loaded
 before the wait, and so is the token-shift row of `add_norm_shift` when its caller promises
 `state_ready` (constexpr STATE_READY). Every kernel issues all its activation loads before its
-first store or reduction, so the loads share one memory round trip (README.md, performance log).
+first store or reduction, so the loads share one memory round trip (results/LOG.md, rwkv7_fused).
 """
 
 import torch

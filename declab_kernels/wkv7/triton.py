@@ -14,11 +14,7 @@
 - `_chunk_pass_kernel` (pass 2, sequential over chunks): a program owns one (batch, head, V-block)
   of the state in registers and walks the chunks: u = W S + U, o = R S + O,
   S <- exp(g_L) S + Kd^T v + Bd^T u.
-- Non-default variants: `_chunk_prep_transition_kernel` (pass 1 that also forms the chunk's
-  transition M = diag(exp(g_L)) + Bd^T W and D = Kd^T v + Bd^T U), `_chunk_transition_kernel`
-  (pass 2 as S <- M S + D, o = R S + O beside it, or only the S walk storing each chunk's entering
-  state) and `_chunk_output_kernel` (o = R S + O for all chunks in parallel). `_chunk_local` is
-  pass 1's shared body.
+- `_chunk_local` is pass 1's body.
 
 The sequence is processed in segments so that pass 1's buffers stay bounded at long contexts;
 the state is carried from segment to segment in the final-state buffer. Offsets are 64-bit.
@@ -35,6 +31,13 @@ from declab_kernels.wkv7 import CHUNK
 
 # Pass-1 buffers per segment are capped at this many float32 values (1 GiB).
 SEGMENT_FLOATS = 1 << 28
+# tl.dot's input precision for the float32 products inside a chunk: one TF32 product, 3.5e-4
+# relative error in the state after 1000 tokens (fla chunk_rwkv7: 1.3e-3), 1.6x the speed of
+# float32-grade tf32x3 on an H200 (results/wkv7.jsonl).
+PRECISION = "tf32"
+# Launch shape, from sm_90 register reports: pass 1 needs 8 warps to stay in registers; pass 2
+# runs 4 warps with its loads double-buffered.
+PREP_WARPS, PASS_WARPS, PASS_STAGES = 8, 4, 2
 
 
 @functools.lru_cache(maxsize=None)
@@ -138,11 +141,10 @@ def wkv7_step_triton(r, w, k, v, a, b, state, *, scale=1.0, out=None, block_v=No
 @triton.jit
 def _chunk_local(
     r, w, k, v, a, b, i_n, i_bh, t0, T, H, K, V, scale,
-    C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, PREC: tl.constexpr, DOUBLING: tl.constexpr,
+    C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, PREC: tl.constexpr,
 ):
     """Steps 1-5 of chunk i_n of (batch, head) i_bh without the state: returns W, U, R, O, Kd, Bd
-    ([C, BK] / [C, BVF]), v ([C, BVF]) and g_L ([BK]). DOUBLING picks how X = (I - A_ab)^-1 is
-    formed (products of powers instead of forward substitution)."""
+    ([C, BK] / [C, BVF]), v ([C, BVF]) and g_L ([BK])."""
     # inputs [B, T, H, K] / [B, T, H, V] contiguous
     i_b = i_bh // H
     i_h = i_bh % H
@@ -183,23 +185,15 @@ def _chunk_local(
     A_rb = tl.where(incl, tl.dot(r_up, tl.trans(b_dn), input_precision=PREC), 0.0)
 
     # 3. X = (I - A_ab)^-1
-    if DOUBLING:
-        # why: A_ab is strictly lower triangular (A_ab^C = 0), so (I - A_ab)^-1 =
-        # (I + A)(I + A^2)(I + A^4)...(I + A^(C/2)): 2 log2(C) - 1 tensor-core products instead of
-        # C dependent row updates, each with cross-warp reductions
-        X = A_ab + tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
-        P = A_ab
-        for j in tl.static_range(1, 8):
-            if (1 << j) < C:
-                P = tl.dot(P, P, input_precision=PREC)
-                X = X + tl.dot(X, P, input_precision=PREC)
-    else:
-        # forward substitution: row i of X is e_i + sum_{j<i} A_ab[i, j] X[j, :]
-        X = tl.zeros([C, C], dtype=tl.float32)
-        for i in range(C):
-            l_i = tl.sum(tl.where(rows[:, None] == i, A_ab, 0.0), axis=0)
-            x_i = tl.sum(l_i[:, None] * X, axis=0) + tl.where(rows == i, 1.0, 0.0)
-            X = tl.where(rows[:, None] == i, x_i[None, :], X)
+    # why: A_ab is strictly lower triangular (A_ab^C = 0), so (I - A_ab)^-1 =
+    # (I + A)(I + A^2)(I + A^4)...(I + A^(C/2)): 2 log2(C) - 1 tensor-core products instead of
+    # C dependent row updates, each with cross-warp reductions
+    X = A_ab + tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
+    P = A_ab
+    for j in tl.static_range(1, 8):
+        if (1 << j) < C:
+            P = tl.dot(P, P, input_precision=PREC)
+            X = X + tl.dot(X, P, input_precision=PREC)
 
     # u = W S + U
     Wm = tl.dot(X, aa * tl.exp(gp), input_precision=PREC)
@@ -218,13 +212,13 @@ def _chunk_prep_kernel(
     r, w, k, v, a, b,
     Wb, Ub, Rb, Ob, Kb, Bb, Gb,
     t0, T, NC, H, K, V, scale,
-    C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, PREC: tl.constexpr, DOUBLING: tl.constexpr,
+    C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, PREC: tl.constexpr,
 ):
     # outputs [B*H, NC, C, *] (Kb, Bb [B*H, NC, K, C]) and Gb [B*H, NC, K]
     i_n = tl.program_id(0).to(tl.int64)
     i_bh = tl.program_id(1).to(tl.int64)
     Wm, U, R, O, Kd, Bd, vv, g_last = _chunk_local(
-        r, w, k, v, a, b, i_n, i_bh, t0, T, H, K, V, scale, C=C, BK=BK, BVF=BVF, PREC=PREC, DOUBLING=DOUBLING)
+        r, w, k, v, a, b, i_n, i_bh, t0, T, H, K, V, scale, C=C, BK=BK, BVF=BVF, PREC=PREC)
     rows = tl.arange(0, C)
     ck = tl.arange(0, BK)
     cv = tl.arange(0, BVF)
@@ -293,109 +287,6 @@ def _chunk_pass_kernel(
     tl.store(ht + s_off, S, mask=m_s)
 
 
-@triton.jit
-def _chunk_prep_transition_kernel(
-    r, w, k, v, a, b,
-    Mb, Rb, Db, Ob,
-    t0, T, NC, H, K, V, scale,
-    C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, PREC: tl.constexpr, DOUBLING: tl.constexpr,
-):
-    # outputs Mb [B*H, NC, K, K], Rb [B*H, NC, C, K], Db [B*H, NC, K, V], Ob [B*H, NC, C, V]
-    i_n = tl.program_id(0).to(tl.int64)
-    i_bh = tl.program_id(1).to(tl.int64)
-    Wm, U, R, O, Kd, Bd, vv, g_last = _chunk_local(
-        r, w, k, v, a, b, i_n, i_bh, t0, T, H, K, V, scale, C=C, BK=BK, BVF=BVF, PREC=PREC, DOUBLING=DOUBLING)
-    rows = tl.arange(0, C)
-    ck = tl.arange(0, BK)
-    cv = tl.arange(0, BVF)
-    m_k = ck < K
-    m_v = cv < V
-    # why: S <- exp(g_L) S + Kd^T v + Bd^T (W S + U) = M S + D, so the sequential pass needs one
-    # product per chunk on its critical path: M = diag(exp(g_L)) + Bd^T W, D = Kd^T v + Bd^T U
-    BdT = tl.trans(Bd)
-    M = tl.dot(BdT, Wm, input_precision=PREC) + tl.where(ck[:, None] == ck[None, :], tl.exp(g_last)[:, None], 0.0)
-    D = tl.dot(tl.trans(Kd), vv, input_precision=PREC) + tl.dot(BdT, U, input_precision=PREC)
-    c = i_bh * NC + i_n
-    row_k = c * K + ck
-    row = c * C + rows
-    tl.store(Mb + row_k[:, None] * K + ck[None, :], M, mask=m_k[:, None] & m_k[None, :])
-    tl.store(Db + row_k[:, None] * V + cv[None, :], D, mask=m_k[:, None] & m_v[None, :])
-    tl.store(Rb + row[:, None] * K + ck[None, :], R, mask=m_k[None, :])
-    tl.store(Ob + row[:, None] * V + cv[None, :], O, mask=m_v[None, :])
-
-
-@triton.jit
-def _chunk_transition_kernel(
-    o, h0, ht, Mb, Rb, Db, Ob,
-    t0, T, NC, H, K, V,
-    C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, STATES: tl.constexpr,
-    PREC: tl.constexpr,
-):
-    # o [B, T, H, V]; h0, ht [B, H, K, V] float32; buffers as written by _chunk_prep_transition_kernel.
-    # STATES: the state entering each chunk overwrites that chunk's D (already read) and o is left
-    # to _chunk_output_kernel; otherwise o = R S + O is computed here, off the S -> S chain.
-    i_v = tl.program_id(0)
-    i_bh = tl.program_id(1).to(tl.int64)
-    i_b = i_bh // H
-    i_h = i_bh % H
-    rows = tl.arange(0, C)
-    ck = tl.arange(0, BK)
-    cv = i_v * BV + tl.arange(0, BV)
-    m_k = ck < K
-    m_v = cv < V
-    m_s = m_k[:, None] & m_v[None, :]
-    s_off = i_bh * K * V + ck[:, None].to(tl.int64) * V + cv[None, :]
-    if HAS_H0:
-        S = tl.load(h0 + s_off, mask=m_s, other=0.0)
-    else:
-        S = tl.zeros([BK, BV], dtype=tl.float32)
-    for n in range(NC):
-        c = i_bh * NC + n
-        row_k = c * K + ck
-        M = tl.load(Mb + row_k[:, None] * K + ck[None, :], mask=m_k[:, None] & m_k[None, :], other=0.0)
-        o_kv = row_k[:, None] * V + cv[None, :]
-        D = tl.load(Db + o_kv, mask=m_s, other=0.0)
-        if STATES:
-            tl.store(Db + o_kv, S, mask=m_s)
-        else:
-            row = c * C + rows
-            R = tl.load(Rb + row[:, None] * K + ck[None, :], mask=m_k[None, :], other=0.0)
-            O = tl.load(Ob + row[:, None] * V + cv[None, :], mask=m_v[None, :], other=0.0)
-            out = tl.dot(R, S, input_precision=PREC) + O
-            t = t0 + n * C + rows
-            tok = (i_b * T + t) * H + i_h
-            tl.store(o + tok[:, None] * V + cv[None, :], out.to(o.dtype.element_ty), mask=(t < T)[:, None] & m_v[None, :])
-        S = tl.dot(M, S, input_precision=PREC) + D
-    tl.store(ht + s_off, S, mask=m_s)
-
-
-@triton.jit
-def _chunk_output_kernel(
-    o, Rb, Sb, Ob,
-    t0, T, NC, H, K, V,
-    C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, PREC: tl.constexpr,
-):
-    # o = R S + O for every chunk in parallel; Sb [B*H, NC, K, V] holds the state entering each chunk
-    i_n = tl.program_id(0).to(tl.int64)
-    i_bh = tl.program_id(1).to(tl.int64)
-    i_b = i_bh // H
-    i_h = i_bh % H
-    rows = tl.arange(0, C)
-    ck = tl.arange(0, BK)
-    cv = tl.arange(0, BVF)
-    m_k = ck < K
-    m_v = cv < V
-    c = i_bh * NC + i_n
-    row = c * C + rows
-    R = tl.load(Rb + row[:, None] * K + ck[None, :], mask=m_k[None, :], other=0.0)
-    S = tl.load(Sb + (c * K + ck)[:, None] * V + cv[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
-    O = tl.load(Ob + row[:, None] * V + cv[None, :], mask=m_v[None, :], other=0.0)
-    out = tl.dot(R, S, input_precision=PREC) + O
-    t = t0 + i_n * C + rows
-    tok = (i_b * T + t) * H + i_h
-    tl.store(o + tok[:, None] * V + cv[None, :], out.to(o.dtype.element_ty), mask=(t < T)[:, None] & m_v[None, :])
-
-
 def _chunk_block_v(B, H, V, n_sm):
     """Widest V-block (16..64, tl.dot needs >= 16) that still gives a program per SM."""
     bv = min(64, max(16, triton.next_power_of_2(V)))
@@ -404,54 +295,19 @@ def _chunk_block_v(B, H, V, n_sm):
     return bv
 
 
-def _chunk_launch(precision):
-    """(num_warps of pass 1, num_warps of pass 2, num_stages of pass 2) of the default walk.
-
-    Chosen from sm_90 register reports: the FMA ("ieee") dots of pass 2 spill when its loads are
-    double-buffered, so that variant runs single-stage; pass 1 needs 8 warps to stay in registers.
-    """
-    return 8, 4, 1 if precision == "ieee" else 2
-
-
-# Warps of the sequential kernel of the "transition" and "states" variants. why 8: in sm_90 SASS
-# (C=32, V-block 16, tf32x3) the per-chunk loop is 936 / 484 instructions per warp with 8 warps
-# against 1129 / 581 with 4, without spills; with one program per SM the chain is issue-bound.
-TRANSITION_WARPS = 8
-
-
 def wkv7_chunk_triton(
     r, w, k, v, a, b, *, scale=1.0, initial_state=None, chunk_size=CHUNK,
-    out=None, final_state=None, block_v=None, precision="tf32", segment_floats=SEGMENT_FLOATS,
-    pass2="walk", pass2_precision=None, solve="doubling",
+    out=None, final_state=None, block_v=None, segment_floats=SEGMENT_FLOATS,
 ):
     """Chunked prefill. r, w, k, a, b `[B, T, H, K]`, v `[B, T, H, V]`, initial_state
     `[B, H, K, V]` float32 or None. Returns (o `[B, T, H, V]` in r's dtype, final state float32),
     written into `out` / `final_state` when given.
 
-    `precision` is tl.dot's input precision for the float32 products inside a chunk: "tf32" (one
-    TF32 product, the default: 3.5e-4 relative error in the state after 1000 tokens, fla
-    chunk_rwkv7's 1.3e-3; 1.6x the speed of tf32x3 on an H200), "tf32x3" (three TF32 products,
-    float32-grade: 1e-7) or "ieee" (float32 FMA). Stable while
-    chunk_size / 2 * max|w| stays below ~80 (float32 exp range); RWKV-7 has |w| <= 0.61.
-
-    Non-default variants (same results up to rounding):
-    - `pass2`: "walk" (default: pass 2 computes u = W S + U, o = R S + O and
-      S <- exp(g_L) S + Kd^T v + Bd^T u per chunk); "transition" (pass 1 also forms the chunk's
-      transition M = diag(exp(g_L)) + Bd^T W and D = Kd^T v + Bd^T U, so pass 2 does
-      S <- M S + D with o = R S + O beside it); "states" (as "transition", but pass 2 only walks
-      S <- M S + D, storing the state entering each chunk, and a third, parallel kernel computes
-      o = R S + O).
-    - `pass2_precision`: input precision of the sequential kernel's products (default `precision`).
-    - `solve`: how pass 1 forms (I - A_ab)^-1: "doubling" (default: products of powers,
-      2 log2(C) - 1 tensor-core products; 7.69 ms against 8.85 for a 32k-token layer on an H200)
-      or "substitution" (C dependent row updates).
+    The products inside a chunk run in TF32 (`PRECISION`). Stable while chunk_size / 2 * max|w|
+    stays below ~80 (float32 exp range); RWKV-7 has |w| <= 0.61.
+    `block_v` and `segment_floats` override the launch shape (defaults: `_chunk_block_v`,
+    `SEGMENT_FLOATS`); the benchmark sweeps them.
     """
-    if pass2 not in ("walk", "transition", "states"):
-        raise ValueError(f"wkv7_chunk: pass2 must be 'walk', 'transition' or 'states', got {pass2!r}")
-    if solve not in ("substitution", "doubling"):
-        raise ValueError(f"wkv7_chunk: solve must be 'substitution' or 'doubling', got {solve!r}")
-    p2 = pass2_precision or precision
-    doubling = solve == "doubling"
     B, T, H, K = r.shape
     V = v.shape[-1]
     C = chunk_size
@@ -480,48 +336,25 @@ def wkv7_chunk_triton(
     BVF = max(16, triton.next_power_of_2(V))
     BV = block_v or _chunk_block_v(B, H, V, _sms(r))
     f32 = dict(dtype=torch.float32, device=r.device)
-    if pass2 == "walk":
-        per_chunk = B * H * (C * (4 * K + 2 * V) + K)
-        NC = max(1, min(triton.cdiv(T, C), segment_floats // per_chunk))
-        Wb, Rb = (torch.empty(B * H, NC, C, K, **f32) for _ in range(2))
-        Kb, Bb = (torch.empty(B * H, NC, K, C, **f32) for _ in range(2))
-        Ub, Ob = (torch.empty(B * H, NC, C, V, **f32) for _ in range(2))
-        Gb = torch.empty(B * H, NC, K, **f32)
-        bufs = (Wb, Ub, Rb, Ob, Kb, Bb, Gb)
-    else:
-        per_chunk = B * H * (K * K + C * K + K * V + C * V)
-        NC = max(1, min(triton.cdiv(T, C), segment_floats // per_chunk))
-        bufs = (torch.empty(B * H, NC, K, K, **f32), torch.empty(B * H, NC, C, K, **f32),
-                torch.empty(B * H, NC, K, V, **f32), torch.empty(B * H, NC, C, V, **f32))
-    nw_prep, nw_pass, ns_pass = _chunk_launch(p2)
+    per_chunk = B * H * (C * (4 * K + 2 * V) + K)
+    NC = max(1, min(triton.cdiv(T, C), segment_floats // per_chunk))
+    Wb, Rb = (torch.empty(B * H, NC, C, K, **f32) for _ in range(2))
+    Kb, Bb = (torch.empty(B * H, NC, K, C, **f32) for _ in range(2))
+    Ub, Ob = (torch.empty(B * H, NC, C, V, **f32) for _ in range(2))
+    Gb = torch.empty(B * H, NC, K, **f32)
+    bufs = (Wb, Ub, Rb, Ob, Kb, Bb, Gb)
     for t0 in range(0, T, NC * C):
         nc = min(NC, triton.cdiv(T - t0, C))
         # why: the final-state buffer carries the state between segments; each program of pass 2
         # reads its own block before writing it, so reading and writing the same buffer is safe
         s_in = h0 if h0 is not None else final_state
-        if pass2 == "walk":
-            _chunk_prep_kernel[(nc, B * H)](
-                r, w, k, v, a, b, *bufs, t0, T, nc, H, K, V, scale,
-                C=C, BK=BK, BVF=BVF, PREC=precision, DOUBLING=doubling, num_warps=nw_prep,
-            )
-            _chunk_pass_kernel[(triton.cdiv(V, BV), B * H)](
-                v, out, s_in, final_state, *bufs, t0, T, nc, H, K, V,
-                C=C, BK=BK, BV=BV, HAS_H0=h0 is not None, PREC=p2, num_warps=nw_pass, num_stages=ns_pass,
-            )
-        else:
-            _chunk_prep_transition_kernel[(nc, B * H)](
-                r, w, k, v, a, b, *bufs, t0, T, nc, H, K, V, scale,
-                C=C, BK=BK, BVF=BVF, PREC=precision, DOUBLING=doubling, num_warps=nw_prep,
-            )
-            _chunk_transition_kernel[(triton.cdiv(V, BV), B * H)](
-                out, s_in, final_state, *bufs, t0, T, nc, H, K, V,
-                C=C, BK=BK, BV=BV, HAS_H0=h0 is not None, STATES=pass2 == "states", PREC=p2,
-                num_warps=TRANSITION_WARPS, num_stages=2,
-            )
-            if pass2 == "states":
-                Mb, Rb, Sb, Ob = bufs
-                _chunk_output_kernel[(nc, B * H)](
-                    out, Rb, Sb, Ob, t0, T, nc, H, K, V, C=C, BK=BK, BVF=BVF, PREC=precision, num_warps=4,
-                )
+        _chunk_prep_kernel[(nc, B * H)](
+            r, w, k, v, a, b, *bufs, t0, T, nc, H, K, V, scale,
+            C=C, BK=BK, BVF=BVF, PREC=PRECISION, num_warps=PREP_WARPS,
+        )
+        _chunk_pass_kernel[(triton.cdiv(V, BV), B * H)](
+            v, out, s_in, final_state, *bufs, t0, T, nc, H, K, V,
+            C=C, BK=BK, BV=BV, HAS_H0=h0 is not None, PREC=PRECISION, num_warps=PASS_WARPS, num_stages=PASS_STAGES,
+        )
         h0 = final_state
     return out, final_state

@@ -169,7 +169,7 @@ def llada_folder(tmp_path, *, model_type="llada"):
 def test_llada_style_checkpoint_loads_with_hf_llama_names(tmp_path):
     hf_model, hf = llada_folder(tmp_path)
     assert maskpredict.is_masked_diffusion(hf)
-    assert not llama.is_hf_llama(hf)
+    assert not llama.detects(hf)
     dec = decoders.load(tmp_path, device="cpu", impl="ref")
     assert dec.family == "maskpredict" and dec.mask_token_id == 47
     tokens = random_tokens((1, 9))

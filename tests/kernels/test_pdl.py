@@ -811,7 +811,7 @@ def test_gpu_write_kv_then_paged_decode_graph(monkeypatch):
 
 
 def test_pdl_check_memory_order_collapses_runs():
-    from declab_kernels.pdl_check import memory_order
+    from declab_bench.pdl_check import memory_order
 
     sass = """
         /*0010*/                   LDG.E.128 R4, desc[UR4][R2.64] ;

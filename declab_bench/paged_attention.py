@@ -1,14 +1,13 @@
 """Paged attention benchmark on one GPU: decode GB/s and prefill TFLOP/s beside SDPA and FlexAttention.
 
-    python -m declab_kernels.paged_attention.bench --out results/paged_attention.jsonl
+    python -m declab_bench.paged_attention --out results/paged_attention.jsonl
 
 Measures the copy-bandwidth ceiling, then write_kv (Triton vs index_copy_), decode (contexts 4k,
 32k, 128k x batch 1, 16, 64 x head dim 64 and 128, Hq=32, Hkv=8, pages 16 and 128; SDPA and
 compiled FlexAttention over contiguous K/V as peers) and causal prefill (4k, 16k, 32k tokens,
-batch 1, D=128, beside SDPA's flash backend), then small tile/split sweeps, the batch-1 decode
-variants ("long", "onetile") and the two page storage orders (token- and head-major) while time
-remains. `--sections decode,variants --decode-batches 1` runs only the batch-1 decode points and the
-variants (about 40 s).
+batch 1, D=128, beside SDPA's flash backend), then small tile/split sweeps and the batch-1 decode
+variant "long" while time remains. `--sections decode,variants --decode-batches 1` runs only the
+batch-1 decode points and the variant (about 30 s).
 write_kv and decode are timed per call inside a CUDA graph of 16 calls (one per simulated layer)
 over distinct caches, so graph launch is amortised as in a decode step and small caches are not
 served from L2; the method is recorded in each record. Finishes in about 2 minutes.
@@ -24,16 +23,17 @@ import time
 import torch
 import torch.nn.functional as F
 
-from declab_kernels import benchtools
+from declab_kernels import timing
 from declab_kernels import paged_attention as pa
 from declab_kernels.paged_attention import triton as tri
+from decoders import records
 
 HQ, HKV = 32, 8
 TOL = 2e-2
 DECODE_CTX = (4096, 32768, 131072)
 DECODE_BATCH = (1, 16, 64)
 DECODE_DIMS = (128, 64)
-SECTIONS = ("write_kv", "decode", "prefill", "decode_tuning", "variants", "layout", "prefill_tuning")
+SECTIONS = ("write_kv", "decode", "prefill", "decode_tuning", "variants", "prefill_tuning")
 PAGES = (16, 128)
 PREFILL_T = (4096, 16384, 32768)
 PREFILL_D = 128
@@ -56,7 +56,7 @@ class Bench:
         self.start = time.monotonic()
         self.budget_s = budget_s
         self.flex_budget_s = flex_budget_s
-        self.env = benchtools.environment(self.device)
+        self.env = records.environment(self.device)
         self.records = []
         self.copy_bps = None
         # causal prefill TFLOP/s of SDPA's flash backend per length, the prefill ceiling
@@ -68,7 +68,7 @@ class Bench:
     def emit(self, **record):
         record = {**record, **self.env}
         self.records.append(record)
-        benchtools.append_jsonl(self.out, record)
+        records.append_jsonl(self.out, record)
 
 
 def rel_rms(a, b):
@@ -96,11 +96,11 @@ def timed_layers(calls, est_ms):
     method = {"timing": f"graph of {n} calls over {len(calls)} distinct buffers, ms per call", "graph_calls": n,
               "buffers": len(calls)}
     try:
-        ms = benchtools.time_ms(step, graph=True, warmup=3, iters=iters)
+        ms = timing.time_ms(step, graph=True, warmup=3, iters=iters)
         graph = True
     except Exception:
         torch.cuda.synchronize()
-        ms = benchtools.time_ms(step, warmup=3, iters=iters)
+        ms = timing.time_ms(step, warmup=3, iters=iters)
         graph = False
     return ms / n, {**method, "graph": graph}
 
@@ -218,26 +218,18 @@ def bench_decode_point(bench, head_dim, ctx, batch, flex):
     torch.cuda.empty_cache()
 
 
-def new_cache(num_blocks, page, head_dim, device, layout="token"):
-    """A bf16 page pool seen as `[num_blocks, page, Hkv, D]`; "head": stored `[num_blocks, Hkv, page, D]`."""
-    if layout == "head":
-        return torch.randn(num_blocks, HKV, page, head_dim, device=device, dtype=torch.bfloat16).transpose(1, 2)
-    return torch.randn(num_blocks, page, HKV, head_dim, device=device, dtype=torch.bfloat16)
-
-
-def tune_decode_case(bench, head_dim, ctx, batch, configs, split_counts, variant="split", op="decode_tuning",
-                     layout="token"):
+def tune_decode_case(bench, head_dim, ctx, batch, configs, split_counts, variant="split", op="decode_tuning"):
     """Time the Triton decode at one shape for each (tile config, split count); one record each.
 
     A config of None is the variant's own tiles; a split count of None is the variant's own choice.
-    `layout`: the caches' storage order (`new_cache`).
     """
     dev = bench.device
     page = 16
     scale = head_dim**-0.5
     nbytes = decode_bytes(batch, ctx, head_dim)
     num_blocks = batch * ctx // page
-    caches = [tuple(new_cache(num_blocks, page, head_dim, dev, layout) for _ in "kv")
+    # [num_blocks, page, Hkv, D] bf16 page pools
+    caches = [tuple(torch.randn(num_blocks, page, HKV, head_dim, device=dev, dtype=torch.bfloat16) for _ in "kv")
               for _ in range(num_buffers(nbytes))]
     block_tables = torch.randperm(num_blocks, device=dev).view(batch, -1).to(torch.int32)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
@@ -254,7 +246,7 @@ def tune_decode_case(bench, head_dim, ctx, batch, configs, split_counts, variant
             calls = [lambda kc=kc, vc=vc: tri.paged_decode_attention(q, kc, vc, block_tables, lens, scale, out=out,
                                                                       workspace=workspace, config=cfg)
                      for kc, vc in caches]
-            record = dict(op=op, impl="triton", variant=variant, layout=layout, B=batch, ctx=ctx, D=head_dim, Hq=HQ,
+            record = dict(op=op, impl="triton", variant=variant, B=batch, ctx=ctx, D=head_dim, Hq=HQ,
                           Hkv=HKV, page=page, num_splits=workspace.num_splits, block_n=cfg.block_n, num_warps=cfg.num_warps,
                           num_stages=cfg.num_stages, ceiling="copy")
             try:
@@ -287,17 +279,15 @@ def bench_decode_tuning(bench):
 
 
 def bench_decode_variants(bench):
-    """The batch-1 latency variants (`decode_workspace(variant=...)`) at 4k/32k/128k, D 64 and 128.
-
-    Each runs with its own split choice; "long" also with twice and half that many splits. The
-    default ("split") is the `decode` record of the same shape and page 16. ~20 s.
+    """The batch-1 latency variant "long" (`decode_workspace(variant="long")`, what the decoders run at
+    batch 1) at 4k/32k/128k, D 64 and 128, with its own split choice and twice and half that many
+    splits. The default ("split") is the `decode` record of the same shape and page 16. ~15 s.
     """
     for head_dim in DECODE_DIMS:
         for ctx in DECODE_CTX:
-            for variant in ("long", "onetile"):
-                auto = pa.decode_workspace(1, HQ, HKV, head_dim, ctx, bench.device, variant=variant).num_splits
-                counts = sorted({auto, 2 * auto, max(1, auto // 2)}) if variant == "long" else (auto,)
-                tune_decode_case(bench, head_dim, ctx, 1, [None], counts, variant=variant, op="decode_variant")
+            auto = pa.decode_workspace(1, HQ, HKV, head_dim, ctx, bench.device, variant="long").num_splits
+            counts = sorted({auto, 2 * auto, max(1, auto // 2)})
+            tune_decode_case(bench, head_dim, ctx, 1, [None], counts, variant="long", op="decode_variant")
 
 
 def prefill_ref_rows(q, k, v, rows, scale):
@@ -347,7 +337,7 @@ def run_prefill_config(bench, op, t, page, cfg, case):
         return
     err = rel_rms(got[rows], want)
     ok = err < TOL and not torch.isnan(got).any().item()
-    ms = benchtools.time_ms(run, warmup=3, iters=10) if ok else None
+    ms = timing.time_ms(run, warmup=3, iters=10) if ok else None
     tflops = flops / ms / 1e9 if ms else None
     sdpa = bench.sdpa_tflops.get(t)
     bench.emit(ms=ms, TFLOPs=tflops, frac=tflops / sdpa if tflops and sdpa else None, ok=ok, rel_rms=err, **record)
@@ -379,7 +369,7 @@ def bench_prefill(bench):
 
                 got = sdpa()[0].transpose(0, 1)
                 ok = rel_rms(got[rows], want) < TOL
-                ms = benchtools.time_ms(sdpa, warmup=3, iters=10) if ok else None
+                ms = timing.time_ms(sdpa, warmup=3, iters=10) if ok else None
                 if ms:
                     bench.sdpa_tflops[t] = flops / ms / 1e9
                 bench.emit(op="prefill", impl="sdpa_flash", B=1, ctx=t, D=PREFILL_D, Hq=HQ, Hkv=HKV, causal=True,
@@ -414,17 +404,6 @@ def compiled_flex():
         return None, f"{type(exc).__name__}: {exc}"
 
 
-def bench_decode_layout(bench):
-    """Token-major against head-major page storage (`new_cache`), with the variants the transformer
-    decoder runs: "long" at batch 1, "split" at batch 16; D 64 and 128, 4k / 32k / 128k. ~30 s."""
-    for head_dim in DECODE_DIMS:
-        for ctx in DECODE_CTX:
-            for batch, variant in ((1, "long"), (16, "split")):
-                for layout in ("token", "head"):
-                    tune_decode_case(bench, head_dim, ctx, batch, [None], [None], variant=variant, op="decode_layout",
-                                     layout=layout)
-
-
 def print_table(records):
     head = (f"{'op':<15}{'impl':<12}{'B':>4}{'ctx|N':>8}{'D':>5}{'page':>6}{'splits':>7}{'tile':>14}{'ms':>10}"
             f"{'GB/s|TF/s':>11}{'frac':>7}  ok")
@@ -442,8 +421,7 @@ def print_table(records):
         tile = ""
         if "block_n" in r:
             tile = f"{r.get('block_m') or ''}x{r['block_n']}/{r['num_warps']}w{r['num_stages']}s".lstrip("x")
-        impl = f"{r['impl']}/{r['layout']}" if r["op"] == "decode_layout" else r["impl"]
-        print(f"{r['op']:<15}{impl:<12}{r.get('B', ''):>4}{size:>8}{r.get('D', ''):>5}"
+        print(f"{r['op']:<15}{r['impl']:<12}{r.get('B', ''):>4}{size:>8}{r.get('D', ''):>5}"
               f"{page:>6}{splits:>7}{tile:>14}{ms:>10}{rate:>11}{frac:>7}  {r.get('ok')}")
 
 
@@ -485,7 +463,7 @@ def main():
         raise SystemExit("this benchmark needs a GPU")
     torch.manual_seed(0)
     bench = Bench(args.out, args.budget_s, args.flex_budget_s)
-    bench.copy_bps = benchtools.copy_bandwidth(bench.device)
+    bench.copy_bps = timing.copy_bandwidth(bench.device)
     bench.emit(op="copy", impl="torch", GBps=bench.copy_bps / 1e9, ok=True)
     print(f"copy bandwidth {bench.copy_bps / 1e9:.0f} GB/s")
 
@@ -501,7 +479,7 @@ def main():
                     bench_decode_point(bench, head_dim, ctx, batch, flex)
                     print(f"[{bench.elapsed():6.1f}s] decode D={head_dim} ctx={ctx} B={batch} done", flush=True)
     for name, run in (("prefill", bench_prefill), ("decode_tuning", bench_decode_tuning), ("variants", bench_decode_variants),
-                      ("layout", bench_decode_layout), ("prefill_tuning", bench_prefill_tuning)):
+                      ("prefill_tuning", bench_prefill_tuning)):
         if name in sections:
             run(bench)
             print(f"[{bench.elapsed():6.1f}s] {name} done", flush=True)

@@ -1,17 +1,12 @@
-"""scripts/step_ab.py: its variant syntax, the environment it sets and restores, and its refusal to run
+"""declab_bench.step_ab: its variant syntax, the environment it sets and restores, and its refusal to run
 without a GPU (its timing itself runs on one)."""
 
-import importlib.util
 import os
-from pathlib import Path
 
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "step_ab.py"
-spec = importlib.util.spec_from_file_location("step_ab", SCRIPT)
-step_ab = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(step_ab)
+from declab_bench import step_ab
 
 
 def test_parse_variant():

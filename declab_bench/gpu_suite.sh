@@ -2,13 +2,13 @@
 # One call on a CUDA machine: the GPU tests, the kernel benchmarks and the compare sweeps, each stage
 # bounded in time, results and logs written under OUT_DIR (JSON lines, one file per stage).
 #
-#   scripts/gpu_suite.sh OUT_DIR tests fused profile gemv kernels wkv7 compare-triton compare-8b compare-batch peers ablation compare-ref
+#   declab_bench/gpu_suite.sh OUT_DIR tests fused profile gemv kernels wkv7 compare-triton compare-8b compare-batch peers ablation compare-ref
 #
 # Peers (flash-linear-attention, mamba-ssm) are used when importable; put wheels in WHEEL_DIR
 # (default .whl) to have them installed into a scratch folder first. On a copy of the tree without
 # its .git, set DECLAB_GIT_SHA (and DECLAB_GIT_DIRTY=1 if needed) so every record names its commit.
 set -uo pipefail
-out=${1:?usage: scripts/gpu_suite.sh OUT_DIR STAGE...}
+out=${1:?usage: declab_bench/gpu_suite.sh OUT_DIR STAGE...}
 shift
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -46,11 +46,11 @@ for s in "$@"; do
         stage "profile_$m" 90 python3 -m decoders.profile --model "$m" --ctx 4k --out "$out/profile.jsonl"
       done ;;
     kernels)
-      stage paged_attention 170 python3 -m declab_kernels.paged_attention.bench --budget-s 120 --flex-budget-s 80 --out "$out/paged_attention.jsonl"
-      stage ssd 120 python3 -m declab_kernels.ssd.bench --out "$out/ssd.jsonl"
-      stage wkv7 120 python3 -m declab_kernels.wkv7.bench --out "$out/wkv7.jsonl" ;;
-    wkv7) stage wkv7 "${WKV7_LIMIT:-150}" python3 -m declab_kernels.wkv7.bench --out "$out/wkv7.jsonl" ${WKV7_ARGS:-} ;;
-    gemv) stage gemv 120 python3 -m declab_kernels.gemv.bench --out "$out/gemv.jsonl" ;;
+      stage paged_attention 170 python3 -m declab_bench.paged_attention --budget-s 120 --flex-budget-s 80 --out "$out/paged_attention.jsonl"
+      stage ssd 120 python3 -m declab_bench.ssd --out "$out/ssd.jsonl"
+      stage wkv7 120 python3 -m declab_bench.wkv7 --out "$out/wkv7.jsonl" ;;
+    wkv7) stage wkv7 "${WKV7_LIMIT:-150}" python3 -m declab_bench.wkv7 --out "$out/wkv7.jsonl" ${WKV7_ARGS:-} ;;
+    gemv) stage gemv 120 python3 -m declab_bench.gemv --out "$out/gemv.jsonl" ;;
     compare-batch) stage compare_batch 240 python3 -m decoders.compare --no-progress --impl triton \
         --models llama-1b,mamba2-1.3b,rwkv7-1.5b --ctx "${BATCH_CTX:-4k,32k}" --batch 16,64 --new-tokens 16 --out "$out/compare_batch.jsonl" ;;
     # Peers alone (each compiles or captures per context) beside a compare-triton sweep of the lab.

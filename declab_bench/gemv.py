@@ -1,11 +1,11 @@
 """GEMV benchmark on one GPU: every Triton configuration against F.linear (cuBLAS) at decode shapes.
 
-    python -m declab_kernels.gemv.bench --out results/gemv.jsonl [--budget 90]
-    python -m declab_kernels.gemv.bench --compile-only     # sm_90 registers / spills / shared memory, no GPU
+    python -m declab_bench.gemv --out results/gemv.jsonl [--budget 90]
+    python -m declab_bench.gemv --compile-only     # sm_90 registers / spills / shared memory, no GPU
 
 bf16, weight `[N, K]` for (N, K) in SHAPES at M in ROWS rows, then the grouped case (G=3 products of
 [2048, 2048] at M=1, one launch, against three F.linear calls). Per case, every record appended to
-`--out` as soon as it is measured (one JSON line with `declab_kernels.benchtools.environment`):
+`--out` as soon as it is measured (one JSON line with `decoders.records.environment`):
 1. self-check of F.linear and of every Triton configuration that fits the shape (`config_fits`)
    against the float32 reference; a Triton configuration that fails is not timed and the run
    exits non-zero;
@@ -55,7 +55,7 @@ def compile_report(rows=(1, 4, 8)):
     import triton
 
     from declab_kernels.gemv.triton import CONFIGS, _gemv_kernel, config_fits, config_name
-    from declab_kernels.pdl_check import compile_one
+    from declab_bench.pdl_check import compile_one
 
     print(f"{'config':<28}{'M':>3}{'regs':>6}{'spill st/ld':>13}{'smem KB':>9}  weight loads")
     for cfg in CONFIGS:
@@ -91,9 +91,10 @@ def main():
         ap.error("--out is required")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        sys.exit("declab_kernels.gemv.bench needs a CUDA GPU (or --compile-only)")
+        sys.exit("declab_bench.gemv needs a CUDA GPU (or --compile-only)")
     from declab_kernels import gemv as G_
-    from declab_kernels.benchtools import append_jsonl, copy_bandwidth, environment, time_ms
+    from declab_kernels.timing import copy_bandwidth, time_ms
+    from decoders.records import append_jsonl, environment
     from declab_kernels.gemv.triton import CONFIGS, config_fits, config_name, gemv_triton, tuned_config
 
     start = time.monotonic()

@@ -1,8 +1,8 @@
 """Offline sm_90 compile of the decode-step kernels with and without programmatic dependent launch.
 
-    python -m declab_kernels.pdl_check                  # no GPU needed; TRITON_INTERPRET must be unset
-    python -m declab_kernels.pdl_check --before DIR     # also compile the pre-PDL sources DIR/<folder>.py
-    python -m declab_kernels.pdl_check --order          # also each PDL kernel's global memory order in SASS
+    python -m declab_bench.pdl_check                  # no GPU needed; TRITON_INTERPRET must be unset
+    python -m declab_bench.pdl_check --before DIR     # also compile the pre-PDL sources DIR/<folder>.py
+    python -m declab_bench.pdl_check --order          # also each PDL kernel's global memory order in SASS
 
 Every kernel that takes the `PDL` constexpr is compiled for `GPUTarget("cuda", 90, 32)` at a decode
 shape (llama-1b / mamba2-1.3b / rwkv7-1.5b sizes, bf16), with PDL False and True, then assembled by
@@ -138,7 +138,7 @@ POINTER_SUFFIX = "_ptr"
 def _load(folder, before_dir):
     """The kernels module of `folder`: kernels.<folder>.triton, or DIR/<folder>.py (the old sources)."""
     if before_dir is None:
-        return importlib.import_module(f"kernels.{folder}.triton")
+        return importlib.import_module(f"declab_kernels.{folder}.triton")
     spec = importlib.util.spec_from_file_location(f"_pdl_before_{folder}", Path(before_dir) / f"{folder}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

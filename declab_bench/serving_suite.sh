@@ -4,12 +4,12 @@
 # stage's output in one log, results as JSON lines under OUT_DIR (few files: the machine's
 # transfer back counts them).
 #
-#   scripts/serving_suite.sh OUT_DIR SECONDS STAGE...   (stages: deps tests engine64 compare64 sb8b bursty b256 http spec)
+#   declab_bench/serving_suite.sh OUT_DIR SECONDS STAGE...   (stages: deps tests engine64 compare64 sb8b bursty b256 http spec)
 #
 # Wheels for the server and the HTTP client are installed from WHEEL_DIR (default .whl-serve) when
 # the machine lacks them; CORPUS (default .corpus, a folder of train / valid / test shards) is the spec stage's training text.
 set -uo pipefail
-out=${1:?usage: scripts/serving_suite.sh OUT_DIR SECONDS STAGE...}
+out=${1:?usage: declab_bench/serving_suite.sh OUT_DIR SECONDS STAGE...}
 deadline=$((SECONDS + ${2:?seconds for the whole call}))
 shift 2
 mkdir -p "$out"
@@ -50,8 +50,8 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,nohea
 for s in "$@"; do
   case $s in
     deps) stage deps 60 python3 -m pip install -q --no-index --find-links "${WHEEL_DIR:-.whl-serve}" starlette uvicorn httpx openai aiohttp ;;
-    tests) stage tests 170 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short -rf tests/decoders/test_engine.py \
-        tests/decoders/test_serve.py tests/decoders/test_speculative.py tests/arch/test_checkpoint.py ;;
+    tests) stage tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short -rf tests/decoders/test_engine.py \
+        tests/decoders/test_serve.py tests/decoders/test_speculative.py tests/arch/test_checkpoint.py tests/decoders/test_gate_long_context.py ;;
     engine64) for m in llama-1b mamba2-1.3b rwkv7-1.5b; do
         stage "engine64_$m" 70 python3 -m decoders.engine --model "$m" --batch 64 --ctx 1024 --new-tokens 256 --out "$out/engine.jsonl"
       done ;;
@@ -62,7 +62,7 @@ for s in "$@"; do
     bursty) stage bursty 160 python3 -m decoders.serve_bench --models llama-1b,mamba2-1.3b,rwkv7-1.5b --prompt-len 1024 --output-len 256 \
         --rate 32 --arrivals poisson,bursty --burst-period 5 --duration 10 --slo ttft=500ms,itl=50ms --no-progress --out "$work/serve_bench.jsonl" ;;
     b256) for m in mamba2-1.3b rwkv7-1.5b llama-1b; do
-        stage "b256_$m" 60 python3 -m decoders.engine --model "$m" --batch 256 --ctx 4096 --new-tokens 64 --out "$out/engine.jsonl"
+        stage "b256_$m" 90 python3 -m decoders.engine --model "$m" --batch 256 --ctx 4096 --new-tokens 64 --out "$out/engine.jsonl"
       done ;;
     http) stage http 130 bash -c http_stage ;;
     spec) stage spec 300 python3 -m eval.spec_study --corpus "${CORPUS:-.corpus}" --out "$out/spec.jsonl" --work "$work/spec" \

@@ -1,6 +1,6 @@
 """Where the batch-1 decode attention spends its time inside a graphed llama step (GPU only).
 
-    python scripts/attention_timeline.py OUT.jsonl [--model llama-1b] [--ctx 4096,32768]
+    python -m declab_bench.attention_timeline OUT.jsonl [--model llama-1b] [--ctx 4096,32768]
 
 A copy of `declab_kernels/paged_attention/triton.py` is patched to read `%globaltimer` in every program at
 six points (start, start again where the kernel waited on the previous one until it stopped using

@@ -1,9 +1,9 @@
 """WKV-7 benchmark on one GPU: decode-step latency and chunked-prefill throughput, beside fla.
 
-    python -m declab_kernels.wkv7.bench --out results/wkv7.jsonl [--budget 90]
+    python -m declab_bench.wkv7 --out results/wkv7.jsonl [--budget 90]
 
 Shape: rwkv7-1.5b (H=32, K=V=64, one layer). Ordered so that the headline numbers come first and
-every record is appended to `--out` (one JSON line with `declab_kernels.benchtools.environment`) as soon
+every record is appended to `--out` (one JSON line with `decoders.records.environment`) as soon
 as it is measured:
 1. the copy-bandwidth ceiling;
 2. the default step: self-check against the float32 reference, then latency at batch 1, 16, 128
@@ -14,9 +14,8 @@ as it is measured:
 4. fla's `chunk_rwkv7` (w is the log-decay there too): its error against the reference, then the
    same lengths, timed only if it matches (its first call autotunes, which takes a minute or more);
 5. fla's `fused_recurrent_rwkv7` step at batch 1, 16, 128, the same way as ours;
-6. while the time budget lasts: other prefill (chunk, precision) variants (PREFILL_VARIANTS, tf32x3
-   first); the non-default pass-2 / solve variants of `wkv7_chunk_triton` (PASS2_VARIANTS), each
-   self-checked, then timed at 32k (with its kernel times) and 128k; other step launch shapes.
+6. while the time budget lasts: other prefill chunk sizes (PREFILL_CHUNKS), each self-checked, then
+   timed; other step launch shapes.
 A kernel that fails its self-check is not timed and the run exits non-zero. A table is printed at
 the end, then one JSON line summarising the run.
 """
@@ -28,10 +27,11 @@ import time
 
 import torch
 
-from declab_kernels.benchtools import append_jsonl, copy_bandwidth, environment, time_ms
+from declab_kernels.timing import copy_bandwidth, time_ms
+from decoders.records import append_jsonl, environment
 from declab_kernels.wkv7 import CHUNK
 from declab_kernels.wkv7.ref import rwkv7_inputs, wkv7_chunk_ref, wkv7_step_ref
-from declab_kernels.wkv7.triton import wkv7_chunk_triton, wkv7_step_triton
+from declab_kernels.wkv7.triton import PRECISION, wkv7_chunk_triton, wkv7_step_triton
 
 H, K, V = 32, 64, 64
 LAYERS = 24
@@ -39,19 +39,8 @@ STEP_BATCHES = (1, 16, 128)
 # (block_v, num_warps) tried after the default step, at every batch
 STEP_VARIANTS = ((32, 2), (32, 8), (16, 2), (64, 4))
 PREFILL_T = (4096, 32768, 131072)
-PRECISION = "tf32"
-# (chunk_size, tl.dot input precision) tried first among the optional variants, in this order:
-# float32-grade tf32x3 (the default before ca9826c) first.
-PREFILL_VARIANTS = ((32, "tf32x3"), (16, "tf32"), (64, "tf32"), (32, "ieee"))
-# (chunk_size, keyword arguments of wkv7_chunk_triton) timed after PREFILL_VARIANTS
-PASS2_VARIANTS = (
-    (32, dict(pass2="walk", solve="substitution")),
-    (32, dict(pass2="transition", solve="doubling")),
-    (32, dict(pass2="states", solve="doubling")),
-    (64, dict(pass2="states", solve="doubling")),
-    (64, dict(pass2="transition", solve="doubling")),
-)
-VARIANT_T = (32768, 131072)
+# chunk sizes (`wkv7_chunk(chunk_size=)`) timed after the default
+PREFILL_CHUNKS = (16, 64)
 CHECK_T = 1000
 TIME_BUDGET_S = 90
 
@@ -145,7 +134,7 @@ def main():
                     help="seconds after which optional measurements (step 6 of the docstring) are skipped")
     args = ap.parse_args()
     if not torch.cuda.is_available():
-        sys.exit("declab_kernels.wkv7.bench needs a CUDA GPU")
+        sys.exit("declab_bench.wkv7 needs a CUDA GPU")
     device = torch.device("cuda")
     start = time.monotonic()
     env = environment(device)
@@ -202,39 +191,39 @@ def main():
     h0c = 0.3 * torch.randn(1, H, K, V, device=device)
     o_ref, s_ref = wkv7_chunk_ref(*(y.float() for y in xc), initial_state=h0c)
 
-    def check_chunk(C, prec, **kw):
-        o, s = wkv7_chunk_triton(*xc, initial_state=h0c, chunk_size=C, precision=prec, **kw)
+    def check_chunk(C):
+        o, s = wkv7_chunk_triton(*xc, initial_state=h0c, chunk_size=C)
         err_o, err_s = rel(o, o_ref), rel(s, s_ref)
         # tf32 products: 3.5e-4 in the state at T=1000 on an H200 (fla chunk_rwkv7: 1.3e-3)
-        ok = err_o < 1e-2 and err_s < (1e-4 if "tf32" not in (prec, kw.get("pass2_precision")) else 2e-3)
-        label = f"chunk C={C} {prec} {' '.join(map(str, kw.values()))}".rstrip()
-        emit({"kind": "selfcheck", "op": "chunk", "chunk_size": C, "precision": prec, **kw, "T": CHECK_T,
+        ok = err_o < 1e-2 and err_s < 2e-3
+        label = f"chunk C={C}"
+        emit({"kind": "selfcheck", "op": "chunk", "chunk_size": C, "precision": PRECISION, "T": CHECK_T,
               "rel_err_o": err_o, "rel_err_state": err_s, "ok": ok},
              ("selfcheck", label, f"T={CHECK_T}", "ok" if ok else "FAIL", f"o {err_o:.1e} state {err_s:.1e}"))
         if not ok:
             failures.append(label)
         return ok
 
-    def time_chunk(C, prec, lengths=PREFILL_T, **kw):
-        for T in lengths:
+    def time_chunk(C):
+        for T in PREFILL_T:
             x = inputs(1, T, device, seed=T)
 
             def run():
-                return wkv7_chunk_triton(*x, chunk_size=C, precision=prec, **kw)
+                return wkv7_chunk_triton(*x, chunk_size=C)
 
             ms = time_ms(run, warmup=3, iters=10)
             tps = T / (ms * 1e-3)
             # why: pass 1 and pass 2 both scale with T, so only per-kernel times say which dominates
             split = {"kernel_ms": kernel_ms(run)} if T == 32768 else {}
-            emit({"kind": "prefill", "impl": "triton", "T": T, "batch": 1, "chunk_size": C, "precision": prec, **kw,
-                  "default": (C, prec) == (CHUNK, PRECISION) and not kw, "ms": ms, "tokens_per_s": tps,
+            emit({"kind": "prefill", "impl": "triton", "T": T, "batch": 1, "chunk_size": C, "precision": PRECISION,
+                  "default": C == CHUNK, "ms": ms, "tokens_per_s": tps,
                   "io_bytes": T * H * (5 * K + 2 * V) * 2, **split},
-                 ("prefill", f"triton C={C} {prec} {' '.join(map(str, kw.values()))}".rstrip(), f"T={T}", f"{ms:.2f} ms",
+                 ("prefill", f"triton C={C}", f"T={T}", f"{ms:.2f} ms",
                   f"{tps / 1e6:.2f} M tok/s"))
             del x
 
-    if check_chunk(CHUNK, PRECISION):
-        time_chunk(CHUNK, PRECISION)
+    if check_chunk(CHUNK):
+        time_chunk(CHUNK)
     # 4. fla's chunk_rwkv7: error against the reference, then the same lengths if it matches
     if fla_chunk is not None:
         try:
@@ -264,19 +253,12 @@ def main():
         if fla_rec is not None:
             time_fla_step(emit, bw, B, case, fla_rec)
 
-    # 6. while the budget lasts: other (chunk, precision) prefill variants, the non-default pass-2 /
-    #    solve variants at 32k and 128k, other step launch shapes
-    for C, prec in PREFILL_VARIANTS:
-        if over_budget(f"prefill C={C} {prec}"):
+    # 6. while the budget lasts: other prefill chunk sizes, other step launch shapes
+    for C in PREFILL_CHUNKS:
+        if over_budget(f"prefill C={C}"):
             break
-        if check_chunk(C, prec):
-            time_chunk(C, prec)
-        torch.cuda.empty_cache()
-    for C, kw in PASS2_VARIANTS:
-        if over_budget(f"prefill C={C} {kw}"):
-            break
-        if check_chunk(C, PRECISION, **kw):
-            time_chunk(C, PRECISION, VARIANT_T, **kw)
+        if check_chunk(C):
+            time_chunk(C)
         torch.cuda.empty_cache()
     for B, case in step_cases.items():
         for bv, nw in STEP_VARIANTS:

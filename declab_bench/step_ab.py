@@ -1,6 +1,6 @@
 """A/B of launch-time switches in the graphed decode step, in one process (GPU only).
 
-    python scripts/step_ab.py OUT.jsonl --model mamba2-1.3b --ctx 4k --batch 1,64 \
+    python -m declab_bench.step_ab OUT.jsonl --model mamba2-1.3b --ctx 4k --batch 1,64 \
         --variant on: --variant off:DECLAB_PDL=0 --variant no_gemv_pdl:DECLAB_PDL_OFF=gemv
 
 Each `--variant NAME:VAR=VALUE,...` sets those environment variables while its state is prefilled
@@ -26,7 +26,7 @@ import torch
 import decoders
 from decoders.base import Timer
 from decoders.compare import parse_ctx, parse_ints
-from declab_kernels.benchtools import append_jsonl, environment
+from decoders.records import append_jsonl, environment
 
 
 def parse_variant(text: str) -> tuple[str, dict]:

@@ -1,6 +1,6 @@
 """GPU benchmark of the SSD ops at the mamba2-1.3b shape, beside mamba-ssm's kernels when importable.
 
-    python -m declab_kernels.ssd.bench --out results/ssd.jsonl
+    python -m declab_bench.ssd --out results/ssd.jsonl
 
 Measures the copy-bandwidth ceiling; the decode step per layer at batch 1/16/64/128 (a CUDA graph of
 20 layer-steps over 20 separate state buffers, so L2 does not hold the state), with the default rows
@@ -19,7 +19,9 @@ import torch.nn.functional as F
 from declab_kernels import ssd
 from declab_kernels.ssd import ref as ssd_ref
 from declab_kernels.ssd import triton as ssd_triton
-from declab_kernels.benchtools import append_jsonl, copy_bandwidth, environment, import_mamba_ssm, time_ms
+from declab_kernels.timing import copy_bandwidth, time_ms
+from decoders.peers import import_mamba_ssm
+from decoders.records import append_jsonl, environment
 
 SHAPE = dict(H=64, P=64, G=1, N=128, W=4)
 CONV_DIM = SHAPE["H"] * SHAPE["P"] + 2 * SHAPE["G"] * SHAPE["N"]

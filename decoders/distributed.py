@@ -1,0 +1,241 @@
+"""Several processes of one `torchrun`: tensor-parallel decoders, and independent work shared out.
+
+    torchrun --nproc-per-node 2 -m decoders.compare --tp 2 --models llama-8b --ctx 4k,128k
+    torchrun --nproc-per-node 8 -m decoders.compare --spread --models llama-1b,mamba2-1.3b --ctx 4k..128k
+
+torchrun starts the processes and sets RANK, WORLD_SIZE, LOCAL_RANK and the rendezvous address in
+their environment; `setup` joins them in one torch.distributed process group (NCCL on GPUs, each rank
+on `cuda:LOCAL_RANK`; gloo on the CPU).
+
+Tensor parallel (`--tp N`, N = the number of processes): every rank builds the same full model (random
+weights from the same seed, or the checkpoint), keeps its share (`declab_arch.tensor_parallel.shard`),
+and runs every call in lockstep with the others; `load` gives that decoder, whose logits are gathered
+over the vocabulary so that sampling, on every rank, sees the whole distribution and picks the same
+token. Only rank 0 prints and writes results.
+
+Spreading (`--spread`, or WORLD_SIZE > 1 with --tp 1): the sweep's points are dealt out to the ranks
+(`share`), each rank measures its own on its own GPU, and rank 0 collects every rank's records
+(`collect`) into one result file.
+"""
+
+import os
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from declab_arch import tensor_parallel
+from declab_arch.tensor_parallel import Group
+from decoders.base import UsageError
+
+
+@dataclass
+class World:
+    """This process's place in the launch: rank of size (1 when not started by torchrun)."""
+
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+
+    @property
+    def launched(self) -> bool:
+        return self.size > 1
+
+
+def world() -> World:
+    """From the environment torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK)."""
+    env = os.environ
+    return World(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0)))
+
+
+def check_launch(tp: int, spread: bool, here: World, command: str) -> None:
+    """UsageError unless the options fit how the processes were launched."""
+    if tp < 1:
+        raise UsageError(f"--tp must be >= 1, got {tp}")
+    if tp > 1 and not here.launched:
+        raise UsageError(f"--tp {tp} needs {tp} processes: launch with torchrun --nproc-per-node {tp} -m {command} ...")
+    if tp > 1 and tp != here.size:
+        raise UsageError(f"--tp {tp} with {here.size} processes: tensor parallel runs over all of them (--nproc-per-node {tp})")
+    if spread and tp > 1:
+        raise UsageError("--spread and --tp: a run either splits each model over the processes or shares points out, not both")
+    if spread and not here.launched:
+        raise UsageError(f"--spread needs several processes: launch with torchrun --nproc-per-node N -m {command} ...")
+
+
+def device_of(device: torch.device, here: World) -> torch.device:
+    """Each rank of a launch on its own GPU, cuda:LOCAL_RANK (a device the user named stays as named)."""
+    if device.type == "cuda" and device.index is None and here.launched:
+        if here.local_rank >= torch.cuda.device_count():
+            raise UsageError(f"rank {here.rank} has LOCAL_RANK {here.local_rank}, but only {torch.cuda.device_count()} CUDA device(s) here")
+        return torch.device("cuda", here.local_rank)
+    return device
+
+
+def setup(device: torch.device, here: World) -> Group:
+    """Join the launch's process group (once per process); the Group of all its ranks."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            dist.init_process_group("nccl", device_id=device)
+        else:
+            dist.init_process_group("gloo")
+    return Group(dist.get_rank(), dist.get_world_size())
+
+
+def teardown() -> None:
+    """Leave the process group, if this process joined one."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def check_splits(family: str, config, tp: int, name: str) -> None:
+    """UsageError naming the model unless its config splits over `tp` ranks."""
+    try:
+        tensor_parallel.check(family, config, tp)
+    except ValueError as e:
+        raise UsageError(f"{name}: {e}") from None
+
+
+class TensorParallel:
+    """Mixed in before a family's decoder class (`tp_class`): the decoder of this rank's share.
+
+    `tp_group` (a `tensor_parallel.Group`) is the ranks; the model passed in is the full model, cut
+    down here before the family's own __init__ moves it to the device. The family's prefill and decode
+    forwards (and `logits`) return the rank's vocabulary slice, gathered here into the whole."""
+
+    def __init__(self, model, config, *, tp_group: Group, **kwargs):
+        self.full_config = config
+        self.tp = tp_group
+        model, local = tensor_parallel.shard(model, self.family, config, tp_group)
+        super().__init__(model, local, **kwargs)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.full_config.vocab_size
+
+    def describe(self) -> dict:
+        return {**super().describe(), "config": asdict(self.full_config), "tp": self.tp.size}
+
+    @torch.inference_mode()
+    def logits(self, tokens):
+        return self.tp.gather(super().logits(tokens))
+
+    def prefill_forward(self, cache, prompts):
+        return self.tp.gather(super().prefill_forward(cache, prompts))
+
+    def decode_forward(self, cache, tokens, positions):
+        return self.tp.gather(super().decode_forward(cache, tokens, positions))
+
+
+_CLASSES = {}
+
+
+def tp_class(family_class):
+    """The tensor-parallel subclass of a family's decoder class (one per class)."""
+    if family_class not in _CLASSES:
+        _CLASSES[family_class] = type(f"TensorParallel{family_class.__name__}", (TensorParallel, family_class), {})
+    return _CLASSES[family_class]
+
+
+def first_reason(why, group: Group):
+    """The first rank's non-None `why` (a reason to skip a point), the same on every rank, so that a
+    point one GPU has no room for is skipped by all and none waits on the others."""
+    import torch.distributed as dist
+
+    reasons = [None] * group.size
+    dist.all_gather_object(reasons, why, group=group.process_group)
+    return next((r for r in reasons if r is not None), None)
+
+
+def share(count: int, here: World) -> list[int]:
+    """Indices of the points (of `count`, in sweep order) rank `here.rank` measures: every size-th one,
+    so each rank gets some of each model's contexts."""
+    return list(range(here.rank, count, here.size))
+
+
+def collect(records: list[tuple[int, dict]], here: World):
+    """On rank 0, every rank's (index, record) in index order; None on the others."""
+    import torch.distributed as dist
+
+    parts = [None] * here.size if here.rank == 0 else None
+    dist.gather_object(records, parts, dst=0)
+    if here.rank != 0:
+        return None
+    return sorted((item for part in parts for item in part), key=lambda item: item[0])
+
+
+def trace_step(decoder, batch: int) -> list[tuple[str, tuple, torch.dtype]]:
+    """The collectives one decode step of `decoder` (tensor parallel) runs at `batch`: (kind, shape,
+    dtype) in order, recorded from an eager step after a short prefill."""
+    group = decoder.tp
+    calls = []
+    reduce, gather = group.reduce, group.gather
+
+    def traced_reduce(x):
+        calls.append(("reduce", tuple(x.shape), x.dtype))
+        return reduce(x)
+
+    def traced_gather(x):
+        calls.append(("gather", tuple(x.shape), x.dtype))
+        return gather(x)
+
+    prompts = torch.zeros(batch, 4, dtype=torch.long)
+    with torch.inference_mode():
+        state = decoder.prefill(prompts, max_new_tokens=2)
+        group.reduce, group.gather = traced_reduce, traced_gather
+        try:
+            decoder.decode_forward(state.cache, state.next_tokens, state.positions)
+        finally:
+            del group.reduce, group.gather
+        decoder.release(state)
+    return calls
+
+
+def collective_time(decoder, batch: int, repeats: int = 50) -> dict:
+    """Time in collectives per decode step: the step's all-reduces and logit gather (`trace_step`) run
+    alone, on tensors of their sizes, `repeats` times (on a GPU timed with events, captured in a CUDA
+    graph when the decoder replays its steps from one; on the CPU with a monotonic clock)."""
+    calls = trace_step(decoder, batch)
+    group, device = decoder.tp, decoder.device
+    tensors = [torch.zeros(shape, dtype=dtype, device=device) for _, shape, dtype in calls]
+
+    def run():
+        for (kind, _, _), t in zip(calls, tensors):
+            if kind == "reduce":
+                group.reduce(t)
+            else:
+                group.gather(t)
+
+    with torch.inference_mode():
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            if decoder.cuda_graphs:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    run()
+                graph.replay()
+                run = graph.replay
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(repeats):
+                run()
+            end.record()
+            torch.cuda.synchronize(device)
+            seconds = start.elapsed_time(end) * 1e-3
+        else:
+            t0 = time.perf_counter()
+            for _ in range(repeats):
+                run()
+            seconds = time.perf_counter() - t0
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    return {
+        "collectives_per_step": len(calls),
+        "allreduces_per_step": sum(kind == "reduce" for kind, _, _ in calls),
+        "collective_bytes_per_step": sum(sizes),
+        "collective_ms_per_step": seconds / repeats * 1e3,
+    }
