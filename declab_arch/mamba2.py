@@ -529,7 +529,7 @@ def read_config(folder: Path) -> Mamba2Config:
     source = str(folder)
     hf = read_json(folder / "config.json")
     if hf.get("declab_family") == FAMILY:
-        values = {k: v for k, v in hf.items() if k != "declab_family"}
+        values = {k: v for k, v in hf.items() if k not in ("declab_family", "quantization")}
         config = config_from_dict(Mamba2Config, values, source)
     elif is_hf_mamba2(hf):
         config = parse_config(config_from_hf, hf, source)

@@ -292,7 +292,7 @@ def read_config(folder: Path) -> MaskPredictConfig:
     if hf.get("declab_family") is not None:
         if hf["declab_family"] != FAMILY:
             raise CheckpointError(f"{source}: a {hf['declab_family']} checkpoint, not {FAMILY}")
-        return config_from_dict(MaskPredictConfig, {k: v for k, v in hf.items() if k != "declab_family"}, source)
+        return config_from_dict(MaskPredictConfig, {k: v for k, v in hf.items() if k not in ("declab_family", "quantization")}, source)
     if not is_masked_diffusion(hf):
         raise CheckpointError(f"{source}: config.json does not describe a masked-diffusion model (no mask_token_id, model_type {hf.get('model_type')!r})")
     return parse_config(config_from_llada if "d_model" in hf else config_from_hf, hf, source)

@@ -529,7 +529,7 @@ def read_config(folder: Path) -> RWKV7Config:
     folder = Path(folder)
     hf = read_json(folder / "config.json")
     if hf.get("declab_family") == FAMILY:
-        values = {k: v for k, v in hf.items() if k != "declab_family"}
+        values = {k: v for k, v in hf.items() if k not in ("declab_family", "quantization")}
         config = config_from_dict(RWKV7Config, values, str(folder))
     elif detects(hf):
         config = parse_config(config_from_hf, hf, str(folder))

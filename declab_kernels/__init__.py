@@ -36,7 +36,7 @@ log = logging.getLogger("declab.kernels")
 
 IMPLS = ("auto", "triton", "ref")
 # Kernel folders whose Triton launches follow `pdl`.
-PDL_KERNELS = ("gemv", "rmsnorm", "rotary", "swiglu", "mamba2_norm", "rwkv7_fused", "paged_attention", "ssd", "wkv7")
+PDL_KERNELS = ("gemv", "rmsnorm", "rotary", "swiglu", "mamba2_norm", "rwkv7_fused", "paged_attention", "ssd", "wkv7", "quant_gemv")
 
 
 def triton_available(device: torch.device | str | None = None) -> bool:

@@ -1,0 +1,55 @@
+"""Weight-only quantised products y = x @ dequant(W)^T: the PyTorch reference, in float32, with the
+packing helpers that define the lab's int4 layout.
+
+int8: qweight `[N, K]` int8, scale `[N]`; W[n, k] = qweight[n, k] * scale[n] (symmetric).
+int4: qweight `[N, K // 8]` int32, scales and zeros `[N, K // g]` (float, uint8); the 4-bit code of
+W[n, k] is nibble k % 8 (bits 4 (k % 8) .. 4 (k % 8) + 3) of word qweight[n, k // 8], and
+W[n, k] = (code - zeros[n, k // g]) * scales[n, k // g] (asymmetric, codes and zeros in 0..15).
+"""
+
+import torch
+
+SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)  # [8] bit offset of nibble j
+
+
+def pack_int4(codes):
+    """codes `[N, K]` integers in 0..15 (K a multiple of 8) -> `[N, K // 8]` int32, nibble j of word i
+    holding code 8 i + j."""
+    N, K = codes.shape
+    if K % 8:
+        raise ValueError(f"pack_int4: K = {K} is not a multiple of 8")
+    c = codes.to(torch.int64).view(N, K // 8, 8)
+    words = (c << SHIFTS.to(torch.int64).to(codes.device)).sum(-1)
+    # why: nibble 7 reaches bit 31; wrap the 32-bit pattern into int32's range explicitly
+    words = words - ((words >> 31) & 1) * (1 << 32)
+    return words.to(torch.int32)
+
+
+def unpack_int4(qweight):
+    """`[N, K // 8]` int32 -> codes `[N, K]` int32 in 0..15 (the inverse of `pack_int4`)."""
+    N, W = qweight.shape
+    codes = (qweight.unsqueeze(-1) >> SHIFTS.to(qweight.device)) & 0xF  # [N, K // 8, 8]
+    return codes.reshape(N, W * 8)
+
+
+def dequantize_int8_ref(qweight, scale):
+    """`[N, K]` float32: qweight[n, k] * scale[n]."""
+    return qweight.float() * scale.float().unsqueeze(1)
+
+
+def dequantize_int4_ref(qweight, scales, zeros, group_size):
+    """`[N, K]` float32: (code - zero) * scale, each group of `group_size` inputs of a row sharing one."""
+    codes = unpack_int4(qweight).float()
+    s = scales.float().repeat_interleave(group_size, dim=1)
+    z = zeros.float().repeat_interleave(group_size, dim=1)
+    return (codes - z) * s
+
+
+def int8_linear_ref(x, qweight, scale):
+    """x `[M, K]` -> `[M, N]` in x's dtype: x @ dequant(W)^T in float32, rounded once."""
+    return (x.float() @ dequantize_int8_ref(qweight, scale).T).to(x.dtype)
+
+
+def int4_linear_ref(x, qweight, scales, zeros, group_size):
+    """x `[M, K]` -> `[M, N]` in x's dtype: x @ dequant(W)^T in float32, rounded once."""
+    return (x.float() @ dequantize_int4_ref(qweight, scales, zeros, group_size).T).to(x.dtype)

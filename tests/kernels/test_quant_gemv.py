@@ -1,0 +1,191 @@
+"""Quantised GEMV: Triton against the float32 reference, and the int4 packing.
+
+On the CPU the kernels run under the Triton interpreter in float32, on odd N, K a multiple of 8 but
+not of the tile, power-of-two groups (one group per tile, the folded dequantisation) and other groups
+(per-element scales), 1..16 rows (the GEMV) and more (the dense path), strided x rows, outputs
+pre-filled with NaN. Tests marked `gpu` run bf16 on CUDA at the llama shapes.
+"""
+
+import pytest
+import torch
+
+from declab_kernels import quant_gemv as Q
+
+GPU = torch.cuda.is_available()
+DEVICE = "cuda" if GPU else "cpu"
+
+
+def rel(a, b):
+    """||a - b|| / ||b|| in float32."""
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def int4_case(N, K, group, device=DEVICE, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (N, K), generator=g)
+    scales = (torch.rand(N, K // group, generator=g) * 0.02 + 0.001).half()
+    zeros = torch.randint(0, 16, (N, K // group), generator=g).to(torch.uint8)
+    return Q.pack_int4(codes).to(device), scales.to(device), zeros.to(device)
+
+
+def int8_case(N, K, device=DEVICE, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-127, 128, (N, K), generator=g).to(torch.int8).to(device), (torch.rand(N, generator=g) * 0.01).to(device)
+
+
+def test_pack_int4_layout_and_round_trip():
+    codes = torch.randint(0, 16, (5, 24))
+    packed = Q.pack_int4(codes)
+    assert packed.shape == (5, 3) and packed.dtype == torch.int32
+    # nibble j of word i is code 8 i + j
+    word = int(packed[2, 1]) & 0xFFFFFFFF
+    assert [(word >> (4 * j)) & 0xF for j in range(8)] == codes[2, 8:16].tolist()
+    assert torch.equal(Q.unpack_int4(packed), codes)
+    assert torch.equal(Q.unpack_int4(Q.pack_int4(torch.full((1, 8), 15))), torch.full((1, 8), 15))
+
+
+def test_dequantize_int4_ref_formula():
+    qweight, scales, zeros = int4_case(3, 16, 8, device="cpu")
+    codes = Q.unpack_int4(qweight).float()
+    w = Q.dequantize_int4(qweight, scales, zeros, 8, torch.float32, impl="ref")
+    assert torch.allclose(w[1, 9], (codes[1, 9] - zeros[1, 1].float()) * scales[1, 1].float())
+
+
+@pytest.mark.parametrize("N, K, group", [(37, 384, 128), (33, 200, 40), (16, 256, 32), (9, 512, 512), (5, 64, 8), (7, 96, 24)])
+@pytest.mark.parametrize("M", [1, 5, 16])
+def test_int4_gemv_triton_matches_ref(N, K, group, M, nan_empty):
+    qweight, scales, zeros = int4_case(N, K, group)
+    x = torch.randn(M, K, device=DEVICE)
+    out = Q.int4_linear(x, qweight, scales, zeros, group, impl="triton")
+    assert out.shape == (M, N) and not out.isnan().any()
+    assert rel(out, Q.int4_linear_ref(x, qweight, scales, zeros, group)) < 1e-5
+
+
+@pytest.mark.parametrize("x_tile", [True, False])
+@pytest.mark.parametrize("N, K, group", [(37, 384, 128), (16, 256, 32), (5, 64, 8)])
+def test_int4_x_feeds_match(N, K, group, x_tile, nan_empty):
+    from declab_kernels.quant_gemv.triton import int4_gemv_triton
+
+    qweight, scales, zeros = int4_case(N, K, group)
+    x = torch.randn(3, K, device=DEVICE)
+    config = dict(BLOCK_N=16, BLOCK_K=128, X_TILE=x_tile)
+    assert rel(int4_gemv_triton(x, qweight, scales, zeros, group, config=config), Q.int4_linear_ref(x, qweight, scales, zeros, group)) < 1e-5
+
+
+@pytest.mark.parametrize("N, K", [(37, 200), (8, 1024), (33, 136)])
+@pytest.mark.parametrize("M", [1, 3, 16])
+def test_int8_gemv_triton_matches_ref(N, K, M, nan_empty):
+    qweight, scale = int8_case(N, K)
+    x = torch.randn(M, K, device=DEVICE)
+    out = Q.int8_linear(x, qweight, scale, impl="triton")
+    assert out.shape == (M, N) and not out.isnan().any()
+    assert rel(out, Q.int8_linear_ref(x, qweight, scale)) < 1e-5
+
+
+def test_strided_rows():
+    qweight, scales, zeros = int4_case(19, 128, 64)
+    big = torch.randn(3, 200, device=DEVICE)
+    x = big[:, 10:138]  # row stride 200
+    assert rel(Q.int4_linear(x, qweight, scales, zeros, 64, impl="triton"), Q.int4_linear_ref(x.contiguous(), qweight, scales, zeros, 64)) < 1e-5
+    q8, s8 = int8_case(19, 128)
+    assert rel(Q.int8_linear(x, q8, s8, impl="triton"), Q.int8_linear_ref(x.contiguous(), q8, s8)) < 1e-5
+
+
+@pytest.mark.parametrize("group", [32, 40])
+def test_many_rows_dequantise_then_dense(group, nan_empty):
+    qweight, scales, zeros = int4_case(21, 160, group)
+    x = torch.randn(Q.MAX_ROWS + 3, 160, device=DEVICE)
+    dense = Q.dequantize_int4(qweight, scales, zeros, group, torch.float32, impl="triton")
+    assert torch.equal(dense, Q.dequantize_int4(qweight, scales, zeros, group, torch.float32, impl="ref"))
+    assert rel(Q.int4_linear(x, qweight, scales, zeros, group, impl="triton"), Q.int4_linear_ref(x, qweight, scales, zeros, group)) < 1e-5
+    q8, s8 = int8_case(21, 160)
+    assert torch.equal(Q.dequantize_int8(q8, s8, torch.float32, impl="triton"), Q.dequantize_int8(q8, s8, torch.float32, impl="ref"))
+    assert rel(Q.int8_linear(x, q8, s8, impl="triton"), Q.int8_linear_ref(x, q8, s8)) < 1e-5
+
+
+def test_gemv_refuses_bad_x():
+    from declab_kernels.quant_gemv.triton import int4_gemv_triton
+
+    qweight, scales, zeros = int4_case(8, 64, 32)
+    with pytest.raises(ValueError, match="x must be"):
+        int4_gemv_triton(torch.randn(2, 72, device=DEVICE), qweight, scales, zeros, 32)
+
+
+def gpu_only(test):
+    return pytest.mark.gpu(pytest.mark.skipif(not GPU, reason="needs a GPU")(test))
+
+
+@gpu_only
+@pytest.mark.parametrize("N, K", [(4096, 4096), (14336, 4096), (4096, 14336), (2048, 8192), (3000, 2056)])
+@pytest.mark.parametrize("M", [1, 16, 40])
+def test_bf16_gpu(N, K, M):
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    qweight, scales, zeros = int4_case(N, K, 128 if K % 128 == 0 else 8)
+    group = 128 if K % 128 == 0 else 8
+    assert rel(Q.int4_linear(x, qweight, scales, zeros, group, impl="triton"), Q.int4_linear_ref(x, qweight, scales, zeros, group)) < 1e-2
+    q8, s8 = int8_case(N, K)
+    assert rel(Q.int8_linear(x, q8, s8, impl="triton"), Q.int8_linear_ref(x, q8, s8)) < 1e-2
+
+
+@gpu_only
+def test_cuda_graph_replay():
+    qweight, scales, zeros = int4_case(4096, 4096, 128)
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    # Autotuning and compilation happen at the first call, outside the capture.
+    expected = Q.int4_linear(x, qweight, scales, zeros, 128, impl="triton")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = Q.int4_linear(x, qweight, scales, zeros, 128, impl="triton")
+    x.normal_()
+    graph.replay()
+    assert rel(out, Q.int4_linear_ref(x, qweight, scales, zeros, 128)) < 1e-2
+    assert not torch.equal(out, expected)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("x_tile", [True, False])
+@pytest.mark.parametrize("M, N, K, group", [(1, 9, 64, 32), (3, 17, 200, 40), (2, 5, 1024, 128), (1, 6, 24, 8)])
+def test_int4_pdl_path(monkeypatch, M, N, K, group, x_tile):
+    """Weights before the wait, x and the output after it (test_pdl's guard), results bit for bit."""
+    from test_pdl import run_pdl
+
+    from declab_kernels.quant_gemv import triton as T
+
+    def make():
+        qweight, scales, zeros = int4_case(N, K, group)
+        x = torch.randn(M, K, generator=torch.Generator().manual_seed(1))
+        config = dict(BLOCK_N=8, BLOCK_K=128, X_TILE=x_tile)
+        return (lambda: [T.int4_gemv_triton(x, qweight, scales, zeros, group, config=config)]), (x,)
+
+    run_pdl(monkeypatch, "quant_gemv", make)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("M, N, K", [(1, 9, 100), (4, 33, 300)])
+def test_int8_pdl_path(monkeypatch, M, N, K):
+    from test_pdl import run_pdl
+
+    from declab_kernels.quant_gemv import triton as T
+
+    def make():
+        qweight, scale = int8_case(N, K)
+        x = torch.randn(M, K, generator=torch.Generator().manual_seed(1))
+        return (lambda: [T.int8_gemv_triton(x, qweight, scale)]), (x,)
+
+    run_pdl(monkeypatch, "quant_gemv", make)
+
+
+@gpu_only
+def test_gpu_pdl_equals_no_pdl(monkeypatch):
+    qweight, scales, zeros = int4_case(4096, 4096, 128)
+    q8, s8 = int8_case(4096, 4096)
+    x = torch.randn(4, 4096, device="cuda", dtype=torch.bfloat16)
+
+    def chain():
+        # Each product feeds the next: a PDL kernel reads what the one before it wrote.
+        y = Q.int4_linear(x, qweight, scales, zeros, 128, impl="triton")
+        return Q.int8_linear(y, q8, s8, impl="triton")
+
+    with_pdl = chain()
+    monkeypatch.setenv("DECLAB_PDL", "0")
+    assert torch.equal(chain(), with_pdl)
