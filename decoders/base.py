@@ -382,7 +382,7 @@ class RecurrentDecoder(AutoregressiveDecoder):
                       rows: list[int] | None = None, logits: str = "last") -> torch.Tensor | None:
         """Continue sequences by a chunk each from the state the cache holds: row j of tokens [b, T]
         (right-padded) has lengths[j] >= 1 real tokens at positions[j].. and is cache row rows[j]
-        (default: row j of all). The state after the chunk replaces the state before it. Returns the
+        (default: every row of the cache, in order). The state after the chunk replaces the state before it. Returns the
         logits of each row's last real token [b, V] (logits="last"), of every position [b, T, V]
         ("all"), or nothing ("none")."""
         raise NotImplementedError
