@@ -589,19 +589,14 @@ class PagedRunner(ARRunner):
 
 
 class StateRunner(ARRunner):
-    """Mamba-2 / RWKV-7 over the family's state tensors with 2 * max_batch rows: decode rows
-    [0, max_batch), staging rows [max_batch, 2 * max_batch) for prompts being consumed."""
+    """A recurrent family (`RecurrentDecoder`) over its state tensors with 2 * max_batch rows: decode
+    rows [0, max_batch), staging rows [max_batch, 2 * max_batch) for prompts being consumed."""
 
     def __init__(self, decoder, max_batch: int, cuda_graphs: bool):
         super().__init__(decoder, max_batch, max_batch, cuda_graphs)
-        self.family = decoder.family
-        cache = decoder.new_cache([0] * (2 * max_batch), 1)
-        if self.family == "mamba2":
-            # conv [L, R, conv_dim, W], ssm [L, R, H, P, N]
-            self.states = [(cache.conv, 1), (cache.ssm, 1)]
-        else:
-            # shift [L, 2, R, C], wkv [L, R, H, K, V]
-            self.states = [(cache.shift, 2), (cache.wkv, 1)]
+        self.cache = decoder.new_cache([0] * (2 * max_batch), 1)
+        # (tensor, its batch dimension), e.g. Mamba-2's conv [L, R, conv_dim, W] and ssm [L, R, H, P, N]
+        self.states = decoder.state_tensors(self.cache)
 
     def staging(self, seq: Sequence) -> int:
         return self.max_batch + seq.slot
@@ -625,29 +620,10 @@ class StateRunner(ARRunner):
 
     def forward_chunks(self, pieces) -> list[torch.Tensor]:
         """Consume each (sequence, n) chunk into its staging row from the state there; each chunk's last logits [V]."""
-        model, dev = self.decoder.model, self.device
-        if self.family == "mamba2":
-            conv, ssm = self.states[0][0], self.states[1][0]
-            groups = {}
-            for i, (seq, n) in enumerate(pieces):
-                groups.setdefault((seq.computed, n), []).append(i)
-            out = [None] * len(pieces)
-            for (start, n), members in groups.items():
-                rows = on_device([self.staging(pieces[i][0]) for i in members], dev)
-                tokens = on_device([pieces[i][0].tokens[start : start + n] for i in members], dev)
-                r = model.forward_chunk(tokens, conv, ssm, rows, self.impl, start)
-                for i, logit in zip(members, model.head(r)):
-                    out[i] = logit
-            return out
-        shift, wkv = self.states[0][0], self.states[1][0]
-        lengths = [n for _, n in pieces]
-        width = max(lengths)
-        tokens = on_device([seq.tokens[seq.computed : seq.computed + n] + [0] * (width - n) for seq, n in pieces], dev)
-        index = on_device([self.staging(seq) for seq, _ in pieces], dev)
-        s, w = shift.index_select(2, index), wkv.index_select(1, index)
-        logits = model.forward_chunk(tokens, lengths, s, w, impl=self.impl)
-        shift.index_copy_(2, index, s)
-        wkv.index_copy_(1, index, w)
+        width = max(n for _, n in pieces)
+        tokens = on_device([seq.tokens[seq.computed : seq.computed + n] + [0] * (width - n) for seq, n in pieces], self.device)
+        logits = self.decoder.chunk_forward(self.cache, tokens, [seq.computed for seq, _ in pieces], [n for _, n in pieces],
+                                            rows=[self.staging(seq) for seq, _ in pieces])
         return list(logits)
 
     def enter(self, seq: Sequence, row: int) -> None:
@@ -656,12 +632,7 @@ class StateRunner(ARRunner):
 
     def forward_decode(self, b: int) -> torch.Tensor:
         p = self.params
-        (a, da), (s, ds) = self.states
-        if self.family == "mamba2":
-            # Every step ends with sampling kernels launched without PDL, so the states are ready.
-            return self.decoder.model.step(p.next_tokens[:b], a.narrow(da, 0, b), s.narrow(ds, 0, b), self.impl,
-                                           positions=p.positions[:b], state_ready=True)
-        return self.decoder.model.forward_step(p.next_tokens[:b], a.narrow(da, 0, b), s.narrow(ds, 0, b), impl=self.impl)
+        return self.decoder.decode_forward(self.decoder.rows_view(self.cache, b), p.next_tokens[:b], p.positions[:b])
 
     def move_row(self, src: int, dst: int) -> None:
         for t, dim in self.states:
