@@ -81,6 +81,13 @@ class PagedBatch:
     max_seqlen_q: int = 1
     impl: str = "ref"
     workspace: dict | None = field(default=None, repr=False)
+    # [L, num_blocks, block_size, Hkv] int8 row exponents of fp8 caches (declab_kernels.paged_attention)
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+    def scales(self, layer: int):
+        """The `scales=` argument of the paged attention calls for `layer` (None unless the cache is fp8)."""
+        return None if self.k_scale is None else (self.k_scale[layer], self.v_scale[layer])
 
 
 def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -233,18 +240,21 @@ class Attention(FusedLinears):
         qkv = gemv.linear(x, self.qkv_weight, self.qkv_bias, pre=pre, impl=impl, early_tiles=tiles)
         q, k, v = qkv.unflatten(-1, (self.n_heads + 2 * self.n_kv, self.head_dim)).split([self.n_heads, self.n_kv, self.n_kv], dim=-2)
         k_cache, v_cache = batch.k_cache[layer], batch.v_cache[layer]
+        # an fp8 cache's row exponents (None otherwise)
+        scales = batch.scales(layer)
         cos, sin = rotary.tables()
         if batch.decode:
             # The decode kernel rotates q and k and writes the new K/V row itself.
             out = paged_attention.paged_decode_attention(
                 q, k_cache, v_cache, batch.block_tables, batch.seq_lens, self.scale, impl=impl, workspace=batch.workspace,
-                rope=(k, v, cos, sin),
+                rope=(k, v, cos, sin), scales=scales,
             )
         else:
-            rotary_kernels.apply_rotary_write_kv(q, k, v, positions, cos, sin, k_cache, v_cache, batch.slot_mapping, impl=impl)
+            rotary_kernels.apply_rotary_write_kv(q, k, v, positions, cos, sin, k_cache, v_cache, batch.slot_mapping, impl=impl,
+                                                 scales=scales)
             out = paged_attention.paged_prefill_attention(
                 q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.cu_seqlens_q, self.scale,
-                causal=batch.causal, impl=impl, max_seqlen_q=batch.max_seqlen_q,
+                causal=batch.causal, impl=impl, max_seqlen_q=batch.max_seqlen_q, scales=scales,
             )
         return gemv.linear(out.flatten(-2), self.o_proj.weight, post=post, impl=impl, early_tiles=tiles)
 

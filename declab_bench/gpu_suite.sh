@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One call on a CUDA machine: the GPU tests, the kernel benchmarks and the compare sweeps, each stage
-# bounded in time, results and logs written under OUT_DIR (JSON lines, one file per stage).
+# bounded in time, results under OUT_DIR (JSON lines, one file per benchmark) and every stage's
+# output in OUT_DIR/suite.log (few files: the machine's transfer back counts them).
 #
 #   declab_bench/gpu_suite.sh OUT_DIR tests fused profile gemv kernels wkv7 compare-triton compare-8b compare-batch peers ablation compare-ref
+#   declab_bench/gpu_suite.sh OUT_DIR gpu-tests version-ab quant-gemv kv-fp8   (GPU_TESTS: the test files; AB_BEFORE: the baseline tree)
 #
 # Peers (flash-linear-attention, mamba-ssm) are used when importable; put wheels in WHEEL_DIR
 # (default .whl) to have them installed into a scratch folder first. On a copy of the tree without
@@ -22,14 +24,16 @@ fi
 export PYTHONPATH="$PWD:${PYTHONPATH:-}"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 
+log="$out/suite.log"
 stage() {  # stage NAME SECONDS COMMAND...: run, log, never stop the suite
   local name=$1 limit=$2
   shift 2
-  echo "=== $name ($(date +%T), limit ${limit}s)"
-  timeout "$limit" "$@" >"$out/$name.log" 2>&1
+  echo "=== $name ($(date +%T), limit ${limit}s)" | tee -a "$log"
+  timeout "$limit" "$@" >"/tmp/declab-stage.log" 2>&1
   local rc=$?
-  echo "=== $name rc=$rc"
-  tail -n 25 "$out/$name.log"
+  cat /tmp/declab-stage.log >>"$log"
+  echo "=== $name rc=$rc ($(date +%T))" | tee -a "$log"
+  tail -n 25 /tmp/declab-stage.log
 }
 
 for s in "$@"; do
@@ -73,6 +77,13 @@ for s in "$@"; do
         stage ablation "${ABL_LIMIT:-540}" python3 -m eval.ablation --corpus "${ABL_CORPUS:-.corpus}" --out "$out/ablation" ${ABL_ARGS:---time-budget 190} ;;
     compare-ref) stage compare_ref 300 python3 -m decoders.compare --no-progress --impl ref \
         --models llama-1b,mamba2-1.3b,rwkv7-1.5b --ctx 4k..128k --batch 1 --new-tokens 16 --out "$out/compare_ref.jsonl" ;;
+    gpu-tests) stage gpu_tests "${TEST_LIMIT:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short -rf ${GPU_TESTS:?GPU_TESTS: the test files} ;;
+    # The graphed decode step of the baseline tree AB_BEFORE against this one (tokens and step times).
+    version-ab) stage version_ab "${AB_LIMIT:-330}" python3 -m declab_bench.version_ab "$out/version_ab.jsonl" \
+        --tree before="${AB_BEFORE:?AB_BEFORE: the baseline source tree}" --tree after=. ${AB_ARGS:-} ;;
+    quant-gemv) stage quant_gemv 170 python3 -m declab_bench.quant_gemv --out "$out/quant_gemv.jsonl" ;;
+    kv-fp8) stage kv_fp8 "${FP8_LIMIT:-200}" python3 -m decoders.compare --no-progress --impl triton --models "${FP8_MODEL:-llama-1b}" \
+        --ctx "${FP8_CTX:-128k}" --batch 1 --kv-dtype bf16,fp8 --out "$out/compare_kv_fp8.jsonl" ;;
     *) echo "unknown stage $s" ;;
   esac
 done

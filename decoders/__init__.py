@@ -16,6 +16,7 @@ import torch
 
 from declab_arch.checkpoint import CheckpointError, CONFIG_DIR, check_weights_files, preset_names, read_json
 from decoders.base import Decoder, Generation, Memory, StepOut, UsageError
+from decoders.kv_cache import parse_kv_dtype
 from decoders.sampling import GREEDY, Sampling
 from decoders.speculative import speculative
 from declab_kernels import resolve_impl
@@ -91,13 +92,18 @@ def family_options(family: str) -> list[str]:
 
 
 def check_options(family: str, options: dict) -> None:
-    """Raise UsageError for an option the family does not take, or a page size it cannot use."""
+    """Raise UsageError for an option the family does not take (kv_dtype where there is no KV cache), or a
+    page size or KV cache dtype it cannot use."""
     known = family_options(family)
     unknown = [k for k in options if k not in known]
+    if "kv_dtype" in unknown:
+        raise UsageError(f"kv_dtype {options['kv_dtype']!r}: the {family} family has no KV cache")
     if unknown:
         raise UsageError(f"unknown option {unknown[0]!r} for the {family} family (known: {', '.join(known)})")
     if "page_size" in options:
         check_page_size(options["page_size"])
+    if "kv_dtype" in options:
+        parse_kv_dtype(options["kv_dtype"])
 
 
 def family_of(name_or_path) -> str:
@@ -149,7 +155,8 @@ def load(name_or_path, *, family: str | None = None, device=None, dtype=None, im
     """A decoder from a preset name (random weights) or a checkpoint folder.
 
     device defaults to CUDA when available; dtype to bfloat16 on a GPU and float32 on the CPU;
-    impl is "auto" (Triton on a GPU), "triton" or "ref". `options` go to the family (page_size, ...).
+    impl is "auto" (Triton on a GPU), "triton" or "ref". `options` go to the family (page_size,
+    kv_dtype="fp8" for an e4m3 KV cache in the transformer and Mask-Predict families, ...).
     With `tp` (a `declab_arch.tensor_parallel.Group`, see `decoders.distributed`) the decoder is this
     rank's share of the model, split over the group's ranks, every one of which must load it alike.
     """

@@ -10,12 +10,14 @@ written once on top of them and records the timings the harness needs.
 
 `AutoregressiveDecoder` is the common body of the transformer, Mamba-2 and RWKV-7 families: a family
 supplies a cache, a prefill forward and a decode forward; sampling and bookkeeping stay on the device
-so that a step never synchronises with the host.
+so that a step never synchronises with the host. `RecurrentDecoder` adds what the engine and speculative
+decoding need of a family whose cache is state tensors (which tensors, a view of the first rows, a
+chunk forward resumed from the state).
 """
 
 import time
 from abc import ABC, abstractmethod
-from dataclasses import asdict, dataclass, field, is_dataclass
+from dataclasses import asdict, dataclass, field, is_dataclass, replace
 from pathlib import Path
 
 import torch
@@ -355,3 +357,32 @@ class AutoregressiveDecoder(Decoder):
 
     def output(self, state: ARState, steps: list[StepOut]) -> list[list[int]]:
         return torch.cat([state.first_tokens.unsqueeze(1)] + [s.tokens for s in steps], dim=1).tolist()
+
+
+class RecurrentDecoder(AutoregressiveDecoder):
+    """An autoregressive family whose cache is fixed-size state tensors (Mamba-2, RWKV-7): what the
+    engine's state runner and speculative decoding call, so neither names a family.
+
+    A family declares `state_fields`, its cache's state tensors (dataclass fields) with the dimension
+    that indexes the batch (`{"ssm": 1}` for ssm [L, B, ...]), and implements `chunk_forward`; with
+    `new_cache` and `decode_forward` (an `AutoregressiveDecoder`'s) that is all they need.
+    """
+
+    state_fields: dict[str, int] = {}
+
+    def state_tensors(self, cache) -> list[tuple[torch.Tensor, int]]:
+        """The cache's state tensors with their batch dimension."""
+        return [(getattr(cache, name), dim) for name, dim in self.state_fields.items()]
+
+    def rows_view(self, cache, rows: int):
+        """The cache's first `rows` sequences: its state tensors narrowed (same storage), other fields as they are."""
+        return replace(cache, **{name: getattr(cache, name).narrow(dim, 0, rows) for name, dim in self.state_fields.items()})
+
+    def chunk_forward(self, cache, tokens: torch.Tensor, positions: list[int], lengths: list[int], *,
+                      rows: list[int] | None = None, logits: str = "last") -> torch.Tensor | None:
+        """Continue sequences by a chunk each from the state the cache holds: row j of tokens [b, T]
+        (right-padded) has lengths[j] >= 1 real tokens at positions[j].. and is cache row rows[j]
+        (default: every row of the cache, in order). The state after the chunk replaces the state before it. Returns the
+        logits of each row's last real token [b, V] (logits="last"), of every position [b, T, V]
+        ("all"), or nothing ("none")."""
+        raise NotImplementedError

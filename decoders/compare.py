@@ -4,10 +4,14 @@
     python -m decoders.compare --models llama-1b,mamba2-1.3b --ctx 4k..128k --batch 1,16
     python -m decoders.compare --models maskpredict-tiny --iterations 1,4,16 --block 8
     python -m decoders.compare --models llama-1b,mamba2-1.3b,rwkv7-1.5b --peers hf,mamba_ssm,fla
+    python -m decoders.compare --models llama-1b --ctx 128k --kv-dtype bf16,fp8
 
 With `--peers`, the libraries a user would run instead (`decoders.peers`) run after each model's own
 points on the same shapes, contexts and batches, each in its own row (`hf-eager:llama-1b`, ...); a peer
 that is not installed or does not run the model's family is recorded as such, with the reason.
+With `--kv-dtype`, every point of a model with a KV cache (transformer, Mask-Predict) is measured once
+per cache dtype (`fp8`: e4m3 pages, see `decoders.kv_cache`); the records carry `kv_dtype`, and on a
+GPU every record carries `max_batch_fits`, the largest batch whose state would fit at its context.
 
 Each finished point is appended to `--out` as one JSON object (an interrupted sweep keeps what it
 wrote); a point that does not fit in memory is recorded as skipped and the sweep goes on, and with
@@ -124,6 +128,19 @@ def parse_peers(text: str) -> list[str]:
     return names
 
 
+def parse_kv_dtypes(text: str) -> list[str]:
+    """'bf16,fp8' -> ['bf16', 'fp8'] (known names only, in the order given, repeats dropped)."""
+    from decoders.kv_cache import KV_DTYPES
+
+    names = list(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
+    if not names:
+        raise ArgError(f"--kv-dtype {text!r} names no dtype (known: {', '.join(KV_DTYPES)})")
+    for name in names:
+        if name not in KV_DTYPES:
+            raise ArgError(f"--kv-dtype: unknown dtype {name!r} (known: {', '.join(KV_DTYPES)})")
+    return names
+
+
 def defaults(on_gpu: bool) -> dict:
     if on_gpu:
         return {"models": "llama-1b,mamba2-1.3b,rwkv7-1.5b,maskpredict-1b", "ctx": "4k..128k"}
@@ -143,6 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--page-size", type=int, default=16, help="KV cache page size for attention families")
+    p.add_argument("--kv-dtype", default=None,
+                   help="comma list of KV cache dtypes swept for attention families: fp8, bf16, ... (default: the model's dtype)")
     p.add_argument("--iterations", default="4", help="Mask-Predict: comma list of refinement passes T")
     p.add_argument("--block", type=int, default=None, help="Mask-Predict: semi-autoregressive block length")
     p.add_argument("--peers", default=None, help="comma list of peers run on the same points: hf, mamba_ssm, fla")
@@ -159,8 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def plan_points(models, ctxs, batches, iterations, peer_names=(), device=None, own=True):
-    """(model, family, T, batch, ctx, peer) in sweep order; T only for Mask-Predict models. After a
+def plan_points(models, ctxs, batches, iterations, peer_names=(), device=None, own=True, kv_dtypes=(None,)):
+    """(model, family, T, kv_dtype, batch, ctx, peer) in sweep order; T only for Mask-Predict models,
+    kv_dtype (one point per entry of `kv_dtypes`) only for the families with a KV cache. After a
     model's own points (peer None; left out when not `own`) come its peers' points (a `peers.Peer`),
     each peer's contexts in a row; a peer that cannot run the model is one point (a `peers.Absent`,
     batch and ctx None)."""
@@ -169,18 +189,20 @@ def plan_points(models, ctxs, batches, iterations, peer_names=(), device=None, o
 
     for model in models:
         family = decoders.family_of(model)
-        for it in (iterations if "iterations" in decoders.family_options(family) else [None]) if own else []:
-            for batch in batches:
-                for ctx in ctxs:
-                    yield model, family, it, batch, ctx, None
+        takes = decoders.family_options(family)
+        for it in (iterations if "iterations" in takes else [None]) if own else []:
+            for kv in kv_dtypes if "kv_dtype" in takes else [None]:
+                for batch in batches:
+                    for ctx in ctxs:
+                        yield model, family, it, kv, batch, ctx, None
         for name in peer_names:
             for peer in peers.plan(name, model, family, device):
                 if isinstance(peer, peers.Absent):
-                    yield model, family, None, None, None, peer
+                    yield model, family, None, None, None, None, peer
                     continue
                 for batch in batches:
                     for ctx in ctxs:
-                        yield model, family, None, batch, ctx, peer
+                        yield model, family, None, None, batch, ctx, peer
 
 
 def first_line(error: BaseException) -> str:
@@ -190,12 +212,13 @@ def first_line(error: BaseException) -> str:
 
 def format_table(records: list[dict]) -> str:
     cols = [
-        ("model", "{}"), ("T", "{}"), ("batch", "{}"), ("ctx", "{}"), ("status", "{}"), ("ttft ms", "{:.1f}"),
+        ("model", "{}"), ("T", "{}"), ("kv", "{}"), ("batch", "{}"), ("ctx", "{}"), ("status", "{}"), ("ttft ms", "{:.1f}"),
         ("p50 ms", "{:.2f}"), ("p99 ms", "{:.2f}"), ("tok/s/seq", "{:.1f}"), ("tok/s", "{:.1f}"),
         ("prefill tok/s", "{:.0f}"), ("MBU", "{:.2f}"), ("MBU nom", "{:.2f}"), ("decay", "{:.2f}"), ("spread", "{:.0%}"),
+        ("max batch", "{}"),
     ]
-    keys = ["model", "iterations", "batch", "ctx", "status", "ttft_ms", "step_ms_p50", "step_ms_p99", "decode_tok_s_per_seq",
-            "decode_tok_s", "prefill_tok_s", "mbu", "mbu_nominal", "decay", "spread"]
+    keys = ["model", "iterations", "kv_dtype", "batch", "ctx", "status", "ttft_ms", "step_ms_p50", "step_ms_p99", "decode_tok_s_per_seq",
+            "decode_tok_s", "prefill_tok_s", "mbu", "mbu_nominal", "decay", "spread", "max_batch_fits"]
     rows = [[name for name, _ in cols]]
     for r in records:
         rows.append(["-" if r.get(k) is None else fmt.format(r[k]) for (_, fmt), k in zip(cols, keys)])
@@ -213,7 +236,8 @@ def cpu_note(records: list[dict], threads: int) -> str:
 
 def summary(records: list[dict], where: str) -> dict:
     """The last stdout line: where the full records are, and each point's status and headline figures."""
-    keep = ("model", "peer", "iterations", "batch", "ctx", "status", "decode_tok_s_per_seq", "step_ms_p50", "ttft_ms", "mbu", "mbu_nominal", "decay", "spread")
+    keep = ("model", "peer", "iterations", "kv_dtype", "batch", "ctx", "status", "decode_tok_s_per_seq", "step_ms_p50", "ttft_ms", "mbu",
+            "mbu_nominal", "decay", "spread", "max_batch_fits")
     # Four significant digits: a headline, not the record.
     points = [{k: float(f"{r[k]:.4g}") if isinstance(r[k], float) else r[k] for k in keep if r.get(k) is not None} for r in records]
     return {"out": where, "points": points, "ok": sum(r.get("status") == "ok" for r in records)}
@@ -264,11 +288,12 @@ def fits(dec, batch, ctx, new_tokens):
 
 def add_decay(records: list[dict]) -> None:
     """Each record's decode tok/s over that of the first (smallest-context) record of its model,
-    iterations and batch, in sweep order."""
+    iterations, KV cache dtype and batch, in sweep order."""
     base = {}
     for record in records:
         if record.get("decode_tok_s_per_seq"):
-            first = base.setdefault((record["model"], record.get("iterations"), record["batch"]), record["decode_tok_s_per_seq"])
+            key = (record["model"], record.get("iterations"), record.get("kv_dtype"), record["batch"])
+            first = base.setdefault(key, record["decode_tok_s_per_seq"])
             record["decay"] = record["decode_tok_s_per_seq"] / first
 
 
@@ -337,12 +362,12 @@ def measure_point(args, point, loaded, peer_models, device, spec, tp, ctxs, ceil
     import decoders
     from decoders import harness, peers
 
-    model, family, it, batch, ctx, peer = point
+    model, family, it, kv, batch, ctx, peer = point
     if isinstance(peer, peers.Absent):
         record = {"iterations": None, **peers.describe(peer, None, model, family), **env, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
         record.update(status=peer.status, reason=peer.reason, ctx=None, batch=None)
         return record
-    key = (model, it)
+    key = (model, it, kv)
     if key not in loaded:
         loaded.clear()
         release_peers(peer_models, device)
@@ -350,6 +375,8 @@ def measure_point(args, point, loaded, peer_models, device, spec, tp, ctxs, ceil
             torch.cuda.empty_cache()
         takes = decoders.family_options(family)
         options = {"page_size": args.page_size} if "page_size" in takes else {}
+        if kv is not None:
+            options["kv_dtype"] = kv
         if "iterations" in takes:
             options.update(iterations=it, block_length=args.block)
         try:
@@ -418,6 +445,7 @@ def run(args) -> int:
         decoders.check_page_size(args.page_size)
     except UsageError as e:
         raise ArgError(f"--page-size: {e}") from None
+    kv_dtypes = parse_kv_dtypes(args.kv_dtype) if args.kv_dtype is not None else [None]
     try:
         resolve_impl(args.impl, device)
     except ValueError as e:
@@ -431,11 +459,13 @@ def run(args) -> int:
     if args.plot:
         check_figure_file(args.plot, "--plot")
     for model in models:
-        decoders.check_model(model, context=max(ctxs))
+        family = decoders.check_model(model, context=max(ctxs))
+        if args.kv_dtype is not None and "kv_dtype" not in decoders.family_options(family):
+            raise ArgError(f"--kv-dtype: {model} ({family}) has no KV cache; leave it out of --models or drop --kv-dtype")
     device = distributed.device_of(device, here)
 
     group = distributed.setup(device, here) if here.launched else None
-    plan = list(plan_points(models, ctxs, batches, iterations, peer_names, device, own=not args.peers_only))
+    plan = list(plan_points(models, ctxs, batches, iterations, peer_names, device, own=not args.peers_only, kv_dtypes=kv_dtypes))
     mine = distributed.share(len(plan), here) if spread else range(len(plan))
     tp = group if args.tp > 1 else None
     threads = harness.pin_cpu_threads() if device.type == "cpu" else None
@@ -452,7 +482,7 @@ def run(args) -> int:
     loaded, peer_models = {}, {}
     try:
         for index in mine:
-            model, family, it, batch, ctx, peer = plan[index]
+            model, family, it, _, batch, ctx, peer = plan[index]
             try:
                 record = measure_point(args, plan[index], loaded, peer_models, device, spec, tp, ctxs, ceiling, env,
                                        f"{len(records)} finished point(s) kept in {sink.where}")

@@ -62,7 +62,7 @@ from dataclasses import dataclass, field
 import torch
 
 from decoders.base import UsageError, record_graph
-from decoders.kv_cache import PagedKVCache
+from decoders.kv_cache import PagedKVCache, kv_token_bytes
 from decoders.sampling import GREEDY, Sampling
 from declab_kernels.argmax import argmax
 
@@ -528,7 +528,8 @@ class PagedRunner(ARRunner):
         for i, (s, _) in enumerate(chunks):
             table[i, : len(kv.blocks[s.kv_seq])] = torch.tensor(kv.blocks[s.kv_seq], dtype=torch.int32)
         batch = llama.PagedBatch(
-            k_cache=kv.k, v_cache=kv.v, block_tables=on_device(table, dev), seq_lens=on_device(seq_lens, dev, torch.int32),
+            k_cache=kv.k, v_cache=kv.v, k_scale=kv.k_scale, v_scale=kv.v_scale, block_tables=on_device(table, dev),
+            seq_lens=on_device(seq_lens, dev, torch.int32),
             slot_mapping=on_device(torch.cat(slots), dev), decode=False, cu_seqlens_q=on_device(cu, dev), max_seqlen_q=max(q_lens),
             impl=self.impl,
         )
@@ -566,7 +567,7 @@ class PagedRunner(ARRunner):
         tokens, positions, tables = p.next_tokens[:b], p.positions[:b], self.tables[:b]
         # The decode attention finds the new row's page itself (slot_mapping None).
         batch = llama.PagedBatch(
-            k_cache=self.kv.k, v_cache=self.kv.v, block_tables=tables,
+            k_cache=self.kv.k, v_cache=self.kv.v, k_scale=self.kv.k_scale, v_scale=self.kv.v_scale, block_tables=tables,
             seq_lens=torch.add(positions, 1, out=torch.empty_like(positions, dtype=torch.int32)),
             slot_mapping=None, decode=True, impl=self.impl, workspace=self.workspace(b),
         )
@@ -584,19 +585,14 @@ class PagedRunner(ARRunner):
 
 
 class StateRunner(ARRunner):
-    """Mamba-2 / RWKV-7 over the family's state tensors with 2 * max_batch rows: decode rows
-    [0, max_batch), staging rows [max_batch, 2 * max_batch) for prompts being consumed."""
+    """A recurrent family (`RecurrentDecoder`) over its state tensors with 2 * max_batch rows: decode
+    rows [0, max_batch), staging rows [max_batch, 2 * max_batch) for prompts being consumed."""
 
     def __init__(self, decoder, max_batch: int, cuda_graphs: bool):
         super().__init__(decoder, max_batch, max_batch, cuda_graphs)
-        self.family = decoder.family
-        cache = decoder.new_cache([0] * (2 * max_batch), 1)
-        if self.family == "mamba2":
-            # conv [L, R, conv_dim, W], ssm [L, R, H, P, N]
-            self.states = [(cache.conv, 1), (cache.ssm, 1)]
-        else:
-            # shift [L, 2, R, C], wkv [L, R, H, K, V]
-            self.states = [(cache.shift, 2), (cache.wkv, 1)]
+        self.cache = decoder.new_cache([0] * (2 * max_batch), 1)
+        # (tensor, its batch dimension), e.g. Mamba-2's conv [L, R, conv_dim, W] and ssm [L, R, H, P, N]
+        self.states = decoder.state_tensors(self.cache)
 
     def staging(self, seq: Sequence) -> int:
         return self.max_batch + seq.slot
@@ -620,29 +616,10 @@ class StateRunner(ARRunner):
 
     def forward_chunks(self, pieces) -> list[torch.Tensor]:
         """Consume each (sequence, n) chunk into its staging row from the state there; each chunk's last logits [V]."""
-        model, dev = self.decoder.model, self.device
-        if self.family == "mamba2":
-            conv, ssm = self.states[0][0], self.states[1][0]
-            groups = {}
-            for i, (seq, n) in enumerate(pieces):
-                groups.setdefault((seq.computed, n), []).append(i)
-            out = [None] * len(pieces)
-            for (start, n), members in groups.items():
-                rows = on_device([self.staging(pieces[i][0]) for i in members], dev)
-                tokens = on_device([pieces[i][0].tokens[start : start + n] for i in members], dev)
-                r = model.forward_chunk(tokens, conv, ssm, rows, self.impl, start)
-                for i, logit in zip(members, model.head(r)):
-                    out[i] = logit
-            return out
-        shift, wkv = self.states[0][0], self.states[1][0]
-        lengths = [n for _, n in pieces]
-        width = max(lengths)
-        tokens = on_device([seq.tokens[seq.computed : seq.computed + n] + [0] * (width - n) for seq, n in pieces], dev)
-        index = on_device([self.staging(seq) for seq, _ in pieces], dev)
-        s, w = shift.index_select(2, index), wkv.index_select(1, index)
-        logits = model.forward_chunk(tokens, lengths, s, w, impl=self.impl)
-        shift.index_copy_(2, index, s)
-        wkv.index_copy_(1, index, w)
+        width = max(n for _, n in pieces)
+        tokens = on_device([seq.tokens[seq.computed : seq.computed + n] + [0] * (width - n) for seq, n in pieces], self.device)
+        logits = self.decoder.chunk_forward(self.cache, tokens, [seq.computed for seq, _ in pieces], [n for _, n in pieces],
+                                            rows=[self.staging(seq) for seq, _ in pieces])
         return list(logits)
 
     def enter(self, seq: Sequence, row: int) -> None:
@@ -651,12 +628,7 @@ class StateRunner(ARRunner):
 
     def forward_decode(self, b: int) -> torch.Tensor:
         p = self.params
-        (a, da), (s, ds) = self.states
-        if self.family == "mamba2":
-            # Every step ends with sampling kernels launched without PDL, so the states are ready.
-            return self.decoder.model.step(p.next_tokens[:b], a.narrow(da, 0, b), s.narrow(ds, 0, b), self.impl,
-                                           positions=p.positions[:b], state_ready=True)
-        return self.decoder.model.forward_step(p.next_tokens[:b], a.narrow(da, 0, b), s.narrow(ds, 0, b), impl=self.impl)
+        return self.decoder.decode_forward(self.decoder.rows_view(self.cache, b), p.next_tokens[:b], p.positions[:b])
 
     def move_row(self, src: int, dst: int) -> None:
         for t, dim in self.states:
@@ -822,14 +794,14 @@ class Engine:
             # Room for max_batch requests at the longest length (and the scratch block), within 60%
             # of the free GPU memory; on the CPU, max_batch requests of up to 1024 tokens.
             if d.device.type == "cuda":
-                per_block = 2 * c.num_hidden_layers * d.page_size * c.num_key_value_heads * c.head_dim * d.dtype.itemsize
+                per_block = d.page_size * kv_token_bytes(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, d.kv_dtype)
                 full = self.max_batch * -(-self.max_model_len // d.page_size) + 1
                 num_blocks = min(full, int(0.6 * torch.cuda.mem_get_info(d.device)[0]) // per_block)
             else:
                 num_blocks = self.max_batch * -(-min(self.max_model_len, 1024) // d.page_size) + 1
         try:
             return PagedKVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, block_size=d.page_size,
-                                num_blocks=num_blocks, memory_bytes=kv_memory_bytes, dtype=d.dtype, device=d.device)
+                                num_blocks=num_blocks, memory_bytes=kv_memory_bytes, dtype=d.kv_dtype, device=d.device)
         except ValueError as e:
             raise UsageError(str(e)) from None
 
@@ -1025,6 +997,7 @@ def build_parser():
     p.add_argument("--impl", default="auto", choices=["auto", "triton", "ref"])
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--page-size", type=int, default=16, help="KV cache page size (transformer)")
+    p.add_argument("--kv-dtype", default=None, help="KV cache dtype (transformer): fp8 | bf16 | ... (default: the model's dtype)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/engine.jsonl", help="JSON lines file the result is appended to (default runs/engine.jsonl)")
     return p
@@ -1072,8 +1045,10 @@ def main(argv=None) -> int:
         if record.state_kind == "canvas":
             raise UsageError("the measuring command runs the autoregressive families (a Mask-Predict cohort is a static "
                              "batch: python -m decoders.compare measures it)")
-        dec = decoders.load(args.model, device=args.device, dtype=args.dtype, impl=args.impl, seed=args.seed,
-                            **({"page_size": args.page_size} if record.state_kind == "kv" else {}))
+        options = {"page_size": args.page_size} if record.state_kind == "kv" else {}
+        if args.kv_dtype is not None:
+            options["kv_dtype"] = args.kv_dtype
+        dec = decoders.load(args.model, device=args.device, dtype=args.dtype, impl=args.impl, seed=args.seed, **options)
         engine = Engine(dec, max_batch=args.batch, max_step_tokens=args.max_step_tokens, max_model_len=args.ctx)
         prompt_len = args.ctx - args.new_tokens
         # Warm-up: compiles and autotunes the kernels and captures the decode graph of this batch.

@@ -3,7 +3,8 @@
 For a point at context `ctx` the prompt has `ctx - new_tokens` tokens, so decoding runs at `ctx`.
 Per point: time to first token (prefill), per-step decode latency p50/p90/p99, decode tokens/s per
 sequence and aggregate (tokens committed per step, so Mask-Predict passes count what they commit),
-prefill tokens/s, peak memory, state bytes, the roofline step time (bytes one step must move over
+prefill tokens/s, peak memory, state bytes, the largest batch whose state would fit at this context
+(GPU only, by the memory model: `largest_batch`), the roofline step time (bytes one step must move over
 the copy bandwidth measured in the same run) and MBU (roofline time / measured median step time).
 Warm-up (compilation, autotuning: the timed generation once, untimed) runs before the timed
 generation and is reported separately.
@@ -160,15 +161,34 @@ def check_against_reference(decoder: Decoder, *, new_tokens: int, tokens: int = 
     return {"ok": all(c["ok"] for c in checks.values()), "rel_rms": worst["rel_rms"], "tolerance": worst["tolerance"], "lengths": checks}
 
 
+# Share of the free device memory a point's state (KV cache or recurrent state) may take; the rest is
+# left to activations, workspaces and the allocator.
+FIT_FRACTION = 0.9
+
+
+def free_bytes(device) -> int:
+    """Device memory a new allocation can have: free on the GPU plus what PyTorch's allocator holds
+    unused (an earlier point's released cache)."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
 def fits(decoder: Decoder, batch: int, ctx: int, new_tokens: int) -> str | None:
     """Why a point cannot fit in device memory, or None when it may."""
     if decoder.device.type != "cuda":
         return None
     need = decoder.memory(batch, ctx, new_tokens=new_tokens).state_bytes
-    free, _ = torch.cuda.mem_get_info(decoder.device)
-    if need > 0.9 * free:
+    free = free_bytes(decoder.device)
+    if need > FIT_FRACTION * free:
         return f"needs {need / 1e9:.1f} GB of state/KV, {free / 1e9:.1f} GB free"
     return None
+
+
+def largest_batch(decoder: Decoder, ctx: int, new_tokens: int, free: int) -> int:
+    """The largest batch whose state at `ctx` fits in `free` bytes by the rule of `fits` (the memory
+    model's state bytes, so an fp8 KV cache counts its 1-byte rows and their exponents)."""
+    per_sequence = decoder.memory(1, ctx, new_tokens=new_tokens).state_bytes
+    return int(FIT_FRACTION * free // per_sequence)
 
 
 def measure(decoder: Decoder, *, ctx: int, batch: int, new_tokens: int, ceiling: dict, seed: int = 0, repeats: int | None = None) -> dict:
@@ -181,6 +201,8 @@ def measure(decoder: Decoder, *, ctx: int, batch: int, new_tokens: int, ceiling:
     g = torch.Generator().manual_seed(seed)
     prompts = torch.randint(0, decoder.vocab_size, (batch, prompt_len), generator=g)
     cuda = decoder.device.type == "cuda"
+    # Before the point allocates anything: the largest batch whose state would fit beside the model.
+    max_batch_fits = largest_batch(decoder, ctx, new_tokens, free_bytes(decoder.device)) if cuda else None
 
     t0 = time.perf_counter()
     # The timed generation once untimed: every kernel, including those specialised on the prompt's
@@ -220,6 +242,7 @@ def measure(decoder: Decoder, *, ctx: int, batch: int, new_tokens: int, ceiling:
         "state_bytes": mem.state_bytes,
         "step_bytes": mem.step_bytes,
         "peak_memory_bytes": torch.cuda.max_memory_allocated(decoder.device) if cuda else None,
+        "max_batch_fits": max_batch_fits,
         "repeats": len(runs),
     }
     if len(runs) > 1 and steps:

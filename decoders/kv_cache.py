@@ -11,11 +11,55 @@ Split as in vLLM v1:
   free their blocks. Block tables and slot mappings come out as device tensors.
 
 Running out of blocks raises `KVCacheExhausted` with the numbers, never a silent overwrite.
+
+fp8 pages (`dtype=torch.float8_e4m3fn`, the decoders' `kv_dtype="fp8"`): K and V hold one byte a
+value, and `k_scale`, `v_scale` `[L, num_blocks, block_size, Hkv]` int8 the power-of-two exponent of
+each row of D values (`declab_kernels.paged_attention.ref.quantize`), so a block takes
+(D + 1) / (2 D) of its bf16 bytes. Scale granularity, per (token, kv head) row: a static scale per
+(layer, kv head) calibrated at one prefill would clip the rows of later requests sharing the pool
+(the engine's), and a dynamic scale per (page, head) would have to requantize a page's earlier rows
+whenever a decode step appends a larger one; a row's own exponent is fixed when it is written, needs
+no calibration, and moves with its row (copy-on-write, truncation). A power of two keeps the kernels'
+dequantization exact and costs one byte per row.
 """
 
 from collections import deque
 
 import torch
+
+from decoders.base import UsageError
+
+FP8 = torch.float8_e4m3fn
+# What the decoders' kv_dtype option takes: "fp8" or a float dtype name.
+KV_DTYPES = {"fp8": FP8, "float8_e4m3fn": FP8, "float32": torch.float32, "fp32": torch.float32,
+             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def parse_kv_dtype(kv_dtype) -> torch.dtype | None:
+    """A KV cache dtype by name ("fp8", "bf16", ...) or torch dtype; None stays None (the model's dtype)."""
+    if kv_dtype is None or kv_dtype in KV_DTYPES.values():
+        return kv_dtype
+    if not isinstance(kv_dtype, str) or kv_dtype not in KV_DTYPES:
+        raise UsageError(f"unknown kv_dtype {kv_dtype!r} (known: {', '.join(KV_DTYPES)})")
+    return KV_DTYPES[kv_dtype]
+
+
+def resolve_kv_dtype(kv_dtype, model_dtype: torch.dtype, device: torch.device, impl: str) -> torch.dtype | None:
+    """The dtype a decoder's KV cache stores, None when it is the model's own; refuses (UsageError) fp8
+    through the Triton kernels on a GPU without e4m3 conversions (compute capability below 8.9)."""
+    dtype = parse_kv_dtype(kv_dtype)
+    if dtype == model_dtype:
+        return None
+    if dtype == FP8 and impl == "triton" and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise UsageError(f"kv_dtype fp8 needs a GPU of compute capability 8.9 or later for the Triton kernels, "
+                         f"{torch.cuda.get_device_name(device)} has {torch.cuda.get_device_capability(device)}")
+    return dtype
+
+
+def kv_token_bytes(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes one position takes in the cache over all layers: K and V rows, plus an fp8 row's exponent."""
+    row = head_dim * torch.tensor([], dtype=dtype).element_size() + (1 if dtype == FP8 else 0)
+    return 2 * num_layers * num_kv_heads * row
 
 
 class KVCacheExhausted(RuntimeError):
@@ -71,7 +115,7 @@ class PagedKVCache:
         if block_size < 16 or block_size > 256 or block_size & (block_size - 1):
             raise ValueError(f"page size must be a power of two from 16 to 256, got {block_size}")
         self.block_size = block_size
-        self.bytes_per_block = 2 * num_layers * block_size * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
+        self.bytes_per_block = block_size * kv_token_bytes(num_layers, num_kv_heads, head_dim, dtype)
         if (num_blocks is None) == (memory_bytes is None):
             raise ValueError("size the KV cache with exactly one of num_blocks or memory_bytes")
         if num_blocks is None:
@@ -80,6 +124,11 @@ class PagedKVCache:
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # [L, num_blocks, block_size, Hkv] int8 exponents of the fp8 rows (None for other dtypes)
+        self.k_scale = self.v_scale = None
+        if dtype == FP8:
+            self.k_scale = torch.zeros(shape[:-1], dtype=torch.int8, device=device)
+            self.v_scale = torch.zeros(shape[:-1], dtype=torch.int8, device=device)
         self.blocks: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}
         self._next_id = 0
@@ -119,6 +168,9 @@ class PagedKVCache:
             (copy,) = self.pool.allocate(1)
             self.k[:, copy] = self.k[:, block]
             self.v[:, copy] = self.v[:, block]
+            if self.k_scale is not None:
+                self.k_scale[:, copy] = self.k_scale[:, block]
+                self.v_scale[:, copy] = self.v_scale[:, block]
             self.pool.release(block)
             self.blocks[seq][index] = copy
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from declab_arch import mamba2
-from decoders.base import AutoregressiveDecoder, Memory
+from decoders.base import Memory, RecurrentDecoder
 
 # Parameters kept in float32 whatever the model dtype: A = -exp(A_log) and softplus(dt + dt_bias)
 # set the decay, whose rounding compounds over thousands of steps; they are 3 * H numbers per layer.
@@ -42,11 +42,12 @@ class Mamba2Cache:
     lens: list[int]
 
 
-class Mamba2Decoder(AutoregressiveDecoder):
+class Mamba2Decoder(RecurrentDecoder):
     family = "mamba2"
     arch = mamba2
     presets = "mamba2"
     state_kind = "recurrent"
+    state_fields = {"conv": 1, "ssm": 1}
 
     def __init__(self, model, config, *, prefill_chunk: int = 8192, **kwargs):
         if prefill_chunk < 1:
@@ -93,6 +94,23 @@ class Mamba2Decoder(AutoregressiveDecoder):
     def decode_forward(self, cache: Mamba2Cache, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # Every step ends with sampling kernels launched without PDL, so the states are ready at the next step.
         return self.model.step(tokens, cache.conv, cache.ssm, self.impl, positions=positions, state_ready=True)
+
+    def chunk_forward(self, cache: Mamba2Cache, tokens: torch.Tensor, positions: list[int], lengths: list[int], *,
+                      rows: list[int] | None = None, logits: str = "last") -> torch.Tensor | None:
+        rows = list(range(tokens.shape[0])) if rows is None else rows
+        # The scan takes one start position for its batch: rows at the same (position, length) run together.
+        groups = {}
+        for j, (p, n) in enumerate(zip(positions, lengths)):
+            groups.setdefault((p, n), []).append(j)
+        out = [None] * len(rows)
+        for (p, n), members in groups.items():
+            index = torch.tensor([rows[j] for j in members], device=self.device)
+            r = self.model.forward_chunk(tokens[members, :n], cache.conv, cache.ssm, index, self.impl, p,
+                                         all_positions=logits == "all")
+            if logits != "none":
+                for j, logit in zip(members, self.model.head(r)):
+                    out[j] = logit
+        return None if logits == "none" else torch.stack(out)
 
     def memory(self, batch: int, ctx: int, *, new_tokens: int = 1) -> Memory:
         c = self.config

@@ -37,6 +37,9 @@ the continuation, as prefix-cached decoding runs the model; `score_bound="bidire
 without it) lets the context see the masked continuation, as LLaDA scores. `describe()["scoring"]`
 says which one a result used.
 
+`kv_dtype="fp8"` stores the prefix cache's pages in e4m3 with one exponent per row
+(`decoders.kv_cache`), as the transformer family does.
+
 `StepOut.committed` [B] counts the tokens each sequence's canvas gained in the pass (unmasked after
 minus before; with a length beam, those of the most likely length's candidate), so tokens per pass
 read like the autoregressive families' one token per step.
@@ -49,7 +52,7 @@ import torch
 
 from declab_arch import llama, maskpredict
 from decoders.base import Decoder, Memory, StepOut, UsageError, record_graph
-from decoders.kv_cache import PagedKVCache
+from decoders.kv_cache import PagedKVCache, kv_token_bytes, resolve_kv_dtype
 from decoders.sampling import GREEDY, Sampling, sample
 
 RULES = ("mask-predict", "low-confidence")
@@ -123,8 +126,11 @@ class MaskPredictDecoder(Decoder):
     state_kind = "canvas"
 
     def __init__(self, model, config, *, iterations: int | None = None, rule: str | None = None, block_length: int | None = None,
-                 threshold: float | None = None, length_beam: int | None = None, prefix_cache: bool = True, page_size: int = 16, score_bound: str | None = None, **kwargs):
+                 threshold: float | None = None, length_beam: int | None = None, prefix_cache: bool = True, page_size: int = 16, score_bound: str | None = None,
+                 kv_dtype=None, **kwargs):
         super().__init__(model, config, max_context=config.max_position_embeddings, **kwargs)
+        # None: the cache stores the model's dtype (see `kv_dtype`).
+        self._kv_dtype = resolve_kv_dtype(kv_dtype, self.dtype, self.device, self.impl)
         # A threshold decides on the host after every pass whether the block is done: no graph replay.
         self.cuda_graphs = self.cuda_graphs and threshold is None
         self.iterations = _positive_int("iterations", iterations, allow_none=True)
@@ -153,6 +159,11 @@ class MaskPredictDecoder(Decoder):
         self.page_size = page_size
         self.mask_token_id = config.mask_token_id
 
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """What the prefix cache stores: float8_e4m3fn for kv_dtype="fp8", else the model's dtype (or the one asked for)."""
+        return self._kv_dtype or self.dtype
+
     def describe(self) -> dict:
         out = super().describe()
         out["decoding"] = {
@@ -160,6 +171,7 @@ class MaskPredictDecoder(Decoder):
             "length_beam": self.length_beam, "prefix_cache": self.prefix_cache,
         }
         out["scoring"] = {"bound": self.score_bound}
+        out["kv_dtype"] = str(self.kv_dtype).removeprefix("torch.")
         return out
 
     @torch.inference_mode()
@@ -173,7 +185,7 @@ class MaskPredictDecoder(Decoder):
         self.check_context(max(lens) + N)
         B, beam = len(prompts), self.length_beam or 1
         kv = PagedKVCache(self.config.num_hidden_layers, self.config.num_key_value_heads, self.config.head_dim, block_size=self.page_size,
-                          num_blocks=B * beam * -(-(max(lens) + N) // self.page_size), dtype=self.dtype, device=self.device)
+                          num_blocks=B * beam * -(-(max(lens) + N) // self.page_size), dtype=self.kv_dtype, device=self.device)
         parents = [kv.add_sequence() for _ in prompts]
         prompt_slots = [kv.append(s, n) for s, n in zip(parents, lens)]
         lengths = [[N]] * B
@@ -221,7 +233,8 @@ class MaskPredictDecoder(Decoder):
         lens = [len(p) for p in prompts]
         cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
         batch = llama.PagedBatch(
-            k_cache=kv.k, v_cache=kv.v, block_tables=kv.block_table(seqs), seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+            k_cache=kv.k, v_cache=kv.v, k_scale=kv.k_scale, v_scale=kv.v_scale, block_tables=kv.block_table(seqs),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
             slot_mapping=torch.cat(prompt_slots).to(dev), decode=False, causal=False, cu_seqlens_q=cu.to(dev), max_seqlen_q=max(lens),
             impl=self.impl,
         )
@@ -274,7 +287,8 @@ class MaskPredictDecoder(Decoder):
             segment(e, P + k * W, end, end, canvas_from=k * W)
         cu = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
         batch = llama.PagedBatch(
-            k_cache=state.kv.k, v_cache=state.kv.v, block_tables=state.block_tables[self._to_device(torch.tensor(rows))],
+            k_cache=state.kv.k, v_cache=state.kv.v, k_scale=state.kv.k_scale, v_scale=state.kv.v_scale,
+            block_tables=state.block_tables[self._to_device(torch.tensor(rows))],
             seq_lens=self._to_device(torch.tensor(seq_lens, dtype=torch.int32)), slot_mapping=self._to_device(torch.cat(slots)),
             decode=False, causal=False, cu_seqlens_q=self._to_device(cu), max_seqlen_q=max(q_lens), impl=self.impl,
         )
@@ -451,8 +465,7 @@ class MaskPredictDecoder(Decoder):
         """Bytes at context `ctx` (prompt + canvas); `new_tokens` is the canvas size N, of which one pass
         writes a block (default the block length, else the whole context, exact for prefix_cache=False)."""
         c = self.config
-        elt = torch.tensor([], dtype=self.dtype).element_size()
-        kv_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * elt
+        kv_per_token = kv_token_bytes(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self.kv_dtype)
         weights = self.weight_bytes()
         # A pass reads the embedding rows it needs, not the table (a tied table is read whole as the head); the length head only in prefill.
         embed = self.model.model.embed_tokens.weight

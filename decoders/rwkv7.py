@@ -23,7 +23,7 @@ import torch
 
 from declab_arch import rwkv7
 from declab_arch.checkpoint import load_tokenizer
-from decoders.base import AutoregressiveDecoder, Memory, UsageError
+from decoders.base import Memory, RecurrentDecoder, UsageError
 
 log = logging.getLogger("declab.decoders.rwkv7")
 
@@ -37,11 +37,12 @@ class RWKV7Cache:
         return RWKV7Cache(self.shift.clone(), self.wkv.clone())
 
 
-class RWKV7Decoder(AutoregressiveDecoder):
+class RWKV7Decoder(RecurrentDecoder):
     family = "rwkv7"
     arch = rwkv7
     presets = "rwkv7"
     state_kind = "recurrent"
+    state_fields = {"shift": 2, "wkv": 1}
 
     def __init__(self, model, config, *, prefill_chunk: int = 8192, **kwargs):
         # RWKV has no position limit: the state is the same size at any context.
@@ -96,6 +97,21 @@ class RWKV7Decoder(AutoregressiveDecoder):
 
     def decode_forward(self, cache: RWKV7Cache, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model.forward_step(tokens, cache.shift, cache.wkv, impl=self.impl)
+
+    def chunk_forward(self, cache: RWKV7Cache, tokens: torch.Tensor, positions: list[int], lengths: list[int], *,
+                      rows: list[int] | None = None, logits: str = "last") -> torch.Tensor | None:
+        # The state does not depend on positions: a chunk continues from whatever the rows hold.
+        width = max(lengths)
+        if rows is None:
+            out = self.model.forward_chunk(tokens[:, :width], lengths, cache.shift, cache.wkv, impl=self.impl,
+                                           all_positions=logits == "all")
+        else:
+            index = torch.tensor(rows, device=self.device)
+            shift, wkv = cache.shift.index_select(2, index), cache.wkv.index_select(1, index)
+            out = self.model.forward_chunk(tokens[:, :width], lengths, shift, wkv, impl=self.impl, all_positions=logits == "all")
+            cache.shift.index_copy_(2, index, shift)
+            cache.wkv.index_copy_(1, index, wkv)
+        return None if logits == "none" else out
 
     def state_bytes_per_sequence(self) -> int:
         c = self.config

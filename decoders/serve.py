@@ -807,6 +807,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-model-len", type=positive, default=None, help="longest prompt + max_tokens (default: the model's context, or what the KV pool holds)")
     p.add_argument("--num-blocks", type=positive, default=None, help="KV cache blocks (default: 60%% of the free GPU memory; on a CPU room for --max-batch sequences of 1024 tokens)")
     p.add_argument("--page-size", type=positive, default=None, help="KV cache page size, transformer family (default: the decoder's)")
+    p.add_argument("--kv-dtype", default=None, help="KV cache dtype, transformer family: fp8 | bf16 | ... (default: the model's dtype)")
     p.add_argument("--impl", default="auto", choices=["auto", "triton", "ref"])
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: bfloat16 on a GPU, float32 on a CPU)")
     p.add_argument("--device", default=None)
@@ -825,6 +826,11 @@ def main(argv=None) -> int:
             if decoders.family_class(family).state_kind != "kv":
                 raise UsageError(f"--page-size applies to the transformer family, not {family}")
             load_options["page_size"] = args.page_size
+        if args.kv_dtype is not None:
+            if decoders.family_class(family).state_kind != "kv":
+                raise UsageError(f"--kv-dtype applies to the transformer family, not {family}")
+            decoders.kv_cache.parse_kv_dtype(args.kv_dtype)
+            load_options["kv_dtype"] = args.kv_dtype
         if args.num_blocks is not None:
             if decoders.family_class(family).state_kind != "kv":
                 raise UsageError(f"--num-blocks applies to the transformer family, not {family}")

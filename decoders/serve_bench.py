@@ -509,6 +509,8 @@ class EngineTarget:
 
         family = decoders.family_of(model)
         options = {"page_size": args.page_size} if "page_size" in decoders.family_options(family) else {}
+        if args.kv_dtype is not None:
+            options["kv_dtype"] = args.kv_dtype
         self.decoder = decoders.load(model, device=args.device, dtype=args.dtype, impl=args.impl, seed=args.seed, **options)
         self.engine = Engine(self.decoder, max_batch=args.max_batch, max_step_tokens=args.max_step_tokens)
         # The engine's limit, which its KV pool can make shorter than the model's context.
@@ -564,6 +566,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--impl", default="auto", choices=["auto", "triton", "ref"])
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--page-size", type=int, default=16, help="KV cache page size for attention families")
+    p.add_argument("--kv-dtype", default=None, help="engine: KV cache dtype of attention families, fp8 | bf16 | ... (default: the model's dtype)")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload and the random weights")
     p.add_argument("--out", default="runs/serve_bench.jsonl", help="JSON lines file, appended point by point; workloads are saved beside it")
     p.add_argument("--plot", default=None, help="PNG: p99 TTFT and p99 ITL against output tokens/s, one line per model and arrival process")
@@ -799,6 +802,18 @@ def run(args) -> int:
     if args.max_batch < 1 or args.max_step_tokens < 1:
         raise ArgError("--max-batch and --max-step-tokens must be >= 1")
     lengths = (wl.parse_lengths(args.prompt_len, "prompt-len"), wl.parse_lengths(args.output_len, "output-len"))
+    if args.kv_dtype is not None:
+        import decoders
+        from decoders.kv_cache import parse_kv_dtype
+
+        try:
+            parse_kv_dtype(args.kv_dtype)
+        except UsageError as e:
+            raise ArgError(f"--kv-dtype: {e}") from None
+        for model in models:
+            family = decoders.family_of(model)
+            if "kv_dtype" not in decoders.family_options(family):
+                raise ArgError(f"--kv-dtype: {model} ({family}) has no KV cache")
     for model in models:
         _, max_context = model_limits(model)
         # The lengths against the context now, before any model is loaded.

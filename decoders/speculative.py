@@ -139,18 +139,12 @@ class Draft(ABC):
         return {"kind": self.name}
 
 
-def state_tensors(cache) -> list[tuple[torch.Tensor, int]]:
-    """A recurrent cache's tensors with their batch dimension."""
-    if hasattr(cache, "ssm"):
-        return [(cache.conv, 1), (cache.ssm, 1)]
-    return [(cache.shift, 2), (cache.wkv, 1)]
+def snapshot(dec, cache) -> list[torch.Tensor]:
+    """Copies of a recurrent decoder's state tensors."""
+    return [t.clone() for t, _ in dec.state_tensors(cache)]
 
 
-def snapshot(cache) -> list[torch.Tensor]:
-    return [t.clone() for t, _ in state_tensors(cache)]
-
-
-def restore_rows(cache, saved: list[list[torch.Tensor] | None], choice: list[int]) -> None:
+def restore_rows(dec, cache, saved: list[list[torch.Tensor] | None], choice: list[int]) -> None:
     """Row b of the cache becomes row b of saved[choice[b]] (None: the cache as it is)."""
     groups = {}
     for b, c in enumerate(choice):
@@ -158,7 +152,7 @@ def restore_rows(cache, saved: list[list[torch.Tensor] | None], choice: list[int
             groups.setdefault(c, []).append(b)
     for c, rows in groups.items():
         index = torch.tensor(rows, device=saved[c][0].device)
-        for (t, dim), s in zip(state_tensors(cache), saved[c]):
+        for (t, dim), s in zip(dec.state_tensors(cache), saved[c]):
             if len(rows) == t.shape[dim]:
                 t.copy_(s)
             else:
@@ -203,13 +197,13 @@ class ModelDraft(Draft):
         None when greedy, the recurrent states before the first step and after each but the last)."""
         dec = self.decoder
         recurrent = dec.state_kind == "recurrent"
-        saved = [snapshot(cache)] if recurrent else []
+        saved = [snapshot(dec, cache)] if recurrent else []
         drafted, probs = [], []
         for j in range(k + 1):
             logits = dec.decode_forward(cache, token, pos + j)
             if recurrent:
                 # After the last step the live cache is that state: nothing to copy.
-                saved.append(snapshot(cache) if j < k else None)
+                saved.append(snapshot(dec, cache) if j < k else None)
             if j == k:
                 break
             if sampling.greedy:
@@ -223,7 +217,7 @@ class ModelDraft(Draft):
 
     def rollback(self, state, keep):
         if self.decoder.state_kind == "recurrent":
-            restore_rows(state.cache, state.saved, keep)
+            restore_rows(self.decoder, state.cache, state.saved, keep)
             state.saved = []
         # A transformer draft's K/V past a position is rewritten before it is read again.
         state.positions = [p + n for p, n in zip(state.positions, keep)]
@@ -505,8 +499,8 @@ class SpeculativeDecoder(Decoder):
                 state.replay = Replay(lambda fed, start: verify_steps(t, cache, fed, start), t.device, enabled=self.cuda_graphs)
             logits, saved = state.replay(fed, start)
             return logits, saved, None
-        saved = snapshot(cache)
-        return chunk_forward(t, cache, fed, positions, [fed.shape[1]] * fed.shape[0], all_positions=True), saved, None
+        saved = snapshot(t, cache)
+        return t.chunk_forward(cache, fed, positions, [fed.shape[1]] * fed.shape[0], logits="all"), saved, None
 
     def rollback(self, cache, saved, fed: torch.Tensor, positions: list[int], keep: list[int]) -> None:
         """Each target sequence b keeps the first keep[b] fed tokens."""
@@ -516,16 +510,16 @@ class SpeculativeDecoder(Decoder):
                 cache.kv.truncate(s, p + n)
             return
         if self.recurrent_verify == "steps":
-            restore_rows(cache, saved, keep)
+            restore_rows(t, cache, saved, keep)
             return
         redo = [b for b, n in enumerate(keep) if n < T]
         if not redo:
             return
-        restore_subset(cache, saved, redo)
+        restore_subset(t, cache, saved, redo)
         again = [b for b in redo if keep[b] > 0]
         if again:
             rows = torch.tensor(again, device=t.device)
-            chunk_forward(t, cache, fed[rows], [positions[b] for b in again], [keep[b] for b in again], rows=again)
+            t.chunk_forward(cache, fed[rows], [positions[b] for b in again], [keep[b] for b in again], rows=again, logits="none")
 
     def finished(self, state: SpecState) -> bool:
         return all(r <= 0 for r in state.remaining)
@@ -546,19 +540,19 @@ class SpeculativeDecoder(Decoder):
                 "verifications": state.verified, "rounds": state.rounds}
 
 
-def restore_subset(cache, saved: list[torch.Tensor], rows: list[int]) -> None:
+def restore_subset(dec, cache, saved: list[torch.Tensor], rows: list[int]) -> None:
     index = torch.tensor(rows, device=saved[0].device)
-    for (t, dim), s in zip(state_tensors(cache), saved):
+    for (t, dim), s in zip(dec.state_tensors(cache), saved):
         t.index_copy_(dim, index, s.index_select(dim, index))
 
 
 def verify_steps(dec, cache, fed: torch.Tensor, start: torch.Tensor):
     """A recurrent target's verification as decode steps: logits [B, T, V] and the states before the
     first and after each step but the last (the live cache is the state after it)."""
-    saved, logits = [snapshot(cache)], []
+    saved, logits = [snapshot(dec, cache)], []
     for j in range(fed.shape[1]):
         logits.append(dec.decode_forward(cache, fed[:, j], start + j))
-        saved.append(snapshot(cache) if j < fed.shape[1] - 1 else None)
+        saved.append(snapshot(dec, cache) if j < fed.shape[1] - 1 else None)
     return torch.stack(logits, 1), saved
 
 
@@ -574,6 +568,8 @@ def verify_transformer(dec, cache, fed: torch.Tensor, start: torch.Tensor, slots
     batch = llama.PagedBatch(
         k_cache=kv.k,
         v_cache=kv.v,
+        k_scale=kv.k_scale,
+        v_scale=kv.v_scale,
         block_tables=tables,
         seq_lens=(start + T).to(torch.int32),
         slot_mapping=slots,
@@ -587,36 +583,6 @@ def verify_transformer(dec, cache, fed: torch.Tensor, start: torch.Tensor, slots
         logits, hidden = dec.model.forward_paged(fed.flatten(), pos, batch, return_hidden=True)
         return logits.view(B, T, -1), hidden.view(B, T, -1)
     return dec.model.forward_paged(fed.flatten(), pos, batch).view(B, T, -1)
-
-
-def chunk_forward(dec, cache, tokens: torch.Tensor, positions: list[int], lengths: list[int], *, rows: list[int] | None = None,
-                  all_positions: bool = False) -> torch.Tensor | None:
-    """A recurrent family's chunked scan over tokens [b, T] (row j of the batch is cache row rows[j],
-    default all rows; lengths[j] real tokens at positions[j]..), resuming from the carried state.
-    With all_positions, logits [b, T, V] of every position."""
-    rows = list(range(tokens.shape[0])) if rows is None else rows
-    dev = dec.device
-    if dec.family == "mamba2":
-        out = [None] * len(rows)
-        groups = {}
-        for j, (p, n) in enumerate(zip(positions, lengths)):
-            groups.setdefault((p, n), []).append(j)
-        for (p, n), members in groups.items():
-            index = torch.tensor([rows[j] for j in members], device=dev)
-            r = dec.model.forward_chunk(tokens[members, :n], cache.conv, cache.ssm, index, dec.impl, p, all_positions=all_positions)
-            if all_positions:
-                for j, logit in zip(members, dec.model.head(r)):
-                    out[j] = logit
-        return torch.stack(out) if all_positions else None
-    width = max(lengths)
-    if len(rows) == cache.wkv.shape[1]:
-        return dec.model.forward_chunk(tokens[:, :width], lengths, cache.shift, cache.wkv, impl=dec.impl, all_positions=all_positions)
-    index = torch.tensor(rows, device=dev)
-    shift, wkv = cache.shift.index_select(2, index), cache.wkv.index_select(1, index)
-    logits = dec.model.forward_chunk(tokens[:, :width], lengths, shift, wkv, impl=dec.impl, all_positions=all_positions)
-    cache.shift.index_copy_(2, index, shift)
-    cache.wkv.index_copy_(1, index, wkv)
-    return logits
 
 
 def speculative(target: AutoregressiveDecoder, draft, k: int = 4, **options) -> SpeculativeDecoder:

@@ -5,6 +5,9 @@ Prefill packs the prompts' tokens (several sequences, variable lengths) and runs
 prefix already there, so a 128k prompt never needs more than one chunk's attention scores. Before
 decoding, every sequence reserves the blocks for its prompt plus `max_new_tokens`, so a decode step
 computes its slots on the device from the block table and never returns to the host.
+
+`kv_dtype="fp8"` stores the pages in e4m3 with one exponent per row (`decoders.kv_cache`): about
+half the bytes per position, counted as such by `memory`.
 """
 
 from dataclasses import dataclass
@@ -13,7 +16,7 @@ import torch
 
 from declab_arch import llama
 from decoders.base import AutoregressiveDecoder, Memory
-from decoders.kv_cache import PagedKVCache
+from decoders.kv_cache import PagedKVCache, kv_token_bytes, resolve_kv_dtype
 from declab_kernels import paged_attention, tuning
 
 
@@ -31,17 +34,28 @@ class TransformerDecoder(AutoregressiveDecoder):
     presets = "llama"
     state_kind = "kv"
 
-    def __init__(self, model, config, *, page_size: int = 16, num_blocks: int | None = None, kv_memory_bytes: int | None = None, prefill_chunk: int | None = None, **kwargs):
+    def __init__(self, model, config, *, page_size: int = 16, num_blocks: int | None = None, kv_memory_bytes: int | None = None, prefill_chunk: int | None = None,
+                 kv_dtype=None, **kwargs):
         super().__init__(model, config, max_context=config.max_position_embeddings, **kwargs)
+        # None: the cache stores the model's dtype (see `kv_dtype`).
+        self._kv_dtype = resolve_kv_dtype(kv_dtype, self.dtype, self.device, self.impl)
         self.page_size = page_size
         self.prefill_chunk = prefill_chunk
         self.pool = None
         if num_blocks is not None or kv_memory_bytes is not None:
             self.pool = self._new_kv(num_blocks=num_blocks, memory_bytes=kv_memory_bytes)
 
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """What the KV cache stores: float8_e4m3fn for kv_dtype="fp8", else the model's dtype (or the one asked for)."""
+        return self._kv_dtype or self.dtype
+
+    def describe(self) -> dict:
+        return {**super().describe(), "kv_dtype": str(self.kv_dtype).removeprefix("torch.")}
+
     def _new_kv(self, **size) -> PagedKVCache:
         c = self.config
-        return PagedKVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, block_size=self.page_size, dtype=self.dtype, device=self.device, **size)
+        return PagedKVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, block_size=self.page_size, dtype=self.kv_dtype, device=self.device, **size)
 
     def new_cache(self, prompt_lens: list[int], max_len: int) -> TransformerCache:
         kv = self.pool
@@ -91,6 +105,8 @@ class TransformerDecoder(AutoregressiveDecoder):
             batch = llama.PagedBatch(
                 k_cache=cache.kv.k,
                 v_cache=cache.kv.v,
+                k_scale=cache.kv.k_scale,
+                v_scale=cache.kv.v_scale,
                 block_tables=cache.block_tables[rows],
                 seq_lens=torch.tensor([done[i] for i in rows], dtype=torch.int32, device=dev),
                 slot_mapping=torch.cat(slots).to(dev),
@@ -112,6 +128,8 @@ class TransformerDecoder(AutoregressiveDecoder):
         batch = llama.PagedBatch(
             k_cache=cache.kv.k,
             v_cache=cache.kv.v,
+            k_scale=cache.kv.k_scale,
+            v_scale=cache.kv.v_scale,
             block_tables=cache.block_tables,
             # One kernel (the add writes int32) where `(positions + 1).to(torch.int32)` launched two.
             seq_lens=torch.add(positions, 1, out=torch.empty_like(positions, dtype=torch.int32)),
@@ -124,8 +142,7 @@ class TransformerDecoder(AutoregressiveDecoder):
 
     def memory(self, batch: int, ctx: int, *, new_tokens: int = 1) -> Memory:
         c = self.config
-        elt = torch.tensor([], dtype=self.dtype).element_size()
-        kv_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * elt
+        kv_per_token = kv_token_bytes(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self.kv_dtype)
         weights = self.weight_bytes()
         # A step reads one embedding row, not the table; a tied table is still read whole as the head.
         embed = self.model.model.embed_tokens.weight

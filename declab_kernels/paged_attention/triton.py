@@ -17,6 +17,13 @@ log #16). Prefill is launched as before.
 Decode with ROPE (constexpr; `paged_decode_attention(..., rope=(k, v, cos, sin))`) also rotates q
 and the step's k at position seq_len - 1 and writes the rotated k and v into the cache: the split
 holding that position writes them before its loop, behind a barrier (README.md, "RoPE in decode").
+
+FP8 (constexpr; float8_e4m3fn caches with `scales=(k_scale, v_scale)`, see `ref.quantize`): every
+kernel that writes a row quantizes it as the reference does (bit for bit: the exponent comes from
+the float32 bits of the row's largest magnitude), and every kernel that reads K/V converts the e4m3
+tile to q's dtype in registers and applies the rows' powers of two to the scores (K) and to the
+probabilities before p @ v (V), so the dots run on q's dtype as for a bf16 cache. A float cache of
+another dtype than q (a bf16 cache under a float32 model) is converted the same way, unscaled.
 """
 
 from dataclasses import dataclass
@@ -26,6 +33,7 @@ import triton
 import triton.language as tl
 
 from declab_kernels import pdl
+from declab_kernels.paged_attention.ref import check_scales
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 256
@@ -181,12 +189,59 @@ def decode_workspace(batch, num_q_heads, num_kv_heads, head_dim, max_seq_len, de
 
 
 @triton.jit
+def fp8_exponent(amax):
+    """`ref.row_exponents` from each row's largest magnitude (float32): int32 exponents, at least -126."""
+    bits = amax.to(tl.int32, bitcast=True)
+    e = (bits >> 23) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    return tl.maximum(e, -126)
+
+
+@triton.jit
+def pow2(e):
+    """2^e as float32 for int32 e in [-126, 127], built from its bits (exact, as `ref.pow2`)."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def round_e4m3(y):
+    """float32 y, |y| <= 448, rounded to the nearest e4m3 value (ties to even) and still float32, so the
+    conversion after it is exact. (The Triton interpreter's own conversion carries no rounding into the
+    exponent: 124 became 64, not 128.)"""
+    bits = y.to(tl.int32, bitcast=True)
+    # |y| >= 2^-6 (e4m3's smallest normal): keep 3 mantissa bits, rounding on the 20 below them.
+    normal = ((bits >> 23) & 0xFF) >= 121
+    up = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
+    # Below it the grid is multiples of 2^-9: |y| * 2^9 rounded to an integer by adding 1.5 * 2^23.
+    sub = ((tl.abs(y) * 512.0 + 12582912.0) - 12582912.0) * 0.001953125
+    return tl.where(normal, up, tl.where(bits < 0, -sub, sub))
+
+
+@triton.jit
+def store_fp8_rows(x, dst, exp_dst, mask, row_mask):
+    """Rows x `[R, C]` float32 (masked-off elements 0) quantized as `ref.quantize`: the e4m3 values to the
+    pointers dst `[R, C]`, each row's exponent to exp_dst `[R]`."""
+    e = fp8_exponent(tl.max(tl.abs(x), 1))
+    tl.store(dst, round_e4m3(x * pow2(-e)[:, None]).to(dst.dtype.element_ty), mask=mask)
+    tl.store(exp_dst, e.to(tl.int8), mask=row_mask)
+
+
+def scale_args(k_cache, v_cache, scales) -> dict:
+    """The kernels' arguments for an fp8 cache's exponents (none for any other cache); checks them."""
+    if check_scales(k_cache, v_cache, scales) is None:
+        return {}
+    k_scale, v_scale = scales
+    return dict(ks_ptr=k_scale, vs_ptr=v_scale, stride_sb=k_scale.stride(0), stride_st=k_scale.stride(1),
+                stride_sh=k_scale.stride(2), FP8=True)
+
+
+@triton.jit
 def _write_kv_kernel(
     k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
     stride_kn, stride_kh, stride_vn, stride_vh,
     stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
     H: tl.constexpr, D: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
     PDL: tl.constexpr = False,
+    ks_ptr=None, vs_ptr=None, stride_sb=0, stride_st=0, stride_sh=0, FP8: tl.constexpr = False,
 ):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -203,14 +258,23 @@ def _write_kv_kernel(
         v = tl.load(v_ptr + n * stride_vn + h * stride_vh + d, mask=mask)
         kc = kc_ptr + page * stride_kcb + row * stride_kct + h * stride_kch + d
         vc = vc_ptr + page * stride_vcb + row * stride_vct + h * stride_vch + d
-        tl.store(kc, k.to(kc_ptr.dtype.element_ty), mask=mask)
-        tl.store(vc, v.to(vc_ptr.dtype.element_ty), mask=mask)
+        if FP8:
+            # [H_PAD] the heads' exponents
+            exps = page * stride_sb + row * stride_st + tl.arange(0, H_PAD) * stride_sh
+            heads = tl.arange(0, H_PAD) < H
+            store_fp8_rows(k.to(tl.float32), kc, ks_ptr + exps, mask, heads)
+            store_fp8_rows(v.to(tl.float32), vc, vs_ptr + exps, mask, heads)
+        else:
+            tl.store(kc, k.to(kc_ptr.dtype.element_ty), mask=mask)
+            tl.store(vc, v.to(vc_ptr.dtype.element_ty), mask=mask)
 
 
-def write_kv(k, v, k_cache, v_cache, slot_mapping):
-    """k, v `[N, Hkv, D]` into the caches at flat slots `slot_mapping` `[N]`; negative slots skipped."""
+def write_kv(k, v, k_cache, v_cache, slot_mapping, *, scales=None):
+    """k, v `[N, Hkv, D]` into the caches at flat slots `slot_mapping` `[N]`; negative slots skipped.
+    An fp8 cache (`scales`, see the module docstring) gets each row quantized."""
     n, num_heads, head_dim = k.shape
     check_cache(k_cache, v_cache)
+    fp8 = scale_args(k_cache, v_cache, scales)
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("write_kv: k and v need a contiguous last dimension")
     if n == 0:
@@ -222,7 +286,7 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping):
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         H=num_heads, D=head_dim, H_PAD=triton.next_power_of_2(num_heads), D_PAD=_pad_dim(head_dim),
-        PAGE=k_cache.shape[1], PDL=use_pdl, num_warps=4, launch_pdl=use_pdl,
+        PAGE=k_cache.shape[1], PDL=use_pdl, num_warps=4, launch_pdl=use_pdl, **fp8,
     )
 
 
@@ -243,6 +307,7 @@ def _decode_split_kernel(
     S_PAD: tl.constexpr, FLAT_MERGE: tl.constexpr, EARLY_V: tl.constexpr, ONE_LOAD: tl.constexpr,
     kn_ptr=None, vn_ptr=None, cos_ptr=None, sin_ptr=None, stride_knb=0, stride_knh=0, stride_vnb=0, stride_vnh=0,
     stride_cos=0, ROPE: tl.constexpr = False,
+    ks_ptr=None, vs_ptr=None, stride_sb=0, stride_st=0, stride_sh=0, FP8: tl.constexpr = False,
 ):
     split = tl.program_id(0)
     hk = tl.program_id(1)
@@ -292,9 +357,21 @@ def _decode_split_kernel(
                 v_new = tl.load(vn_ptr + b * stride_vnb + hk * stride_vnh + d, mask=dmask, other=0.0)
                 page_new = tl.load(bt_row + p_new // PAGE).to(tl.int64)
                 row_new = page_new * stride_kb + (p_new % PAGE) * stride_kt + hk * stride_kh
-                tl.store(k_ptr + row_new + d, (k_a * cos + k_b * sin).to(k_ptr.dtype.element_ty), mask=dmask)
-                tl.store(v_ptr + page_new * stride_vb + (p_new % PAGE) * stride_vt + hk * stride_vh + d,
-                         v_new.to(v_ptr.dtype.element_ty), mask=dmask)
+                v_dst = v_ptr + page_new * stride_vb + (p_new % PAGE) * stride_vt + hk * stride_vh + d
+                if FP8:
+                    # Rounded to k's dtype first: the reference rotates in that dtype, then quantizes.
+                    k_rot = (k_a * cos + k_b * sin).to(kn_ptr.dtype.element_ty).to(tl.float32)
+                    v_f = v_new.to(tl.float32)
+                    e_k = fp8_exponent(tl.max(tl.abs(k_rot), 0))
+                    e_v = fp8_exponent(tl.max(tl.abs(v_f), 0))
+                    tl.store(k_ptr + row_new + d, round_e4m3(k_rot * pow2(-e_k)).to(k_ptr.dtype.element_ty), mask=dmask)
+                    tl.store(v_dst, round_e4m3(v_f * pow2(-e_v)).to(v_ptr.dtype.element_ty), mask=dmask)
+                    s_new = page_new * stride_sb + (p_new % PAGE) * stride_st + hk * stride_sh
+                    tl.store(ks_ptr + s_new, e_k.to(tl.int8))
+                    tl.store(vs_ptr + s_new, e_v.to(tl.int8))
+                else:
+                    tl.store(k_ptr + row_new + d, (k_a * cos + k_b * sin).to(k_ptr.dtype.element_ty), mask=dmask)
+                    tl.store(v_dst, v_new.to(v_ptr.dtype.element_ty), mask=dmask)
                 tl.debug_barrier()
         for n0 in range(start, end, BLOCK_N):
             pos = n0 + tl.arange(0, BLOCK_N)
@@ -307,11 +384,20 @@ def _decode_split_kernel(
             k_off = page * stride_kb + (pos % PAGE) * stride_kt + hk * stride_kh
             # [BLOCK_N, D_PAD]
             k = tl.load(k_ptr + k_off[:, None] + d[None, :], mask=kvmask, other=0.0)
+            if FP8:
+                # [BLOCK_N] the rows' exponents
+                s_off = page * stride_sb + (pos % PAGE) * stride_st + hk * stride_sh
+                k_exp = tl.load(ks_ptr + s_off, mask=valid, other=0)
             if EARLY_V:
                 v_off = page * stride_vb + (pos % PAGE) * stride_vt + hk * stride_vh
                 v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=kvmask, other=0.0)
+                if FP8:
+                    v_exp = tl.load(vs_ptr + s_off, mask=valid, other=0)
             # [G_PAD, BLOCK_N] scores in log2 units
-            qk = tl.dot(q, tl.trans(k)) * qk_scale
+            if FP8:
+                qk = tl.dot(q, tl.trans(k.to(q.dtype))) * (pow2(k_exp.to(tl.int32)) * qk_scale)[None, :]
+            else:
+                qk = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale
             qk = tl.where(valid[None, :], qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             alpha = tl.exp2(m_i - m_new)
@@ -320,7 +406,14 @@ def _decode_split_kernel(
             if not EARLY_V:
                 v_off = page * stride_vb + (pos % PAGE) * stride_vt + hk * stride_vh
                 v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=kvmask, other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                if FP8:
+                    v_exp = tl.load(vs_ptr + s_off, mask=valid, other=0)
+            if FP8:
+                # p_j 2^e_j v8_j: the rows' powers of two on the probabilities, l_i left unscaled.
+                p_v = p * pow2(v_exp.to(tl.int32))[None, :]
+                acc = acc * alpha[:, None] + tl.dot(p_v.to(q.dtype), v.to(q.dtype))
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
             m_i = m_new
         if n_valid == 1:
             # The only split with data: its result is final.
@@ -411,7 +504,7 @@ def _decode_split_kernel(
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *, out=None, workspace=None,
-                           config=None, rope=None):
+                           config=None, rope=None, scales=None):
     """Flash-decoding over the paged cache: q `[B, Hq, D]` -> `[B, Hq, D]` in q's dtype.
 
     `rope=(k, v, cos, sin)`: q and k `[B, Hkv, D]` are not yet rotated and the step's K/V row (position
@@ -422,9 +515,11 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *
     Without a workspace one is allocated for max_seq_len = block_tables.shape[1] * block_size (a
     host bound, no sync); pass one made by `decode_workspace` to capture the call in a CUDA graph.
     The workspace's variant picks tiles and merge; `config` overrides the tiles (the benchmark's sweep).
+    `scales`: an fp8 cache's exponents (module docstring).
     """
     batch, num_q_heads, head_dim = q.shape
     check_cache(k_cache, v_cache)
+    fp8 = scale_args(k_cache, v_cache, scales)
     num_kv_heads = k_cache.shape[2]
     if num_q_heads % num_kv_heads != 0:
         raise ValueError(f"Hq={num_q_heads} is not a multiple of Hkv={num_kv_heads}")
@@ -484,7 +579,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *
         S_PAD=s_pad if spec.flat_merge else 1, FLAT_MERGE=spec.flat_merge,
         ONE_LOAD=spec.flat_merge and g_r * s_pad * d_pad <= ONE_LOAD_ELEMS,
         EARLY_V=spec.early_v, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **rope_args,
+        **rope_args, **fp8,
     )
     return out
 
@@ -499,6 +594,7 @@ def _prefill_kernel(
     stride_ot, stride_oh,
     G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, SPLITS: tl.constexpr,
+    ks_ptr=None, vs_ptr=None, stride_sb=0, stride_st=0, stride_sh=0, FP8: tl.constexpr = False,
 ):
     # Query tiles in reverse so the longest causal tiles start first and the tail is short.
     m_block = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -549,12 +645,21 @@ def _prefill_kernel(
             else:
                 k = tl.load(k_ptr + k_off[:, None] + d[None, :], mask=d[None, :] < D, other=0.0)
                 v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=d[None, :] < D, other=0.0)
-            qk = tl.dot(q, tl.trans(k)) * qk_scale
+            if FP8:
+                s_off = page * stride_sb + (pos % PAGE) * stride_st + hk * stride_sh
+                k_pow = pow2(tl.load(ks_ptr + s_off).to(tl.int32))
+                v_pow = pow2(tl.load(vs_ptr + s_off).to(tl.int32))
+                qk = tl.dot(q, tl.trans(k.to(q.dtype))) * (k_pow * qk_scale)[None, :]
+            else:
+                qk = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(qk - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            if FP8:
+                acc = acc * alpha[:, None] + tl.dot((p * v_pow[None, :]).to(q.dtype), v.to(q.dtype))
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
             m_i = m_new
         # Diagonal tiles (causal) and the partly filled last tile: masked.
         for n0 in range(full_end, hi, BLOCK_N):
@@ -569,7 +674,13 @@ def _prefill_kernel(
                 kvmask = valid[:, None] & (d[None, :] < D)
             k = tl.load(k_ptr + k_off[:, None] + d[None, :], mask=kvmask, other=0.0)
             v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=kvmask, other=0.0)
-            qk = tl.dot(q, tl.trans(k)) * qk_scale
+            if FP8:
+                s_off = page * stride_sb + (pos % PAGE) * stride_st + hk * stride_sh
+                k_pow = pow2(tl.load(ks_ptr + s_off, mask=valid, other=0).to(tl.int32))
+                v_pow = pow2(tl.load(vs_ptr + s_off, mask=valid, other=0).to(tl.int32))
+                qk = tl.dot(q, tl.trans(k.to(q.dtype))) * (k_pow * qk_scale)[None, :]
+            else:
+                qk = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale
             if CAUSAL:
                 visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
             else:
@@ -583,7 +694,10 @@ def _prefill_kernel(
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(qk - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            if FP8:
+                acc = acc * alpha[:, None] + tl.dot((p * v_pow[None, :]).to(q.dtype), v.to(q.dtype))
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
             m_i = m_new
         if SPLITS == 1:
             out = acc / l_i[:, None]
@@ -620,7 +734,7 @@ def _prefill_merge_kernel(lse_ptr, part_ptr, out_ptr, total_q, stride_ot, stride
 
 
 def paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, *, causal,
-                            max_seqlen_q=None, config=None, num_splits=None):
+                            max_seqlen_q=None, config=None, num_splits=None, scales=None):
     """Varlen flash attention over the paged cache: q `[total_q, Hq, D]` -> `[total_q, Hq, D]`.
 
     `max_seqlen_q` (host int) sizes the grid; when None it is read from `cu_seqlens_q` (a sync).
@@ -630,10 +744,11 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seql
     integers only: the call can be graph-captured).
     With more than one split each program walks its run of the keys into float32 partials that
     `_prefill_merge_kernel` combines: the few-query case (a Mask-Predict block over a long prefix)
-    otherwise has one program per head walking the whole prefix.
+    otherwise has one program per head walking the whole prefix. `scales`: an fp8 cache's exponents.
     """
     total_q, num_q_heads, head_dim = q.shape
     check_cache(k_cache, v_cache)
+    fp8 = scale_args(k_cache, v_cache, scales)
     num_kv_heads = k_cache.shape[2]
     if num_q_heads % num_kv_heads != 0:
         raise ValueError(f"Hq={num_q_heads} is not a multiple of Hkv={num_kv_heads}")
@@ -671,7 +786,7 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seql
         out.stride(0), out.stride(1),
         G=num_q_heads // num_kv_heads, D=head_dim, D_PAD=d_pad, PAGE=page,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, SPLITS=num_splits,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **fp8,
     )
     if num_splits > 1:
         _prefill_merge_kernel[(total_q, num_q_heads)](

@@ -6,11 +6,12 @@ positions * inv_freq). The rotation runs in float32; outputs are in the inputs' 
 "triton" or "ref" (already resolved by `declab_kernels.resolve_impl`).
 
 - `apply_rotary(q, k, positions, cos, sin, *, impl, inplace=False) -> (q_rot, k_rot)`
-- `apply_rotary_write_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping, *, impl)
+- `apply_rotary_write_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping, *, impl, scales=None)
   -> (q, k)`: q and k rotated in place, and the rotated k and v `[N, Hkv, D]` written into the
   paged caches `[num_blocks, block_size, Hkv, D]` at flat slots `slot_mapping` `[N]` (slot s is
   page s // block_size, row s % block_size; negative slots are skipped), as
-  `declab_kernels.paged_attention.write_kv` does: one launch for RoPE and the cache write.
+  `declab_kernels.paged_attention.write_kv` does (fp8 caches with their `scales` included): one
+  launch for RoPE and the cache write.
 """
 
 from declab_kernels import check_impl
@@ -35,13 +36,13 @@ def apply_rotary(q, k, positions, cos, sin, *, impl, inplace=False):
     return apply_rotary_triton(q, k, positions, cos, sin, inplace=inplace)
 
 
-def apply_rotary_write_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping, *, impl):
+def apply_rotary_write_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping, *, impl, scales=None):
     """RoPE on q and k in place, then the rotated k and v into the paged caches; returns (q, k)."""
     check_impl(impl)
     if impl == "ref":
         apply_rotary(q, k, positions, cos, sin, impl="ref", inplace=True)
-        write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+        write_kv_ref(k, v, k_cache, v_cache, slot_mapping, scales)
         return q, k
     from declab_kernels.rotary.triton import apply_rotary_write_kv_triton
 
-    return apply_rotary_write_kv_triton(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping)
+    return apply_rotary_write_kv_triton(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping, scales=scales)

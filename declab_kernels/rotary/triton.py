@@ -3,6 +3,8 @@ WRITE_KV also writes the rotated k and the v heads into a paged K/V cache (the a
 per-layer RoPE + cache write in one launch).
 
 PDL (constexpr, see `declab_kernels.pdl`): gdc_wait() first, since the positions select the cos/sin rows.
+FP8 (constexpr): float8_e4m3fn caches, each written row quantized as `declab_kernels.paged_attention.ref.quantize`
+(its exponent into the scales), bit for bit.
 """
 
 import torch
@@ -10,7 +12,7 @@ import triton
 import triton.language as tl
 
 from declab_kernels import pdl
-from declab_kernels.paged_attention.triton import check_cache
+from declab_kernels.paged_attention.triton import check_cache, fp8_exponent, pow2, round_e4m3, scale_args, store_fp8_rows
 
 
 @triton.jit
@@ -31,6 +33,30 @@ def _rotate_heads(src, dst, stride_src_h, stride_dst_h, H, HALF, cos, sin, BLOCK
 
 
 @triton.jit
+def _rotate_heads_fp8(src, dst, exp_dst, stride_src_h, stride_dst_h, stride_exp_h, H, HALF, cos, sin,
+                      BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """`_rotate_heads` into an fp8 cache: each rotated head quantized, its exponent to exp_dst + h * stride_exp_h."""
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    mask = (h[:, None] < H) & (d[None, :] < HALF)
+    src_1 = src + h[:, None] * stride_src_h + d[None, :]
+    x1 = tl.load(src_1, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src_1 + HALF, mask=mask, other=0.0).to(tl.float32)
+    c = cos[None, :]
+    s = sin[None, :]
+    # Rounded to k's dtype first: the reference rotates in that dtype, then quantizes.
+    r1 = (x1 * c - x2 * s).to(src.dtype.element_ty).to(tl.float32)
+    r2 = (x2 * c + x1 * s).to(src.dtype.element_ty).to(tl.float32)
+    # One exponent for the whole head: the larger of its two halves' largest magnitudes.
+    e = fp8_exponent(tl.maximum(tl.max(tl.abs(r1), 1), tl.max(tl.abs(r2), 1)))
+    inv = pow2(-e)[:, None]
+    dst_1 = dst + h[:, None] * stride_dst_h + d[None, :]
+    tl.store(dst_1, round_e4m3(r1 * inv).to(dst.dtype.element_ty), mask=mask)
+    tl.store(dst_1 + HALF, round_e4m3(r2 * inv).to(dst.dtype.element_ty), mask=mask)
+    tl.store(exp_dst + h * stride_exp_h, e.to(tl.int8), mask=h < H)
+
+
+@triton.jit
 def _rotary_kernel(
     q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, cos_ptr, sin_ptr,
     v_ptr, kc_ptr, vc_ptr, slot_ptr,
@@ -41,6 +67,7 @@ def _rotary_kernel(
     HQ, HKV, HALF,
     BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_D: tl.constexpr,
     WRITE_KV: tl.constexpr = False, PAGE: tl.constexpr = 16, PDL: tl.constexpr = False,
+    ks_ptr=None, vs_ptr=None, stride_sb=0, stride_st=0, stride_sh=0, FP8: tl.constexpr = False,
 ):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -56,14 +83,22 @@ def _rotary_kernel(
         if slot >= 0:
             page = slot // PAGE
             row = slot % PAGE
-            _rotate_heads(k_ptr + n * stride_kn, kc_ptr + page * stride_kcb + row * stride_kct, stride_kh, stride_kch,
-                          HKV, HALF, cos, sin, BLOCK_HKV, BLOCK_D)
             h = tl.arange(0, BLOCK_HKV)[:, None]
             dv = tl.arange(0, 2 * BLOCK_D)[None, :]
             mask = (h < HKV) & (dv < 2 * HALF)
-            v = tl.load(v_ptr + n * stride_vn + h * stride_vh + dv, mask=mask)
             vc = vc_ptr + page * stride_vcb + row * stride_vct + h * stride_vch + dv
-            tl.store(vc, v.to(vc_ptr.dtype.element_ty), mask=mask)
+            if FP8:
+                exps = page * stride_sb + row * stride_st
+                _rotate_heads_fp8(k_ptr + n * stride_kn, kc_ptr + page * stride_kcb + row * stride_kct, ks_ptr + exps,
+                                  stride_kh, stride_kch, stride_sh, HKV, HALF, cos, sin, BLOCK_HKV, BLOCK_D)
+                v = tl.load(v_ptr + n * stride_vn + h * stride_vh + dv, mask=mask, other=0.0).to(tl.float32)
+                heads = tl.arange(0, BLOCK_HKV)
+                store_fp8_rows(v, vc, vs_ptr + exps + heads * stride_sh, mask, heads < HKV)
+            else:
+                _rotate_heads(k_ptr + n * stride_kn, kc_ptr + page * stride_kcb + row * stride_kct, stride_kh, stride_kch,
+                              HKV, HALF, cos, sin, BLOCK_HKV, BLOCK_D)
+                v = tl.load(v_ptr + n * stride_vn + h * stride_vh + dv, mask=mask)
+                tl.store(vc, v.to(vc_ptr.dtype.element_ty), mask=mask)
     _rotate_heads(q_ptr + n * stride_qn, qo_ptr + n * stride_qon, stride_qh, stride_qoh, HQ, HALF, cos, sin, BLOCK_HQ, BLOCK_D)
     _rotate_heads(k_ptr + n * stride_kn, ko_ptr + n * stride_kon, stride_kh, stride_koh, HKV, HALF, cos, sin, BLOCK_HKV, BLOCK_D)
 
@@ -78,7 +113,7 @@ def _check(q, k, positions, cos, sin):
         raise ValueError(f"apply_rotary: cos and sin must be [P, D/2] = [P, {D // 2}], got {tuple(cos.shape)}, {tuple(sin.shape)}")
 
 
-def _launch(q, k, q_out, k_out, positions, cos, sin, v=None, k_cache=None, v_cache=None, slot_mapping=None):
+def _launch(q, k, q_out, k_out, positions, cos, sin, v=None, k_cache=None, v_cache=None, slot_mapping=None, fp8=None):
     N, HQ, D = q.shape
     HKV = k.shape[1]
     if N == 0:
@@ -98,7 +133,7 @@ def _launch(q, k, q_out, k_out, positions, cos, sin, v=None, k_cache=None, v_cac
         HQ, HKV, D // 2,
         BLOCK_HQ=triton.next_power_of_2(HQ), BLOCK_HKV=triton.next_power_of_2(HKV), BLOCK_D=triton.next_power_of_2(D // 2),
         WRITE_KV=write, PAGE=k_cache.shape[1] if write else 16,
-        PDL=use_pdl, num_warps=4, launch_pdl=use_pdl,
+        PDL=use_pdl, num_warps=4, launch_pdl=use_pdl, **(fp8 or {}),
     )
 
 
@@ -110,8 +145,9 @@ def apply_rotary_triton(q, k, positions, cos, sin, *, inplace=False):
     return q_out, k_out
 
 
-def apply_rotary_write_kv_triton(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping):
-    """See `declab_kernels.rotary.apply_rotary_write_kv`: q and k rotated in place, rotated k and v into the caches."""
+def apply_rotary_write_kv_triton(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping, *, scales=None):
+    """See `declab_kernels.rotary.apply_rotary_write_kv`: q and k rotated in place, rotated k and v into the
+    caches (quantized, for an fp8 cache with its `scales`)."""
     _check(q, k, positions, cos, sin)
     if v.shape != k.shape or v.stride(-1) != 1:
         raise ValueError(f"apply_rotary_write_kv: v must be k's shape {tuple(k.shape)} with a contiguous last dimension, got {tuple(v.shape)}")
@@ -120,5 +156,6 @@ def apply_rotary_write_kv_triton(q, k, v, positions, cos, sin, k_cache, v_cache,
         raise ValueError(f"apply_rotary_write_kv: the caches hold [Hkv, D] = {tuple(k_cache.shape[2:])} per row, k has {tuple(k.shape[1:])}")
     if slot_mapping.shape != (q.shape[0],):
         raise ValueError(f"apply_rotary_write_kv: slot_mapping must be [N] = [{q.shape[0]}], got {tuple(slot_mapping.shape)}")
-    _launch(q, k, q, k, positions, cos, sin, v, k_cache, v_cache, slot_mapping)
+    fp8 = scale_args(k_cache, v_cache, scales)
+    _launch(q, k, q, k, positions, cos, sin, v, k_cache, v_cache, slot_mapping, fp8)
     return q, k
