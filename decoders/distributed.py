@@ -26,7 +26,9 @@ behind is folded into OUT by the next run (`fold_parts`), so a rerun skips what 
 
 import contextlib
 import os
+import sys
 import time
+import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -288,27 +290,32 @@ def fold_parts(path: Path) -> int:
 
 def lead_first(work, here: World):
     """Rank 0 runs `work()` (the phase every rank's jobs read: a tokenizer, a data cache) while the
-    others wait; its result on rank 0, None on the others. When it raises, every rank raises: rank 0
-    its own error, the others a UsageError (the lab refused rank 0's input) or RuntimeError with its line."""
+    others wait; its result (picklable) on every rank. In one process an error simply propagates.
+    Launched, when it raises every rank exits: with 2 when the lab refused the input (rank 0 saying
+    why in one line), else with 1 (rank 0 printing the traceback)."""
     import torch.distributed as dist
 
     from decoders import USER_ERRORS
 
-    result, error = None, None
+    if not dist.is_initialized():
+        return work()
+    result, code = None, 0
     if here.rank == 0:
         try:
             result = work()
-        except Exception as e:
-            error = e
-    if dist.is_initialized():
-        said = [None if error is None else (isinstance(error, USER_ERRORS), str(error))]
-        dist.broadcast_object_list(said, src=0)
-        if here.rank != 0 and said[0] is not None:
-            refused, text = said[0]
-            raise (UsageError if refused else RuntimeError)(text if refused else f"rank 0 failed: {text}")
-    if error is not None:
-        raise error
-    return result
+        except USER_ERRORS as e:
+            code = 2
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        except Exception:
+            code = 1
+            traceback.print_exc()
+            sys.stderr.flush()
+    # Said before any rank learns of it: torchrun stops the other ranks as soon as one exits.
+    said = [code, result]
+    dist.broadcast_object_list(said, src=0)
+    if said[0]:
+        raise SystemExit(said[0])
+    return said[1]
 
 
 def run_jobs(jobs: list, run, path: Path, here: World, failed) -> list[dict]:
@@ -344,10 +351,9 @@ def run_jobs(jobs: list, run, path: Path, here: World, failed) -> list[dict]:
 
 @contextlib.contextmanager
 def quiet_unless_lead(here: World):
-    """Rank 0 alone prints: the others' stdout (and progress bars) go nowhere; stderr stays."""
+    """Rank 0 alone prints: the others' stdout goes nowhere; stderr (a traceback) stays."""
     if here.rank == 0:
         yield
         return
-    os.environ["TQDM_DISABLE"] = "1"
     with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
         yield

@@ -25,7 +25,15 @@ byte with its spread, training curves and training throughput.
 
 Every finished step is one JSON line in <out>/study.jsonl (kind sweep, run or speed) as soon as it
 finishes; a rerun skips what is recorded, and a run interrupted midway resumes from its
-train_state.pt. Writes <out>/study.md (family, size, parameters, learning rate, bits per byte mean
+train_state.pt.
+
+Several GPUs: `torchrun --nproc-per-node N -m eval.study ...`. Rank 0 makes the tokenizer and the
+tokenised data while the other ranks wait; then the sweep's runs, the main runs and the speed
+measurements (each phase after the one it needs) are dealt out to the ranks, each training on its own
+GPU (cuda:LOCAL_RANK) and appending to study.jsonl.rankR as it goes, and rank 0 merges them into
+study.jsonl in grid order. A run that raises on a rank is an error record naming the rank (kept out
+of the table, retried by a rerun) while the others go on; rank 0 alone prints, runs the --tasks
+evaluation and writes the table and the figure. Writes <out>/study.md (family, size, parameters, learning rate, bits per byte mean
 and standard deviation over seeds, tail_drop, tokens/s, MFU; also printed) and <out>/curves.png
 (held-out bits per byte against tokens, mean over seeds, one panel per size). Mask-Predict's bits
 per byte are its ELBO bound on prompt-conditioned blocks (`declab_arch.maskpredict.block_loss`),
@@ -224,14 +232,11 @@ def study(a, here: distributed.World) -> dict | None:
     def prepare():
         out.mkdir(parents=True, exist_ok=True)
         distributed.fold_parts(log)
-        tokenizer = train.load_or_make_tokenizer(a.tokenizer, a.corpus, out)
-        train.prepare_data(a.corpus, tokenizer, budget + a.batch, out / "data")
-        return tokenizer
+        train.prepare_data(a.corpus, train.load_or_make_tokenizer(a.tokenizer, a.corpus, out), budget + a.batch, out / "data")
 
-    # One tokenizer and one tokenised stream for every run: rank 0 makes them while the others wait, then they read them.
-    tokenizer = distributed.lead_first(prepare, here)
-    if tokenizer is None:
-        tokenizer = train.load_or_make_tokenizer(a.tokenizer, a.corpus, out)
+    # One tokenizer and one tokenised stream for every run: rank 0 makes them while the others wait, then all read them.
+    distributed.lead_first(prepare, here)
+    tokenizer = train.load_or_make_tokenizer(a.tokenizer, a.corpus, out)
     errors = []
 
     def sweep(job):
