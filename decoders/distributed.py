@@ -30,6 +30,7 @@ import sys
 import time
 import traceback
 from dataclasses import asdict, dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -82,16 +83,17 @@ def device_of(device: torch.device, here: World) -> torch.device:
     return device
 
 
-def setup(device: torch.device, here: World) -> Group:
-    """Join the launch's process group (once per process); the Group of all its ranks."""
+def setup(device: torch.device, here: World, timeout: timedelta | None = None) -> Group:
+    """Join the launch's process group (once per process); the Group of all its ranks. `timeout`: how
+    long a collective may wait for the other ranks (torch's default when None; `JOBS_WAIT` for jobs)."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
         if device.type == "cuda":
             torch.cuda.set_device(device)
-            dist.init_process_group("nccl", device_id=device)
+            dist.init_process_group("nccl", device_id=device, timeout=timeout)
         else:
-            dist.init_process_group("gloo")
+            dist.init_process_group("gloo", timeout=timeout)
     return Group(dist.get_rank(), dist.get_world_size())
 
 
@@ -250,6 +252,11 @@ def collective_time(decoder, batch: int, repeats: int = 50) -> dict:
         "collective_bytes_per_step": sum(sizes),
         "collective_ms_per_step": seconds / repeats * 1e3,
     }
+
+
+# How long a rank that finished its share of the jobs waits at the merge for the slowest rank (a
+# study's training runs take hours, torch's default wait is minutes).
+JOBS_WAIT = timedelta(days=7)
 
 
 def barrier() -> None:

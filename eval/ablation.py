@@ -35,8 +35,6 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-
 import decoders
 from eval import quality, samples, train
 from eval.tasks import make
@@ -126,12 +124,13 @@ def parser() -> Parser:
 
 
 def ablation(a, here: distributed.World) -> None:
+    """Check, prepare, train (this rank's share of the presets when launched) and, on rank 0, evaluate."""
     out = a.out
     presets = [x.strip() for x in a.presets.split(",") if x.strip()]
     model_args, iterations = check_args(a, presets)
     device = distributed.device_of(decoders.parse_device(None), here)
     if here.launched:
-        distributed.setup(device, here)
+        distributed.setup(device, here, distributed.JOBS_WAIT)
     counts = a.counts
     log = out / "ablation.jsonl"
 

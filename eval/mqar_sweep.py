@@ -23,8 +23,9 @@ finishes; a rerun skips what is there, so an interrupted sweep resumes and a fin
 redraws. Under `torchrun --nproc-per-node N -m eval.mqar_sweep ...` the runs still to do are dealt
 round-robin to the N ranks, each training on its own GPU (cuda:LOCAL_RANK) and appending to
 mqar.jsonl.rankR as it goes; rank 0 merges them into mqar.jsonl in grid order, a run that raised on a
-rank is an error record naming it (retried by a rerun), and rank 0 alone prints. Writes mqar_width.png (accuracy against width, one panel per point, one line per family)
-and mqar_state.png (accuracy against the bytes of state decoding carries at seq_len, i.e.
+rank is an error record naming it (retried by a rerun), and rank 0 alone prints. Writes
+mqar_width.png (accuracy against width, one panel per point, one line per family) and
+mqar_state.png (accuracy against the bytes of state decoding carries at seq_len, i.e.
 `Decoder.memory(1, seq_len).state_bytes`: the KV cache for attention, the fixed state for the
 recurrences), prints a table (best accuracy per family, width and point), and its last stdout line
 is one JSON document.
@@ -44,7 +45,7 @@ import torch.nn.functional as F
 import decoders
 from decoders import cli, distributed
 from declab_arch.checkpoint import CONFIG_DIR, read_json
-from decoders.records import append_jsonl, environment
+from decoders.records import environment
 from eval.train import lr_at
 
 FAMILIES = list(decoders.FAMILIES)
@@ -182,7 +183,7 @@ def sweep(a, here: distributed.World) -> list[dict]:
     each recorded as it finishes; the error records of the runs that raised (on rank 0, every rank's)."""
     device = distributed.device_of(decoders.parse_device(a.device), here)
     if here.launched:
-        distributed.setup(device, here)
+        distributed.setup(device, here, distributed.JOBS_WAIT)
     path = Path(a.out) / "mqar.jsonl"
 
     def prepare():

@@ -33,9 +33,11 @@ measurements (each phase after the one it needs) are dealt out to the ranks, eac
 GPU (cuda:LOCAL_RANK) and appending to study.jsonl.rankR as it goes, and rank 0 merges them into
 study.jsonl in grid order. A run that raises on a rank is an error record naming the rank (kept out
 of the table, retried by a rerun) while the others go on; rank 0 alone prints, runs the --tasks
-evaluation and writes the table and the figure. Writes <out>/study.md (family, size, parameters, learning rate, bits per byte mean
-and standard deviation over seeds, tail_drop, tokens/s, MFU; also printed) and <out>/curves.png
-(held-out bits per byte against tokens, mean over seeds, one panel per size). Mask-Predict's bits
+evaluation and writes the table and the figure.
+
+Writes <out>/study.md (family, size, parameters, learning rate, bits per byte mean and standard
+deviation over seeds, tail_drop, tokens/s, MFU; also printed) and <out>/curves.png (held-out bits
+per byte against tokens, mean over seeds, one panel per size). Mask-Predict's bits
 per byte are its ELBO bound on prompt-conditioned blocks (`declab_arch.maskpredict.block_loss`),
 an upper bound, not the same measure as the autoregressive families' exact likelihood. The last
 stdout line is one JSON document.
@@ -52,7 +54,7 @@ import torch
 import decoders
 from decoders import cli, distributed
 from declab_kernels.timing import matmul_flops
-from decoders.records import append_jsonl, environment
+from decoders.records import environment
 from eval import train
 
 # family -> the prefix of its preset names (llama-1b, mamba2-1.3b, ...)
@@ -226,7 +228,7 @@ def study(a, here: distributed.World) -> dict | None:
             train.check_args(train_args(a, presets[size][family], tokens=tokens, lr=a.lrs[0], seed=seed,
                                         out=run_folder(presets[size][family], seed), device=device))
     if here.launched:
-        distributed.setup(device, here)
+        distributed.setup(device, here, distributed.JOBS_WAIT)
     budget = max(a.tokens_small, a.sweep_tokens, a.tokens_large if len(a.sizes) == 2 else 0)
 
     def prepare():

@@ -152,3 +152,22 @@ def test_fold_parts_appends_whole_lines_in_rank_order(tmp_path):
     assert distributed.fold_parts(path) == 3
     assert [r["a"] for r in records(path)] == [0, 2, 3, 10]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.jsonl", "r.jsonl.rankx"]
+
+
+def test_ablation_spread_leaves_a_failed_run_out_of_the_evaluation(tmp_path, write_corpus):
+    corpus = str(write_corpus(tmp_path / "corpus", docs=20))
+    out = tmp_path / "ablation"
+    # mamba2-tiny's run (rank 1's) cannot write its train.jsonl.
+    (out / "runs" / "mamba2-tiny" / "train.jsonl").mkdir(parents=True)
+    spread = launch("eval.ablation", "--corpus", corpus, "--tokens", "256", "--out", str(out), "--presets", "llama-tiny,mamba2-tiny",
+                    "--match-tolerance", "1.0", "--tokenizer", "byte", "--seq-len", "32", "--batch", "4", "--tasks", "declab_copy",
+                    "--task-docs", "4", "--limit", "2", "--genppl-prompts", "0", "--eval-args", "dtype=float32,max_length=256,batch_size=2",
+                    nproc=2)
+    assert spread.returncode == 0, spread.stderr[-2000:]
+    log = records(out / "ablation.jsonl")
+    assert [r["kind"] for r in log] == ["presets", "tasks", "trained", "trained"]
+    assert [(r["preset"], r["rank"], r.get("status")) for r in log[2:]] == [("llama-tiny", 0, None), ("mamba2-tiny", 1, "error")]
+    assert log[3]["reason"].startswith("rank 1: IsADirectoryError")
+    assert {r["checkpoint"] for r in records(out / "quality.jsonl")} == {str(out / "runs" / "llama-tiny")}
+    assert spread.stdout.count("| llama-tiny | transformer |") == 1 and "mamba2-tiny" in spread.stderr
+    assert not list(out.glob("ablation.jsonl.rank*"))
