@@ -171,3 +171,21 @@ def test_ablation_spread_leaves_a_failed_run_out_of_the_evaluation(tmp_path, wri
     assert {r["checkpoint"] for r in records(out / "quality.jsonl")} == {str(out / "runs" / "llama-tiny")}
     assert spread.stdout.count("| llama-tiny | transformer |") == 1 and "mamba2-tiny" in spread.stderr
     assert not list(out.glob("ablation.jsonl.rank*"))
+
+
+@pytest.mark.gpu
+def test_study_and_mqar_spread_over_two_gpus(tmp_path, write_corpus):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    corpus = str(write_corpus(tmp_path / "corpus", docs=20))
+    gpu = [arg for arg in STUDY if arg != "--device" and arg != "cpu"]
+    spread = launch("eval.study", "--corpus", corpus, "--out", str(tmp_path / "study"), *gpu, nproc=2)
+    assert spread.returncode == 0, spread.stderr[-2000:]
+    got = records(tmp_path / "study" / "study.jsonl")
+    assert [r["rank"] for r in got] == [0, 1, 0, 1, 0, 1] and not [r for r in got if r.get("status") == "error"]
+    assert all(r["mfu"] > 0 for r in got if r["kind"] == "speed")
+    mqar = [arg for arg in MQAR if arg != "--device" and arg != "cpu"]
+    spread = launch("eval.mqar_sweep", "--out", str(tmp_path / "mqar"), *mqar, nproc=2)
+    assert spread.returncode == 0, spread.stderr[-2000:]
+    got = records(tmp_path / "mqar" / "mqar.jsonl")
+    assert [r["rank"] for r in got] == [0, 1, 0, 1] and all("acc" in r for r in got)
