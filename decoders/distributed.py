@@ -280,16 +280,18 @@ def part_path(path: Path, rank: int) -> Path:
 
 def fold_parts(path: Path) -> int:
     """Append the records of the part files of `path` that a launch left behind (stopped before its
-    merge) to `path`, in rank order, and remove them; how many records were folded in."""
+    merge ended) to `path`, in rank order, and remove them; how many records were folded in. A line
+    `path` already holds (merged before the launch stopped) is not added twice."""
     ranks = {p: p.name.removeprefix(f"{path.name}.rank") for p in path.parent.glob(f"{path.name}.rank*")}
     parts = sorted((p for p, r in ranks.items() if r.isdigit()), key=lambda p: int(ranks[p]))
+    have = set(path.read_text().splitlines(keepends=True)) if path.exists() else set()
     folded = 0
     for part in parts:
+        # A rank killed mid-write may have left its last line cut short: it is dropped, and its job reruns.
+        lines = [line for line in part.read_text().splitlines(keepends=True) if line.endswith("\n") and line not in have]
         with open(path, "a") as f:
-            text = part.read_text()
-            # A rank killed mid-write may have left its last line cut short: it is dropped, and its job reruns.
-            lines = [line for line in text.splitlines(keepends=True) if line.endswith("\n")]
             f.writelines(lines)
+        have.update(lines)
         folded += len(lines)
         part.unlink()
     return folded

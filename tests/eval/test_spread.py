@@ -143,14 +143,15 @@ def test_a_refusal_in_the_shared_phase_reaches_every_rank(tmp_path, write_corpus
     assert not (tmp_path / "out" / "study.jsonl").exists()
 
 
-def test_fold_parts_appends_whole_lines_in_rank_order(tmp_path):
+def test_fold_parts_appends_whole_new_lines_in_rank_order(tmp_path):
     path = tmp_path / "r.jsonl"
-    path.write_text('{"a": 0}\n')
+    path.write_text('{"a": 0}\n{"a": 1}\n')
+    # Rank 2's {"a": 1} was merged before the launch stopped; its last line was cut short.
     (tmp_path / "r.jsonl.rank10").write_text('{"a": 10}\n')
-    (tmp_path / "r.jsonl.rank2").write_text('{"a": 2}\n{"a": 3}\n{"a"')
+    (tmp_path / "r.jsonl.rank2").write_text('{"a": 1}\n{"a": 2}\n{"a": 3}\n{"a"')
     (tmp_path / "r.jsonl.rankx").write_text("not a part")
     assert distributed.fold_parts(path) == 3
-    assert [r["a"] for r in records(path)] == [0, 2, 3, 10]
+    assert [r["a"] for r in records(path)] == [0, 1, 2, 3, 10]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.jsonl", "r.jsonl.rankx"]
 
 
