@@ -1,8 +1,8 @@
-"""eval.study and eval.mqar_sweep spread over the ranks of one torchrun (two processes, gloo on the CPU):
-the merged records are those of one process (but for timing and rank), a run that raises on one rank
-is an error record naming it while the other runs finish, a rerun trains only what no rank finished
-(part files an interrupted launch left included), and bad input is refused by every rank with exit 2,
-rank 0 alone saying why."""
+"""eval.study, eval.mqar_sweep and eval.ablation spread over the ranks of one torchrun (two processes,
+gloo on the CPU): the merged records are those of one process (but for timing and rank), a run that
+raises on one rank is an error record naming it while the other runs finish (the ablation evaluates
+the others), a rerun trains only what no rank finished (part files an interrupted launch left
+included), and bad input is refused by every rank with exit 2, rank 0 alone saying why."""
 
 import json
 import os
