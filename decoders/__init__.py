@@ -193,9 +193,12 @@ def detect_family(hf: dict, path: Path) -> str:
 @contextmanager
 def user_errors():
     """For command lines: a preset, checkpoint or option the lab refuses becomes one line on stderr
-    and exit code 2, never a traceback."""
+    and exit code 2, never a traceback (under torchrun every rank exits with 2, rank 0 alone prints)."""
+    from decoders.cli import reports_refusals
+
     try:
         yield
     except USER_ERRORS as e:
-        print(f"error: {e}", file=sys.stderr)
+        if reports_refusals():
+            print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -16,17 +16,29 @@ token. Only rank 0 prints and writes results.
 Spreading (`--spread`, or WORLD_SIZE > 1 with --tp 1): the sweep's points are dealt out to the ranks
 (`share`), each rank measures its own on its own GPU, and rank 0 collects every rank's records
 (`collect`) into one result file.
+
+Jobs (`run_jobs`, for the eval studies' grids of training runs): rank 0 prepares what every job reads
+(`lead_first`) while the others wait, each rank runs its share of the jobs appending each record to its
+own part file `OUT.rankR` as it finishes (a job that raises becomes an error record naming the rank),
+and rank 0 appends every rank's records to OUT in job order; a part file an interrupted launch left
+behind is folded into OUT by the next run (`fold_parts`), so a rerun skips what any rank finished.
 """
 
+import contextlib
 import os
+import sys
 import time
+import traceback
 from dataclasses import asdict, dataclass
+from datetime import timedelta
+from pathlib import Path
 
 import torch
 
 from declab_arch import tensor_parallel
 from declab_arch.tensor_parallel import Group
 from decoders.base import UsageError
+from decoders.records import append_jsonl
 
 
 @dataclass
@@ -71,16 +83,17 @@ def device_of(device: torch.device, here: World) -> torch.device:
     return device
 
 
-def setup(device: torch.device, here: World) -> Group:
-    """Join the launch's process group (once per process); the Group of all its ranks."""
+def setup(device: torch.device, here: World, timeout: timedelta | None = None) -> Group:
+    """Join the launch's process group (once per process); the Group of all its ranks. `timeout`: how
+    long a collective may wait for the other ranks (torch's default when None; `JOBS_WAIT` for jobs)."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
         if device.type == "cuda":
             torch.cuda.set_device(device)
-            dist.init_process_group("nccl", device_id=device)
+            dist.init_process_group("nccl", device_id=device, timeout=timeout)
         else:
-            dist.init_process_group("gloo")
+            dist.init_process_group("gloo", timeout=timeout)
     return Group(dist.get_rank(), dist.get_world_size())
 
 
@@ -239,3 +252,117 @@ def collective_time(decoder, batch: int, repeats: int = 50) -> dict:
         "collective_bytes_per_step": sum(sizes),
         "collective_ms_per_step": seconds / repeats * 1e3,
     }
+
+
+# How long a rank that finished its share of the jobs waits at the merge for the slowest rank (a
+# study's training runs take hours, torch's default wait is minutes).
+JOBS_WAIT = timedelta(days=7)
+
+
+def barrier() -> None:
+    """Wait for every rank of the launch (nothing to wait for in one process)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def failure(error: BaseException, here: World) -> str:
+    """The reason an error record gives for a job that raised: the rank, the error's type and first line."""
+    text = str(error).strip()
+    return f"rank {here.rank}: {type(error).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def part_path(path: Path, rank: int) -> Path:
+    """The file rank `rank` appends its records of the result file `path` to as they finish: PATH.rankR."""
+    return path.with_name(f"{path.name}.rank{rank}")
+
+
+def fold_parts(path: Path) -> int:
+    """Append the records of the part files of `path` that a launch left behind (stopped before its
+    merge ended) to `path`, in rank order, and remove them; how many records were folded in. A line
+    `path` already holds (merged before the launch stopped) is not added twice."""
+    ranks = {p: p.name.removeprefix(f"{path.name}.rank") for p in path.parent.glob(f"{path.name}.rank*")}
+    parts = sorted((p for p, r in ranks.items() if r.isdigit()), key=lambda p: int(ranks[p]))
+    have = set(path.read_text().splitlines(keepends=True)) if path.exists() else set()
+    folded = 0
+    for part in parts:
+        # A rank killed mid-write may have left its last line cut short: it is dropped, and its job reruns.
+        lines = [line for line in part.read_text().splitlines(keepends=True) if line.endswith("\n") and line not in have]
+        with open(path, "a") as f:
+            f.writelines(lines)
+        have.update(lines)
+        folded += len(lines)
+        part.unlink()
+    return folded
+
+
+def lead_first(work, here: World):
+    """Rank 0 runs `work()` (the phase every rank's jobs read: a tokenizer, a data cache) while the
+    others wait; its result (picklable) on every rank. In one process an error simply propagates.
+    Launched, when it raises every rank exits: with 2 when the lab refused the input (rank 0 saying
+    why in one line), else with 1 (rank 0 printing the traceback)."""
+    import torch.distributed as dist
+
+    from decoders import USER_ERRORS
+
+    if not dist.is_initialized():
+        return work()
+    result, code = None, 0
+    if here.rank == 0:
+        try:
+            result = work()
+        except USER_ERRORS as e:
+            code = 2
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        except Exception:
+            code = 1
+            traceback.print_exc()
+            sys.stderr.flush()
+    # Said before any rank learns of it: torchrun stops the other ranks as soon as one exits.
+    said = [code, result]
+    dist.broadcast_object_list(said, src=0)
+    if said[0]:
+        raise SystemExit(said[0])
+    return said[1]
+
+
+def run_jobs(jobs: list, run, path: Path, here: World, failed) -> list[dict]:
+    """Run independent `jobs` and append each one's record (`run(job)`, a dict) to the JSON-lines file
+    `path`. In one process: in order, each appended as it finishes; an error propagates. Launched:
+    this rank's share (`share`), each record appended to its part file (`part_path`) as it finishes,
+    a job that raises recorded as `failed(job, reason)` (`failure`: the rank and the error) while the
+    rank goes on to its next; then rank 0 appends every rank's records to `path` in job order, the
+    parts are removed, and every rank returns once `path` holds them all. Every record says its rank
+    and the world size. Returns the error records (rank 0: every rank's; the others: none)."""
+    placed = {"rank": here.rank, "world_size": here.size}
+    if not here.launched:
+        for job in jobs:
+            append_jsonl(path, {**run(job), **placed})
+        return []
+    part = part_path(path, here.rank)
+    indexed = []
+    for index in share(len(jobs), here):
+        try:
+            record = run(jobs[index])
+        except Exception as e:
+            record = failed(jobs[index], failure(e, here))
+        record = {**record, **placed}
+        append_jsonl(part, record)
+        indexed.append((index, record))
+    gathered = collect(indexed, here) or []
+    for _, record in gathered:
+        append_jsonl(path, record)
+    barrier()
+    part.unlink(missing_ok=True)
+    return [record for _, record in gathered if record.get("status") == "error"]
+
+
+@contextlib.contextmanager
+def quiet_unless_lead(here: World):
+    """Rank 0 alone prints: the others' stdout goes nowhere; stderr (a traceback) stays."""
+    if here.rank == 0:
+        yield
+        return
+    with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
+        yield

@@ -20,6 +20,11 @@
 Every record is a JSON line with environment(): <out>/ablation.jsonl (presets, parameter counts,
 runs), <out>/runs/*/train.jsonl (training), <out>/quality.jsonl (evaluation).
 
+Several GPUs: `torchrun --nproc-per-node N -m eval.ablation ...` shares the presets' training runs
+out to the ranks (each on its own GPU, cuda:LOCAL_RANK) once rank 0 has made the tasks, the tokenizer
+and the tokenised data; rank 0 merges their records into ablation.jsonl and runs the evaluation. A
+run that raises on a rank is an error record naming it, and its preset is left out of the evaluation.
+
 Every option (the presets, corpus, output folder, tokenizer, training counts, evaluation model args
 and Mask-Predict iterations) is checked before the first step, so a mistake is one line and exit
 code 2, not an error after hours of training. `--match-tolerance 0.5` lets the tiny presets
@@ -27,13 +32,13 @@ code 2, not an error after hours of training. `--match-tolerance 0.5` lets the t
 """
 
 import argparse
+import sys
 from pathlib import Path
-
-import torch
 
 import decoders
 from eval import quality, samples, train
 from eval.tasks import make
+from decoders import distributed
 from decoders.records import append_jsonl, environment
 from decoders.cli import Parser, check_output_dir
 
@@ -83,14 +88,15 @@ def check_args(a, presets: list[str]) -> tuple[dict, list[int]]:
     return model_args, iterations
 
 
-def train_argv(a, preset: str) -> list[str]:
-    """eval.train's arguments for one preset of the ablation."""
+def train_argv(a, preset: str, device=None) -> list[str]:
+    """eval.train's arguments for one preset of the ablation (on `device`, when given)."""
     return ["--preset", preset, "--corpus", str(a.corpus), "--out", str(a.out / "runs" / preset), "--tokens", str(a.tokens or 1),
             "--tokenizer", a.tokenizer, "--tokenizer-dir", str(a.out), "--data", str(a.out / "data"),
-            "--seq-len", str(a.seq_len), "--batch", str(a.batch), "--lr", str(a.lr), "--seed", str(a.seed)]
+            "--seq-len", str(a.seq_len), "--batch", str(a.batch), "--lr", str(a.lr), "--seed", str(a.seed),
+            *(["--device", str(device)] if device is not None else [])]
 
 
-def main(argv=None):
+def parser() -> Parser:
     p = Parser(prog="python -m eval.ablation", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--corpus", required=True, help="corpus folder (train-*.txt.gz + valid.txt.gz), file or datasets name")
     budget = p.add_mutually_exclusive_group(required=True)
@@ -114,29 +120,57 @@ def main(argv=None):
     p.add_argument("--genppl-tokens", type=int, default=64, help="tokens of each such prompt and continuation")
     p.add_argument("--limit", type=float, help="examples per task (testing only)")
     p.add_argument("--seed", type=int, default=0)
-    a = p.parse_args(argv)
+    return p
+
+
+def ablation(a, here: distributed.World) -> None:
+    """Check, prepare, train (this rank's share of the presets when launched) and, on rank 0, evaluate."""
     out = a.out
     presets = [x.strip() for x in a.presets.split(",") if x.strip()]
     model_args, iterations = check_args(a, presets)
-    out.mkdir(parents=True, exist_ok=True)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = distributed.device_of(decoders.parse_device(None), here)
+    if here.launched:
+        distributed.setup(device, here, distributed.JOBS_WAIT)
     counts = a.counts
-    if a.time_budget is not None:
-        a.tokens = budget_tokens(a, presets, device)
-    append_jsonl(out / "ablation.jsonl", {"kind": "presets", "params": counts, "tokens": a.tokens, **environment(device)})
-    # Made before training (cheap, and a corpus without the tasks' text fails now, not after it).
-    # Test bits per byte and cloze on the held-out test split when the corpus folder has one.
-    split = samples.held_out_split(str(a.corpus))
-    make.make(out / "tasks", seed=a.seed, text=str(a.corpus), text_split=split, n_docs=a.task_docs, ppl_docs_n=a.task_docs)
-    append_jsonl(out / "ablation.jsonl", {"kind": "tasks", "text_split": split, **environment(device)})
-    checkpoints = []
-    for preset in presets:
-        run = out / "runs" / preset
-        train.train(train.parser().parse_args(train_argv(a, preset)))
-        append_jsonl(out / "ablation.jsonl", {"kind": "trained", "preset": preset, "checkpoint": str(run), **environment(device)})
-        checkpoints.append(str(run))
+    log = out / "ablation.jsonl"
+
+    def prepare() -> int:
+        out.mkdir(parents=True, exist_ok=True)
+        distributed.fold_parts(log)
+        tokens = budget_tokens(a, presets, device) if a.time_budget is not None else a.tokens
+        append_jsonl(log, {"kind": "presets", "params": counts, "tokens": tokens, **environment(device)})
+        # Made before training (cheap, and a corpus without the tasks' text fails now, not after it).
+        # Test bits per byte and cloze on the held-out test split when the corpus folder has one.
+        split = samples.held_out_split(str(a.corpus))
+        make.make(out / "tasks", seed=a.seed, text=str(a.corpus), text_split=split, n_docs=a.task_docs, ppl_docs_n=a.task_docs)
+        append_jsonl(log, {"kind": "tasks", "text_split": split, **environment(device)})
+        # One tokenizer and tokenised stream for every preset, made here before the runs that read them.
+        steps = max(1, tokens // (a.batch * a.seq_len))
+        tokenizer = train.load_or_make_tokenizer(a.tokenizer, str(a.corpus), out)
+        train.prepare_data(str(a.corpus), tokenizer, steps * a.batch * a.seq_len + a.batch, out / "data")
+        return tokens
+
+    # Rank 0 prepares what every run reads while the other ranks wait; then the runs are shared out.
+    a.tokens = distributed.lead_first(prepare, here)
+
+    def trained(preset: str) -> dict:
+        train.train(train.parser().parse_args(train_argv(a, preset, device)))
+        return {"kind": "trained", "preset": preset, "checkpoint": str(out / "runs" / preset), **environment(device)}
+
+    def failed(preset: str, reason: str) -> dict:
+        return {"kind": "trained", "preset": preset, "checkpoint": str(out / "runs" / preset), "status": "error", "reason": reason,
+                **environment(device)}
+
+    errors = distributed.run_jobs(presets, trained, log, here, failed)
+    if here.rank != 0:
+        return
+    for r in errors:
+        print(f"error: training {r['preset']}: {r['reason']} (recorded in {log}; it is left out of the evaluation, a rerun retries it)",
+              file=sys.stderr)
+    lost = {r["preset"] for r in errors}
+    checkpoints = [str(out / "runs" / preset) for preset in presets if preset not in lost]
     limit = int(a.limit) if a.limit and a.limit >= 1 else a.limit
-    scorer = next((run for preset, run in zip(presets, checkpoints) if preset.startswith("llama")), None)
+    scorer = next((run for run in checkpoints if Path(run).name.startswith("llama")), None)
     genppl = None
     if a.genppl_prompts > 0 and scorer is not None and any(quality.is_maskpredict(c) for c in checkpoints):
         genppl = quality.genppl_setup(scorer, str(a.corpus), model_args=model_args, prompts=a.genppl_prompts, tokens=a.genppl_tokens)
@@ -144,6 +178,14 @@ def main(argv=None):
                     limit=limit, mp_iterations=iterations, genppl=genppl)
 
 
+def main(argv=None):
+    here = distributed.world()
+    try:
+        with decoders.user_errors(), distributed.quiet_unless_lead(here):
+            ablation(parser().parse_args(argv), here)
+    finally:
+        distributed.teardown()
+
+
 if __name__ == "__main__":
-    with decoders.user_errors():
-        main()
+    main()

@@ -20,9 +20,12 @@ learning rate, measured on --eval-sequences held-out sequences of another seed.
 
 Every trained (family, width, pairs, seq_len, lr) is one JSON line in <out>/mqar.jsonl as soon as it
 finishes; a rerun skips what is there, so an interrupted sweep resumes and a finished one only
-redraws. With several visible GPUs the runs are dealt round-robin to one worker process per GPU
-(--gpus). Writes mqar_width.png (accuracy against width, one panel per point, one line per family)
-and mqar_state.png (accuracy against the bytes of state decoding carries at seq_len, i.e.
+redraws. Under `torchrun --nproc-per-node N -m eval.mqar_sweep ...` the runs still to do are dealt
+round-robin to the N ranks, each training on its own GPU (cuda:LOCAL_RANK) and appending to
+mqar.jsonl.rankR as it goes; rank 0 merges them into mqar.jsonl in grid order, a run that raised on a
+rank is an error record naming it (retried by a rerun), and rank 0 alone prints. Writes
+mqar_width.png (accuracy against width, one panel per point, one line per family) and
+mqar_state.png (accuracy against the bytes of state decoding carries at seq_len, i.e.
 `Decoder.memory(1, seq_len).state_bytes`: the KV cache for attention, the fixed state for the
 recurrences), prints a table (best accuracy per family, width and point), and its last stdout line
 is one JSON document.
@@ -32,8 +35,6 @@ import argparse
 import inspect
 import json
 import math
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -42,9 +43,9 @@ import torch
 import torch.nn.functional as F
 
 import decoders
-from decoders import cli
+from decoders import cli, distributed
 from declab_arch.checkpoint import CONFIG_DIR, read_json
-from decoders.records import append_jsonl, environment
+from decoders.records import environment
 from eval.train import lr_at
 
 FAMILIES = list(decoders.FAMILIES)
@@ -172,20 +173,33 @@ def grid(a) -> list[dict]:
             for (n, t) in a.points for w in a.widths for f in a.families for lr in a.lrs]
 
 
-def run_worker(a, index: int, count: int) -> None:
-    """Train this worker's share of the grid (every count-th run from index), skipping recorded runs.
-    Shares are cut from the whole grid, not from what is left, so workers that start at different
-    moments still split it exactly."""
-    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+def failed_point(run: dict, reason: str) -> dict:
+    """The record of a run that raised on a rank of a launch."""
+    return {"kind": "mqar", **run, "status": "error", "reason": reason}
+
+
+def sweep(a, here: distributed.World) -> list[dict]:
+    """Train every run of the grid not yet in mqar.jsonl (this rank's share of them when launched),
+    each recorded as it finishes; the error records of the runs that raised (on rank 0, every rank's)."""
+    device = distributed.device_of(decoders.parse_device(a.device), here)
+    if here.launched:
+        distributed.setup(device, here, distributed.JOBS_WAIT)
     path = Path(a.out) / "mqar.jsonl"
-    done = {key(r) for r in read_records(path)}
-    for run in grid(a)[index::count]:
-        if key(run) in done:
-            continue
+
+    def prepare():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        distributed.fold_parts(path)
+
+    distributed.lead_first(prepare, here)
+    done = {key(r) for r in read_records(path) if r.get("status") != "error"}
+
+    def point(run: dict) -> dict:
         record = train_point(run["family"], run["width"], run["pairs"], run["seq_len"], run["lr"], a, device)
-        append_jsonl(path, record)
         print(f"{run['family']:<12} width {run['width']:>4}  pairs {run['pairs']:>3}  seq {run['seq_len']:>4}  lr {run['lr']:.0e}: "
               f"acc {record['acc']:.3f} ({record['train_s']:.0f} s)", flush=True)
+        return record
+
+    return distributed.run_jobs([run for run in grid(a) if key(run) not in done], point, path, here, failed_point)
 
 
 def best(records: list[dict]) -> dict[tuple, dict]:
@@ -272,9 +286,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help=f"the small grid: widths {QUICK['widths']}, points {QUICK['points']}, "
                                                         f"lr {QUICK['lrs']}, {QUICK['steps']} steps (explicit options still win)")
-    p.add_argument("--gpus", type=int, help="worker processes, one per GPU (default: every visible GPU; 1 on the CPU)")
-    p.add_argument("--device", help="device of a single worker (default cuda when present, else cpu)")
-    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--device", help="default cuda when present (each rank of a launch on cuda:LOCAL_RANK), else cpu")
     a = p.parse_args(argv)
     preset = QUICK if a.quick else DEFAULT
     try:
@@ -298,42 +310,37 @@ def parse_args(argv=None):
     for name in ("steps", "batch", "layers", "eval_sequences"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if a.worker is None and a.gpus is not None and (a.gpus < 1 or a.gpus > max(1, torch.cuda.device_count())):
-        p.error(f"--gpus {a.gpus}: {torch.cuda.device_count()} visible")
+    decoders.parse_device(a.device)
     return a
 
 
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    with decoders.user_errors():
-        a = parse_args(argv)
-        out = cli.check_output_dir(a.out, "--out")
-        if a.worker:
-            index, count = (int(x) for x in a.worker.split("/"))
-            run_worker(a, index, count)
-            return
-        out.mkdir(parents=True, exist_ok=True)
-        workers = a.gpus or max(1, torch.cuda.device_count())
-        if workers == 1:
-            run_worker(a, 0, 1)
-        else:
-            # One process per GPU, each seeing only its own device (of those this process sees), all
-            # appending to the same mqar.jsonl.
-            visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(workers)))).split(",")
-            procs = [subprocess.Popen([sys.executable, "-m", "eval.mqar_sweep", *argv, "--worker", f"{i}/{workers}"],
-                                      env={**os.environ, "CUDA_VISIBLE_DEVICES": visible[i]}) for i in range(workers)]
-            codes = [proc.wait() for proc in procs]
-            if any(codes):
-                print(f"error: a worker failed (exit codes {codes}); finished runs are in {out / 'mqar.jsonl'}, rerun to resume", file=sys.stderr)
-                raise SystemExit(1)
+def report(a, out: Path, errors: list[dict]) -> None:
+    """The table, the plots and the summary line of the grid's finished runs."""
     wanted = {key(g) for g in grid(a)}
-    points = best([r for r in read_records(out / "mqar.jsonl") if key(r) in wanted])
+    points = best([r for r in read_records(out / "mqar.jsonl") if r.get("status") != "error" and key(r) in wanted])
     text = table(points)
     (out / "mqar.md").write_text(text)
     print(text)
     plots = plot(points, out)
+    for r in errors:
+        print(f"error: {r['family']} width {r['width']} pairs {r['pairs']} seq {r['seq_len']} lr {r['lr']:g}: {r['reason']} "
+              f"(recorded in {out / 'mqar.jsonl'}; a rerun retries it)", file=sys.stderr)
     summary = {f"{f}/w{w}/n{n}/t{t}": r["acc"] for (f, w, n, t), r in sorted(points.items())}
-    print(json.dumps({"jsonl": str(out / "mqar.jsonl"), "table": str(out / "mqar.md"), "plots": plots, "acc": summary}))
+    print(json.dumps({"jsonl": str(out / "mqar.jsonl"), "table": str(out / "mqar.md"), "plots": plots, "acc": summary,
+                      "errors": [r["reason"] for r in errors]}))
+
+
+def main(argv=None):
+    here = distributed.world()
+    try:
+        with decoders.user_errors(), distributed.quiet_unless_lead(here):
+            a = parse_args(argv)
+            out = cli.check_output_dir(a.out, "--out")
+            errors = sweep(a, here)
+            if here.rank == 0:
+                report(a, out, errors)
+    finally:
+        distributed.teardown()
 
 
 if __name__ == "__main__":

@@ -25,9 +25,19 @@ byte with its spread, training curves and training throughput.
 
 Every finished step is one JSON line in <out>/study.jsonl (kind sweep, run or speed) as soon as it
 finishes; a rerun skips what is recorded, and a run interrupted midway resumes from its
-train_state.pt. Writes <out>/study.md (family, size, parameters, learning rate, bits per byte mean
-and standard deviation over seeds, tail_drop, tokens/s, MFU; also printed) and <out>/curves.png
-(held-out bits per byte against tokens, mean over seeds, one panel per size). Mask-Predict's bits
+train_state.pt.
+
+Several GPUs: `torchrun --nproc-per-node N -m eval.study ...`. Rank 0 makes the tokenizer and the
+tokenised data while the other ranks wait; then the sweep's runs, the main runs and the speed
+measurements (each phase after the one it needs) are dealt out to the ranks, each training on its own
+GPU (cuda:LOCAL_RANK) and appending to study.jsonl.rankR as it goes, and rank 0 merges them into
+study.jsonl in grid order. A run that raises on a rank is an error record naming the rank (kept out
+of the table, retried by a rerun) while the others go on; rank 0 alone prints, runs the --tasks
+evaluation and writes the table and the figure.
+
+Writes <out>/study.md (family, size, parameters, learning rate, bits per byte mean and standard
+deviation over seeds, tail_drop, tokens/s, MFU; also printed) and <out>/curves.png (held-out bits
+per byte against tokens, mean over seeds, one panel per size). Mask-Predict's bits
 per byte are its ELBO bound on prompt-conditioned blocks (`declab_arch.maskpredict.block_loss`),
 an upper bound, not the same measure as the autoregressive families' exact likelihood. The last
 stdout line is one JSON document.
@@ -36,14 +46,15 @@ stdout line is one JSON document.
 import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
 
 import torch
 
 import decoders
-from decoders import cli
+from decoders import cli, distributed
 from declab_kernels.timing import matmul_flops
-from decoders.records import append_jsonl, environment
+from decoders.records import environment
 from eval import train
 
 # family -> the prefix of its preset names (llama-1b, mamba2-1.3b, ...)
@@ -69,14 +80,22 @@ def tail_drop(curve: list[tuple[int, float]]) -> float:
     return (before[-1] - end) / before[-1] if before else float("nan")
 
 
-def run_train(a, preset: str, *, tokens: int, lr: float, seed: int, out: Path) -> Path:
-    """One `eval.train` run on the study's tokenizer and data; resumes a run left unfinished."""
+def train_args(a, preset: str, *, tokens: int, lr: float, seed: int, out: Path, device: torch.device):
+    """`eval.train`'s parsed arguments for one run on the study's tokenizer and data."""
     argv = ["--preset", preset, "--corpus", a.corpus, "--out", str(out), "--tokens", str(tokens), "--tokenizer", a.tokenizer,
             "--tokenizer-dir", a.out, "--data", str(Path(a.out) / "data"), "--seq-len", str(a.seq_len), "--batch", str(a.batch),
-            "--lr", str(lr), "--seed", str(seed), "--val-every", str(a.val_every), "--val-tokens", str(a.val_tokens)]
-    if a.device:
-        argv += ["--device", a.device]
-    return train.train(train.parser().parse_args(argv))
+            "--lr", str(lr), "--seed", str(seed), "--val-every", str(a.val_every), "--val-tokens", str(a.val_tokens), "--device", str(device)]
+    return train.parser().parse_args(argv)
+
+
+def run_train(a, preset: str, **kwargs) -> Path:
+    """One `eval.train` run (`train_args`); resumes a run left unfinished."""
+    return train.train(train_args(a, preset, **kwargs))
+
+
+def finished(records: list[dict]) -> list[dict]:
+    """The records of jobs that finished (not the error records of jobs that raised on a rank)."""
+    return [r for r in records if r.get("status") != "error"]
 
 
 def summary_rows(records: list[dict]) -> list[dict]:
@@ -183,78 +202,140 @@ def parse_args(argv=None):
     return a
 
 
-def study(a) -> dict:
+def study(a, here: distributed.World) -> dict | None:
+    """The whole study; its summary on rank 0 (None on the other ranks of a launch)."""
     out = Path(a.out)
     presets = {size: {f: f"{PREFIX[f]}-{size}" for f in a.families} for size in a.sizes}
     counts = {size: train.check_matched(list(names.values()), a.match_tolerance) for size, names in presets.items()}
-    out.mkdir(parents=True, exist_ok=True)
     log = out / "study.jsonl"
-    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    tokenizer = train.load_or_make_tokenizer(a.tokenizer, a.corpus, out)
-    budget = max(a.tokens_small, a.sweep_tokens, a.tokens_large if len(a.sizes) == 2 else 0)
-    train.prepare_data(a.corpus, tokenizer, budget + a.batch, out / "data")
-    done = read_records(log)
-
+    device = distributed.device_of(decoders.parse_device(a.device), here)
     small = a.sizes[0]
-    best_lr = {}
+    plan = [(small, seed, a.tokens_small) for seed in a.seeds] + [(a.sizes[1], seed, a.tokens_large) for seed in a.large_seeds if len(a.sizes) == 2]
+
+    def sweep_folder(family: str, lr: float) -> Path:
+        return out / "sweep" / f"{family}-lr{lr:g}"
+
+    def run_folder(preset: str, seed: int) -> Path:
+        return out / "runs" / f"{preset}-s{seed}"
+
+    # Every run's options as eval.train checks them (corpus, tokenizer, folders, a run to resume), on
+    # every rank before any work; the main runs' rate is the sweep's to pick, any rate checks the rest.
     for family in a.families:
         for lr in a.lrs:
-            if not any(r["kind"] == "sweep" and r["family"] == family and r["lr"] == lr for r in done):
-                folder = run_train(a, presets[small][family], tokens=a.sweep_tokens, lr=lr, seed=a.seeds[0], out=out / "sweep" / f"{family}-lr{lr:g}")
-                append_jsonl(log, {"kind": "sweep", "family": family, "preset": presets[small][family], "lr": lr, "tokens": a.sweep_tokens,
-                                   "val_bpb": val_curve(folder)[-1][1], **environment(device)})
-        done = read_records(log)
-        sweep = [r for r in done if r["kind"] == "sweep" and r["family"] == family and r["lr"] in a.lrs]
-        best_lr[family] = min(sweep, key=lambda r: r["val_bpb"])["lr"]
+            train.check_args(train_args(a, presets[small][family], tokens=a.sweep_tokens, lr=lr, seed=a.seeds[0],
+                                        out=sweep_folder(family, lr), device=device))
+        for size, seed, tokens in plan:
+            train.check_args(train_args(a, presets[size][family], tokens=tokens, lr=a.lrs[0], seed=seed,
+                                        out=run_folder(presets[size][family], seed), device=device))
+    if here.launched:
+        distributed.setup(device, here, distributed.JOBS_WAIT)
+    budget = max(a.tokens_small, a.sweep_tokens, a.tokens_large if len(a.sizes) == 2 else 0)
 
-    plan = [(small, seed, a.tokens_small) for seed in a.seeds] + [(a.sizes[1], seed, a.tokens_large) for seed in a.large_seeds if len(a.sizes) == 2]
-    checkpoints = []
-    for size, seed, tokens in plan:
-        for family in a.families:
-            preset = presets[size][family]
-            folder = out / "runs" / f"{preset}-s{seed}"
-            checkpoints.append(str(folder))
-            if any(r["kind"] == "run" and r["preset"] == preset and r["seed"] == seed for r in done):
-                continue
-            run_train(a, preset, tokens=tokens, lr=best_lr[family], seed=seed, out=folder)
-            curve = val_curve(folder)
-            append_jsonl(log, {"kind": "run", "family": family, "size": size, "preset": preset, "seed": seed, "lr": best_lr[family],
-                               "tokens": tokens, "params": counts[size][preset], "val_bpb": curve[-1][1], "tail_drop": tail_drop(curve),
-                               "curve": curve, "checkpoint": str(folder), **environment(device)})
+    def prepare():
+        out.mkdir(parents=True, exist_ok=True)
+        distributed.fold_parts(log)
+        train.prepare_data(a.corpus, train.load_or_make_tokenizer(a.tokenizer, a.corpus, out), budget + a.batch, out / "data")
 
-    # MFU needs the accelerator's bf16 matmul rate; on the CPU it is left out.
-    peak = matmul_flops(device) if device.type == "cuda" else None
-    done = read_records(log)
-    for size in a.sizes:
-        for family in a.families:
-            preset = presets[size][family]
-            if any(r["kind"] == "speed" and r["preset"] == preset for r in done):
-                continue
-            tok_s = train.throughput(preset, tokenizer, batch=a.batch, seq_len=a.seq_len, device=device)
-            append_jsonl(log, {"kind": "speed", "family": family, "size": size, "preset": preset, "tokens_per_s": tok_s,
-                               "mfu": None if peak is None else 6 * counts[size][preset] * tok_s / peak, "matmul_flops": peak, "batch": a.batch, "seq_len": a.seq_len,
-                               **environment(device)})
+    # One tokenizer and one tokenised stream for every run: rank 0 makes them while the others wait, then all read them.
+    distributed.lead_first(prepare, here)
+    tokenizer = train.load_or_make_tokenizer(a.tokenizer, a.corpus, out)
+    errors = []
 
+    def sweep(job):
+        family, lr = job
+        folder = run_train(a, presets[small][family], tokens=a.sweep_tokens, lr=lr, seed=a.seeds[0], out=sweep_folder(family, lr), device=device)
+        return {"kind": "sweep", "family": family, "preset": presets[small][family], "lr": lr, "tokens": a.sweep_tokens,
+                "val_bpb": val_curve(folder)[-1][1], **environment(device)}
+
+    def sweep_failed(job, reason):
+        family, lr = job
+        return {"kind": "sweep", "family": family, "preset": presets[small][family], "lr": lr, "tokens": a.sweep_tokens,
+                "status": "error", "reason": reason, **environment(device)}
+
+    done = finished(read_records(log))
+    jobs = [(family, lr) for family in a.families for lr in a.lrs
+            if not any(r["kind"] == "sweep" and r["family"] == family and r["lr"] == lr for r in done)]
+    errors += distributed.run_jobs(jobs, sweep, log, here, sweep_failed)
+    done = finished(read_records(log))
+    best_lr = {}
+    for family in a.families:
+        rates = [r for r in done if r["kind"] == "sweep" and r["family"] == family and r["lr"] in a.lrs]
+        if rates:
+            best_lr[family] = min(rates, key=lambda r: r["val_bpb"])["lr"]
+
+    def run(job):
+        size, seed, tokens, family = job
+        preset = presets[size][family]
+        folder = run_folder(preset, seed)
+        run_train(a, preset, tokens=tokens, lr=best_lr[family], seed=seed, out=folder, device=device)
+        curve = val_curve(folder)
+        return {"kind": "run", "family": family, "size": size, "preset": preset, "seed": seed, "lr": best_lr[family], "tokens": tokens,
+                "params": counts[size][preset], "val_bpb": curve[-1][1], "tail_drop": tail_drop(curve), "curve": curve,
+                "checkpoint": str(folder), **environment(device)}
+
+    def run_failed(job, reason):
+        size, seed, tokens, family = job
+        return {"kind": "run", "family": family, "size": size, "preset": presets[size][family], "seed": seed, "lr": best_lr[family],
+                "tokens": tokens, "status": "error", "reason": reason, **environment(device)}
+
+    # A family whose every sweep run failed (on some rank) has no rate: its runs wait for a rerun.
+    jobs = [(size, seed, tokens, family) for size, seed, tokens in plan for family in a.families if family in best_lr
+            and not any(r["kind"] == "run" and r["preset"] == presets[size][family] and r["seed"] == seed for r in done)]
+    errors += distributed.run_jobs(jobs, run, log, here, run_failed)
+
+    done = finished(read_records(log))
+    jobs = [(size, family) for size in a.sizes for family in a.families
+            if not any(r["kind"] == "speed" and r["preset"] == presets[size][family] for r in done)]
+    # MFU needs the accelerator's bf16 matmul rate (of this rank's GPU); on the CPU it is left out.
+    peak = matmul_flops(device) if device.type == "cuda" and jobs else None
+
+    def speed(job):
+        size, family = job
+        preset = presets[size][family]
+        tok_s = train.throughput(preset, tokenizer, batch=a.batch, seq_len=a.seq_len, device=device)
+        return {"kind": "speed", "family": family, "size": size, "preset": preset, "tokens_per_s": tok_s,
+                "mfu": None if peak is None else 6 * counts[size][preset] * tok_s / peak, "matmul_flops": peak, "batch": a.batch,
+                "seq_len": a.seq_len, **environment(device)}
+
+    def speed_failed(job, reason):
+        size, family = job
+        return {"kind": "speed", "family": family, "size": size, "preset": presets[size][family], "status": "error", "reason": reason,
+                **environment(device)}
+
+    errors += distributed.run_jobs(jobs, speed, log, here, speed_failed)
+    if here.rank != 0:
+        return None
+
+    records = finished(read_records(log))
     if a.include_path:
         from eval import quality
 
+        checkpoints = [str(run_folder(presets[size][family], seed)) for size, seed, _ in plan for family in a.families
+                       if any(r["kind"] == "run" and r["preset"] == presets[size][family] and r["seed"] == seed for r in records)]
         quality.main(["--checkpoints", *checkpoints, "--tasks", a.tasks, "--include-path", a.include_path, "--out", str(out / "quality")])
 
-    records = read_records(log)
     rows = summary_rows(records)
     text = table(rows)
     (out / "study.md").write_text(text)
     print(text)
     plot_curves(records, out / "curves.png")
-    return {"jsonl": str(log), "table": str(out / "study.md"), "curves": str(out / "curves.png"), "lr": best_lr, "rows": rows}
+    for record in errors:
+        print(f"error: {record['kind']} {record['preset']}: {record['reason']} (recorded in {log}; a rerun retries it)", file=sys.stderr)
+    return {"jsonl": str(log), "table": str(out / "study.md"), "curves": str(out / "curves.png"), "lr": best_lr, "rows": rows,
+            "errors": [f"{r['kind']} {r['preset']}: {r['reason']}" for r in errors]}
 
 
 def main(argv=None):
-    with decoders.user_errors():
-        a = parse_args(argv)
-        cli.check_output_dir(a.out, "--out")
-        result = study(a)
-    print(json.dumps(result))
+    here = distributed.world()
+    try:
+        with decoders.user_errors(), distributed.quiet_unless_lead(here):
+            a = parse_args(argv)
+            cli.check_output_dir(a.out, "--out")
+            result = study(a, here)
+        if result is not None:
+            print(json.dumps(result))
+    finally:
+        distributed.teardown()
 
 
 if __name__ == "__main__":

@@ -53,6 +53,7 @@ from tqdm import tqdm
 
 import decoders
 from declab_arch.checkpoint import CONFIG_DIR, read_json
+from decoders import distributed
 from decoders.cli import Parser, check_output_dir
 from eval.corpus import documents, shard_files
 from eval.tokenizer import BYTE_VOCAB, make_tokenizer, save_tokenizer
@@ -421,7 +422,9 @@ def train(args) -> Path:
     if start == 0:
         evaluate(0, 0.0)
     last = min(steps, args.stop_at or steps)
-    bar = tqdm(range(start, last), initial=start, total=steps, desc=f"train {args.preset}", dynamic_ncols=True)
+    # Under torchrun (eval.study's spread runs) rank 0 alone shows its progress.
+    bar = tqdm(range(start, last), initial=start, total=steps, desc=f"train {args.preset}", dynamic_ncols=True,
+               disable=distributed.world().rank != 0)
     for step in bar:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, steps, args.lr, warmup)

@@ -91,13 +91,3 @@ def test_bad_options_are_one_line_and_exit_2(bad, message, tmp_path, capsys):
     assert re.search(message, err)
     assert not (tmp_path / "mqar.jsonl").exists()
 
-
-def test_workers_split_the_grid_exactly_whatever_is_already_done(tmp_path):
-    args = ["--out", str(tmp_path), "--widths", "32,64", "--points", "2:16", "--steps", "1", "--lrs", "1e-3", "--eval-sequences", "2",
-            "--batch", "2", "--device", "cpu", "--families", "transformer,rwkv7"]
-    a = mqar_sweep.parse_args(args)
-    # Worker 1 of 2 runs first, then worker 0 starts once worker 1's runs are on disk.
-    mqar_sweep.run_worker(a, 1, 2)
-    mqar_sweep.run_worker(a, 0, 2)
-    keys = [mqar_sweep.key(json.loads(line)) for line in (tmp_path / "mqar.jsonl").read_text().splitlines()]
-    assert sorted(keys) == sorted(mqar_sweep.key(g) for g in mqar_sweep.grid(a)) and len(set(keys)) == 4
