@@ -48,7 +48,7 @@ def decode_workspace(batch, num_q_heads, num_kv_heads, head_dim, max_seq_len, de
     Allocate once (per batch bucket) and pass as `workspace=` so decode allocates nothing and can be
     captured in a CUDA graph. The split count is fixed here from host integers (batch, Hkv,
     max_seq_len, SM count) unless `num_splits` is given. `variant` picks the decode kernel's
-    tiling and merge (`"split"`, the default; `"long"` and `"onetile"` for batch-1 latency, see
+    tiling and merge (`"split"`, the default; `"long"` for batch-1 latency, see
     README.md) for every call made with this workspace.
     """
     return _triton().decode_workspace(batch, num_q_heads, num_kv_heads, head_dim, max_seq_len, device,

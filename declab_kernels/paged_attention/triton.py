@@ -89,10 +89,6 @@ DECODE_VARIANTS = {
     # double-buffered), and a merge of half as many partials issued in one round. Splits of >= 128
     # keys: 32 at 4k (one tile a split), which a llama-1b step measured 22 µs faster than 16.
     "long": DecodeVariant(2, 128, 8192, 4, 5, True, True),
-    # Batch-1 latency at short contexts: one 32 KB K + 32 KB V tile per split at 4k, both loaded at
-    # once into registers (8 warps, no pipelining), so a split is one memory round trip; ~120
-    # registers at 8 warps fit two programs per SM, so the grid plans for two.
-    "onetile": DecodeVariant(2, MIN_SPLIT_TOKENS, 16384, 8, 1, True, True),
 }
 
 

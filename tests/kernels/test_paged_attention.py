@@ -145,7 +145,7 @@ def test_decode_ref_vs_triton_fixed_splits(num_splits):
     run_decode([300, 1, 17], 16, 4, 1, 64, num_splits=num_splits)
 
 
-@pytest.mark.parametrize("variant", ["long", "onetile"])
+@pytest.mark.parametrize("variant", ["long"])
 @pytest.mark.parametrize(
     "seq_lens,page,group,num_kv_heads,head_dim,num_splits",
     [
@@ -205,7 +205,7 @@ def run_decode_rope(seq_lens, page, group, num_kv_heads, head_dim, *, num_splits
         ([17, 1, 300], 16, 1, 2, 64, None, "split"),
         ([300, 0, 17], 16, 4, 1, 64, 7, "split"),  # the new row in the last of 7 splits; a padding slot
         ([33, 5], 16, 2, 2, 80, 3, "long"),  # D=80: the halves are not the padded tile's
-        ([300, 17], 64, 8, 1, 128, None, "onetile"),
+        ([300, 17], 64, 8, 1, 128, None, "long"),
     ],
 )
 def test_decode_rope_folded_in_matches_ref(seq_lens, page, group, num_kv_heads, head_dim, num_splits, variant):
@@ -223,7 +223,7 @@ def test_decode_rope_bad_shapes_are_an_error():
         pa.paged_decode_attention(q, k_cache, v_cache, block_tables, lens, 0.1, impl="triton", rope=(k, k, cos.double(), sin))
 
 
-@pytest.mark.parametrize("variant", ["split", "long", "onetile"])
+@pytest.mark.parametrize("variant", ["split", "long"])
 def test_head_major_caches_match_ref(variant):
     # Head-major storage seen as a transposed view: every kernel reads the caches through their strides.
     run_decode([300, 1, 17], 16, 4, 2, 64, num_splits=7, variant=variant, head_major=True)
@@ -437,7 +437,7 @@ def test_gpu_prefill_ref_vs_triton(q_lens, seq_lens, page, group, num_kv_heads, 
 
 
 @gpu_only
-@pytest.mark.parametrize("variant", ["long", "onetile"])
+@pytest.mark.parametrize("variant", ["long"])
 @pytest.mark.parametrize(
     "seq_lens,page,group,num_kv_heads,head_dim",
     [
@@ -466,7 +466,7 @@ def test_gpu_decode_rope_folded_in(seq_lens, page, group, num_kv_heads, head_dim
 
 
 @gpu_only
-@pytest.mark.parametrize("variant", ["split", "long", "onetile"])
+@pytest.mark.parametrize("variant", ["split", "long"])
 def test_gpu_decode_triton_cuda_graph_replay(variant):
     # Captured once, replayed after the lengths and queries change in place: no host sync inside.
     k_cache, v_cache, block_tables, _ = make_cache([4000, 4000, 2500, 2500], 16, 4, 128)
