@@ -95,8 +95,8 @@ def check_load_quant(name_or_path, name: str | None) -> quant.QuantSpec | None:
             raise quant.QuantError(f"{name_or_path} holds {found.name} ({found.method}) weights: quant {asked.name!r} contradicts them "
                                    "(leave quant out to load the folder as it is)")
         return found
-    spec = check_quant(name, model=name_or_path)
+    spec = quant.check_quant(name)
     if spec.bits == 4 and spec.method != "rtn":
         raise UsageError(f"{spec.name} is calibrated (GPTQ) and is not made on the fly: make a folder with python -m eval.quantize "
                          f"{name_or_path} --quant {spec.name} --calib CORPUS --out FOLDER and load that (or use int4-rtn)")
-    return spec
+    return check_quant(name, model=name_or_path)
