@@ -173,3 +173,22 @@ def test_gpu_bf16_graphs_on_quantised_weights_pass_the_gate_and_free_memory(name
     eager = harness.with_impl(dec, "triton")
     eager.cuda_graphs = False
     assert eager.generate(prompt, max_new_tokens=12).tokens == graphed
+
+
+@pytest.mark.parametrize("module, argv", [
+    ("decoders.engine", ["--model", "llama-tiny", "--batch", "1", "--ctx", "64", "--new-tokens", "4"]),
+    ("decoders.serve", ["--model", "llama-tiny", "--port", "0"]),
+    ("decoders.serve_bench", ["--models", "llama-tiny"]),
+])
+@pytest.mark.parametrize("name, message", [("int5", "unknown quant"), ("int4-rtn-g32", "does not divide"), ("int4", "eval.quantize")])
+def test_serving_commands_refuse_bad_quant_in_one_line(tmp_path, capsys, module, argv, name, message):
+    import importlib
+
+    main = importlib.import_module(module).main
+    out = [] if module == "decoders.serve" else ["--out", str(tmp_path / "o.jsonl")]
+    try:
+        code = main([*argv, *out, "--device", "cpu", "--quant", name])
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and message in err[-1] and "Traceback" not in "\n".join(err)

@@ -69,3 +69,9 @@ def test_lm_eval_model_takes_quant_and_loads_quantised_folders(tmp_path, capsys)
         check_model_args({"pretrained": "llama-tiny", "quant": "int4-rtn-g32"})
     with pytest.raises(decoders.USER_ERRORS, match="contradicts"):
         check_model_args({"pretrained": str(folder), "quant": "int8"})
+
+
+def test_quantize_refuses_a_folder_already_quantised(tmp_path, capsys):
+    folder = make_folder(tmp_path, "llama-tiny", "int8")
+    assert quantize_main([str(folder), "--quant", "int8", "--out", str(tmp_path / "twice"), "--device", "cpu"]) == 2
+    assert "already quantised" in capsys.readouterr().err
