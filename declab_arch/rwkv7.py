@@ -71,7 +71,8 @@ class Packed:
     """A layer's weights as the fused decode step reads them (the parameters are views of these)."""
 
     mix: torch.Tensor  # [6, C] token-shift mixes in the order r, k, v, w, a, g
-    down: torch.Tensor  # [3C + R, C] rows: r_proj, k_proj, v_proj, then the LoRA down-projections
+    # [3C + R, C] rows: r_proj, k_proj, v_proj, then the LoRA down-projections (a weight object when quantised)
+    down: torch.Tensor
     up: torch.Tensor  # [C, R] column blocks: the LoRA up-projections
     ranks: tuple  # widths of the LoRA blocks, in the order (v,) w, a, g
     # rows of `down` per mixed input, as `fusions.Select` takes them: input i (r, k, v, w, a, g)
