@@ -192,3 +192,33 @@ def test_serving_commands_refuse_bad_quant_in_one_line(tmp_path, capsys, module,
         code = e.code
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and message in err[-1] and "Traceback" not in "\n".join(err)
+
+
+def test_ref_a_gptq_hub_folder_decodes_as_quantised(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from declab_kernels import quant_gemv
+
+    dense = load("llama-tiny")
+    mapping = quant.quantize_model(dense.model, "int4-rtn-g16")
+    dense.save(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    # The lab's int4 layout rewritten as AutoGPTQ's: qweight [K/8, N] packed along the inputs,
+    # qzeros [K/g, N/8] along the outputs holding zero - 1, scales [K/g, N].
+    for name, w in mapping.items():
+        if name in tensors:
+            prefix = name.removesuffix(".weight")
+            del tensors[name]
+            tensors[f"{prefix}.qweight"] = w.qweight.T.contiguous()
+            tensors[f"{prefix}.qzeros"] = quant_gemv.pack_int4(((w.zeros.int() - 1) & 15).T.contiguous())
+            tensors[f"{prefix}.scales"] = w.scales.T.contiguous()
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 16, "desc_act": False, "sym": False}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    hub = load(tmp_path)
+    assert hub.quant == quant.QuantSpec(4, "gptq", 16) and hub.describe()["quant"]["name"] == "int4-g16"
+    tokens = torch.randint(0, hub.vocab_size, (1, 12), generator=torch.Generator().manual_seed(4))
+    assert rel(hub.logits(tokens), load("llama-tiny", quant="int4-rtn-g16").logits(tokens)) < 1e-6
+    with pytest.raises(quant.QuantError, match="contradicts"):
+        load(tmp_path, quant="int4-rtn-g16")
