@@ -91,6 +91,7 @@ def test_ref_greedy_generation_equals_the_parallel_forward(preset):
         assert int(logits.argmax()) == token
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("name", QUANTS)
 @pytest.mark.parametrize("preset", ["llama-tiny", "mamba2-tiny", "rwkv7-tiny"])
 def test_triton_quantised_decoding_passes_the_gate_against_the_quantised_reference(preset, name):
