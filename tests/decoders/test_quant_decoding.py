@@ -223,3 +223,18 @@ def test_ref_a_gptq_hub_folder_decodes_as_quantised(tmp_path):
     assert rel(hub.logits(tokens), load("llama-tiny", quant="int4-rtn-g16").logits(tokens)) < 1e-6
     with pytest.raises(quant.QuantError, match="contradicts"):
         load(tmp_path, quant="int4-rtn-g16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["mamba2-130m", "rwkv7-0.1b", "maskpredict-120m"])
+def test_gpu_bf16_recurrent_and_maskpredict_families_on_int4_pass_the_gate(preset):
+    dec = decoders.load(preset, device="cuda", quant="int4-rtn")
+    gate = harness.check_against_reference(dec, new_tokens=8)
+    assert gate["ok"], gate
+    prompt = torch.randint(0, dec.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+    out = dec.generate(prompt, max_new_tokens=12)
+    assert len(out.tokens) == 2 and all(len(t) >= 1 for t in out.tokens)
+    if dec.cuda_graphs and dec.state_kind == "recurrent":
+        eager = harness.with_impl(dec, "triton")
+        eager.cuda_graphs = False
+        assert eager.generate(prompt, max_new_tokens=12).tokens == out.tokens
