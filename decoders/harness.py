@@ -28,7 +28,6 @@ import time
 import torch
 
 from declab_arch import quant_linear
-
 from decoders.base import Decoder
 from declab_kernels import timing
 
