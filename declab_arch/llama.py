@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from declab_arch import quant_linear
 from declab_arch.checkpoint import CheckpointError, assign_weights, check_fields, config_from_dict, load_weights, parse_config, read_json
 from declab_kernels import gemv, paged_attention, rmsnorm, tuning
 from declab_kernels import rotary as rotary_kernels
@@ -120,7 +121,10 @@ class FusedLinears(nn.Module):
 
     def fuse(self):
         for name, parts in self.FUSED.items():
-            weight, bias = fuse_linears(*(getattr(self, p) for p in parts))
+            linears = [getattr(self, p) for p in parts]
+            # Quantised parts (`declab_arch.quant_linear`) fuse into one weight object of their rows.
+            fuse = fuse_linears if isinstance(linears[0].weight, torch.Tensor) else quant_linear.fuse_rows
+            weight, bias = fuse(*linears)
             # Plain attributes, not parameters or buffers: the parameters are the views.
             setattr(self, f"{name}_weight", weight)
             setattr(self, f"{name}_bias", bias)
@@ -461,11 +465,12 @@ def read_config(folder: Path) -> LlamaConfig:
     return parse_config(config_from_hf, hf, str(folder))
 
 
-def load(folder: Path) -> tuple[LlamaConfig, Llama]:
-    """Config and model of a Llama/Qwen2/Mistral checkpoint folder (HF names)."""
+def load(folder: Path, tensors: dict | None = None) -> tuple[LlamaConfig, Llama]:
+    """Config and model of a Llama/Qwen2/Mistral checkpoint folder (HF names); `tensors`: the folder's
+    tensors already read (a quantised folder's, `declab_arch.quant.read_checkpoint`)."""
     folder = Path(folder)
     config = read_config(folder)
-    tensors = load_weights(folder)
+    tensors = load_weights(folder) if tensors is None else tensors
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
     # Buffers HF may save that the lab recomputes.

@@ -525,12 +525,12 @@ def read_config(folder: Path) -> Mamba2Config:
     return config
 
 
-def load(folder: Path) -> tuple[Mamba2Config, Mamba2LM]:
+def load(folder: Path, tensors: dict | None = None) -> tuple[Mamba2Config, Mamba2LM]:
     """Config and model of a Mamba-2 folder: the lab's own format, HF `Mamba2ForCausalLM`, or the
-    state-spaces `mamba2-*` layout."""
+    state-spaces `mamba2-*` layout; `tensors`: the folder's tensors already read (a quantised folder's)."""
     folder = Path(folder)
     config = read_config(folder)
-    tensors = load_weights(folder)
+    tensors = load_weights(folder) if tensors is None else tensors
     if "backbone.embedding.weight" in tensors:
         tensors["backbone.embeddings.weight"] = tensors.pop("backbone.embedding.weight")
     if config.tie_embeddings:

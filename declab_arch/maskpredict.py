@@ -298,18 +298,18 @@ def read_config(folder: Path) -> MaskPredictConfig:
     return parse_config(config_from_llada if "d_model" in hf else config_from_hf, hf, source)
 
 
-def load(folder: Path) -> tuple[MaskPredictConfig, MaskPredictLM]:
-    """Config and model of a checkpoint folder: the lab's own format or LLaDA-style HF Llama weights."""
+def load(folder: Path, tensors: dict | None = None) -> tuple[MaskPredictConfig, MaskPredictLM]:
+    """Config and model of a checkpoint folder: the lab's own format or LLaDA-style HF Llama weights;
+    `tensors`: the folder's tensors already read (a quantised folder's)."""
     folder = Path(folder)
     source = str(folder)
     config = read_config(folder)
     hf = read_json(folder / "config.json")
+    tensors = load_weights(folder) if tensors is None else tensors
     if hf.get("declab_family") is not None:
-        return config, build(config, load_weights(folder), source)
+        return config, build(config, tensors, source)
     if "d_model" in hf:
-        tensors = rename_llada(load_weights(folder), source)
-    else:
-        tensors = load_weights(folder)
+        tensors = rename_llada(tensors, source)
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
     tensors = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}

@@ -52,6 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from declab_arch import quant_linear
 from declab_arch.checkpoint import CheckpointError, assign_weights, check_fields, config_from_dict, load_weights, parse_config, read_json
 from declab_kernels import gemv
 from declab_kernels.gemv import fusions
@@ -70,7 +71,8 @@ class Packed:
     """A layer's weights as the fused decode step reads them (the parameters are views of these)."""
 
     mix: torch.Tensor  # [6, C] token-shift mixes in the order r, k, v, w, a, g
-    down: torch.Tensor  # [3C + R, C] rows: r_proj, k_proj, v_proj, then the LoRA down-projections
+    # [3C + R, C] rows: r_proj, k_proj, v_proj, then the LoRA down-projections (a weight object when quantised)
+    down: torch.Tensor
     up: torch.Tensor  # [C, R] column blocks: the LoRA up-projections
     ranks: tuple  # widths of the LoRA blocks, in the order (v,) w, a, g
     # rows of `down` per mixed input, as `fusions.Select` takes them: input i (r, k, v, w, a, g)
@@ -201,10 +203,10 @@ class TimeMix(nn.Module):
     def packed(self) -> Packed:
         """The packed weights, (re)built when the parameters are not (or no longer) views of them."""
         mixes = [getattr(self, n) for n in ("x_r", "x_k", "x_v", "x_w", "x_a", "x_g")]
-        downs = [self.r_proj.weight, self.k_proj.weight, self.v_proj.weight] + [m.lora[0].weight for m, _ in self.loras()]
+        linears = [self.r_proj, self.k_proj, self.v_proj] + [m.lora[0] for m, _ in self.loras()]
+        downs = [m.weight for m in linears]
         ups = [m.lora[2].weight for m, _ in self.loras()]
-        params = mixes + downs + ups
-        key = tuple(p.data_ptr() for p in params)
+        key = tuple(quant_linear.data_ptr(p) for p in mixes + downs + ups)
         pack = getattr(self, "_packed", None)
         if pack is not None and pack.key == key:
             return pack
@@ -213,14 +215,20 @@ class TimeMix(nn.Module):
         # built under the caller's inference mode), else the parameters would change kind
         with torch.inference_mode(mixes[0].is_inference()), torch.no_grad():
             mix = torch.cat([p.reshape(1, -1) for p in mixes])
-            down = torch.cat(downs)
             up = torch.cat(ups, dim=1)
             for j, p in enumerate(mixes):
                 p.data = mix[j].view(p.shape)
-            row = 0
-            for p in downs:
-                p.data = down[row : row + p.shape[0]]
-                row += p.shape[0]
+            if isinstance(downs[0], torch.Tensor):
+                down = torch.cat(downs)
+                row = 0
+                for p in downs:
+                    p.data = down[row : row + p.shape[0]]
+                    row += p.shape[0]
+            else:
+                # Quantised down-projections (`declab_arch.quant_linear`): one weight object of their
+                # rows, the modules' weights become views of it.
+                down, _ = quant_linear.fuse_rows(*linears)
+                downs = [m.weight for m in linears]
             col = 0
             for p in ups:
                 p.data = up[:, col : col + p.shape[1]]
@@ -233,7 +241,7 @@ class TimeMix(nn.Module):
         C = downs[0].shape[0]
         panels = ((0, 3, 0, 3 * C, "batched"), (6 - len(ups), 6, 3 * C, down.shape[0], "cross"))
         self._packed = Packed(mix, down, up, tuple(p.shape[1] for p in ups), splits, panels,
-                              tuple(p.data_ptr() for p in params))
+                              tuple(quant_linear.data_ptr(p) for p in mixes + downs + ups))
         return self._packed
 
     def step(self, xs, v_first, state, *, impl, reduce=None):
@@ -505,11 +513,12 @@ def read_config(folder: Path) -> RWKV7Config:
     return config
 
 
-def load(folder: Path) -> tuple[RWKV7Config, RWKV7]:
-    """Config and model of an fla RWKV-7 folder or one in the lab's own format."""
+def load(folder: Path, tensors: dict | None = None) -> tuple[RWKV7Config, RWKV7]:
+    """Config and model of an fla RWKV-7 folder or one in the lab's own format; `tensors`: the folder's
+    tensors already read (a quantised folder's)."""
     folder = Path(folder)
     config = read_config(folder)
-    tensors = load_weights(folder)
+    tensors = load_weights(folder) if tensors is None else tensors
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
     # Early fla checkpoints stack the six token-shift mixes as attn.x_x [6, C]; fla splits them on load.

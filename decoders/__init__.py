@@ -81,7 +81,7 @@ def check_page_size(page_size) -> int:
 
 def family_options(family: str) -> list[str]:
     """The keyword options a family's decoder takes beyond what `load` passes itself (page_size, ...)."""
-    own = {"self", "model", "config", "device", "dtype", "impl", "source", "tokenizer", "max_context"}
+    own = {"self", "model", "config", "device", "dtype", "impl", "source", "tokenizer", "max_context", "quant"}
     names = []
     for cls in family_class(family).__mro__:
         if "__init__" in vars(cls):
@@ -151,7 +151,7 @@ def check_model(name_or_path, *, context: int | None = None) -> str:
 
 
 def load(name_or_path, *, family: str | None = None, device=None, dtype=None, impl: str = "auto", seed: int = 0, tp=None,
-         **options) -> Decoder:
+         quant: str | None = None, **options) -> Decoder:
     """A decoder from a preset name (random weights) or a checkpoint folder.
 
     device defaults to CUDA when available; dtype to bfloat16 on a GPU and float32 on the CPU;
@@ -159,6 +159,9 @@ def load(name_or_path, *, family: str | None = None, device=None, dtype=None, im
     kv_dtype="fp8" for an e4m3 KV cache in the transformer and Mask-Predict families, ...).
     With `tp` (a `declab_arch.tensor_parallel.Group`, see `decoders.distributed`) the decoder is this
     rank's share of the model, split over the group's ranks, every one of which must load it alike.
+    `quant` runs the linear layers on quantised weights: "int8" or "int4-rtn" (any "-gN" group)
+    quantised on the fly; a quantised folder (`python -m eval.quantize`, or an AWQ / GPTQ folder) loads
+    as quantised without it, and a `quant` that contradicts the folder's is refused (`decoders.quant`).
     """
     device = parse_device(device)
     dtype = parse_dtype(dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -168,7 +171,14 @@ def load(name_or_path, *, family: str | None = None, device=None, dtype=None, im
         raise UsageError(str(e)) from None
     family = family or family_of(name_or_path)
     check_options(family, options)
+    from decoders.quant import check_load_quant, folder_spec
+
+    if check_load_quant(name_or_path, quant) is not None and tp is not None:
+        raise UsageError("quantised weights under tensor parallel are not supported")
     common = dict(device=device, dtype=dtype, impl=impl, **options)
+    # A quantised folder brings its own weight objects (`Decoder.from_checkpoint`).
+    if quant is not None and folder_spec(name_or_path) is None:
+        common["quant"] = quant
     cls = family_class(family)
     if tp is not None:
         from decoders.distributed import tp_class

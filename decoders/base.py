@@ -22,7 +22,9 @@ from pathlib import Path
 
 import torch
 
-from declab_arch.checkpoint import load_tokenizer
+from declab_arch import quant as quantization
+from declab_arch import quant_linear
+from declab_arch.checkpoint import load_tokenizer, read_json
 from decoders.sampling import GREEDY, Sampling, sample
 
 
@@ -103,8 +105,11 @@ class Decoder(ABC):
     arch = None
     presets: str = ""
     state_kind: str = ""
+    # Linear layers (name suffixes) that quantisation leaves dense, holding their dequantised values.
+    quant_dense: tuple = ()
 
-    def __init__(self, model, config, *, device, dtype, impl, source, tokenizer=None, max_context=None, cuda_graphs=None):
+    def __init__(self, model, config, *, device, dtype, impl, source, tokenizer=None, max_context=None, cuda_graphs=None,
+                 quant=None):
         self.model = model.to(device=device, dtype=dtype).eval()
         self.config = config
         self.device = torch.device(device)
@@ -115,6 +120,26 @@ class Decoder(ABC):
         self.max_context = max_context
         # Decode steps replay a CUDA graph on the Triton path (the reference path synchronises).
         self.cuda_graphs = (self.device.type == "cuda" and impl == "triton") if cuda_graphs is None else cuda_graphs
+        # The QuantSpec of the weights the model runs on (None: dense).
+        self.quant = None
+        if quant is not None:
+            self.quantize(quant)
+
+    def quantize(self, quant) -> None:
+        """Run on quantised weights from now on: `quant` is a name quantised on the fly ("int8",
+        "int4-rtn", "int4-rtn-gN"; round-to-nearest needs no calibration) or (spec, mapping) read
+        from a quantised folder. The weight objects replace the dense weights, which are freed."""
+        if isinstance(quant, str):
+            spec = quantization.parse_quant(quant)
+            if spec.method != "rtn" and spec.bits == 4:
+                raise UsageError(f"{spec.name} is calibrated (GPTQ) and cannot be quantised on the fly: make a folder with "
+                                 f"python -m eval.quantize MODEL --quant {spec.name} --calib CORPUS --out FOLDER and load it (or use int4-rtn)")
+            mapping = quantization.quantize_model(self.model, spec.name, dtype=self.dtype)
+        else:
+            spec, mapping = quant
+            mapping = {n: w.to(self.device, self.dtype) for n, w in mapping.items()}
+        quant_linear.install(self.model, mapping, impl=self.impl, dense=self.quant_dense)
+        self.quant = spec
 
     @classmethod
     def detects(cls, hf_config: dict) -> bool:
@@ -129,8 +154,14 @@ class Decoder(ABC):
 
     @classmethod
     def from_checkpoint(cls, folder: Path, **kwargs):
-        """The checkpoint in `folder` with its tokenizer (where the folder has one)."""
-        config, model = cls.arch.load(folder)
+        """The checkpoint in `folder` with its tokenizer (where the folder has one); a quantised folder
+        (`declab_arch.quant.read_checkpoint`) runs on its quantised weights."""
+        if quantization.is_quantized(read_json(Path(folder) / "config.json")):
+            spec, mapping, tensors = quantization.read_checkpoint(folder, dtype=kwargs["dtype"])
+            config, model = cls.arch.load(folder, tensors)
+            kwargs["quant"] = (spec, mapping)
+        else:
+            config, model = cls.arch.load(folder)
         return cls(model, config, source=str(folder), tokenizer=cls.load_tokenizer(folder), **kwargs)
 
     @classmethod
@@ -139,6 +170,8 @@ class Decoder(ABC):
 
     def save(self, folder: Path) -> None:
         """Write the model as a checkpoint folder naming its family (loadable by `decoders.load(folder)`)."""
+        if self.quant is not None:
+            raise UsageError(f"{self.source} runs on {self.quant.name} weights: save quantised folders with python -m eval.quantize")
         self.arch.save(self.model, folder)
 
     def describe(self) -> dict:
@@ -150,8 +183,17 @@ class Decoder(ABC):
             "impl": self.impl,
             "dtype": str(self.dtype).removeprefix("torch."),
             "cuda_graphs": self.cuda_graphs,
+            "quant": self.quant_record(),
             "config": config,
         }
+
+    def quant_record(self) -> dict | None:
+        """The weight quantisation a record names: quant name, method, bits, group size (None: dense weights)."""
+        if self.quant is None:
+            return None
+        s = self.quant
+        return {"name": s.name, "method": s.method, "bits": s.bits, "format": "int8" if s.bits == 8 else f"int4-g{s.group_size}",
+                "group_size": s.group_size}
 
     @property
     def eos_token_id(self) -> int | None:
@@ -165,7 +207,8 @@ class Decoder(ABC):
         return self.config.vocab_size
 
     def weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        """Parameter bytes, each quantised layer at its packed size (codes, scales, zeros)."""
+        return quant_linear.weight_bytes(self.model)
 
     @torch.inference_mode()
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:

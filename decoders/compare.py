@@ -5,6 +5,7 @@
     python -m decoders.compare --models maskpredict-tiny --iterations 1,4,16 --block 8
     python -m decoders.compare --models llama-1b,mamba2-1.3b,rwkv7-1.5b --peers hf,mamba_ssm,fla
     python -m decoders.compare --models llama-1b --ctx 128k --kv-dtype bf16,fp8
+    python -m decoders.compare --models llama-1b,llama-8b --ctx 4k --quant none,int8,int4-rtn
 
 With `--peers`, the libraries a user would run instead (`decoders.peers`) run after each model's own
 points on the same shapes, contexts and batches, each in its own row (`hf-eager:llama-1b`, ...); a peer
@@ -12,6 +13,10 @@ that is not installed or does not run the model's family is recorded as such, wi
 With `--kv-dtype`, every point of a model with a KV cache (transformer, Mask-Predict) is measured once
 per cache dtype (`fp8`: e4m3 pages, see `decoders.kv_cache`); the records carry `kv_dtype`, and on a
 GPU every record carries `max_batch_fits`, the largest batch whose state would fit at its context.
+With `--quant`, every model is measured once per weight quantisation (`none`: its own weights; int8 and
+int4-rtn quantised on the fly, see `decoders.load`); the records carry `quant` (name, method, bits,
+group size; null for dense weights), the gate compares the quantised kernels with the quantised
+reference path, and the roofline and MBU count the packed weight bytes.
 
 Each finished point is appended to `--out` as one JSON object (an interrupted sweep keeps what it
 wrote); a point that does not fit in memory is recorded as skipped and the sweep goes on, and with
@@ -141,6 +146,27 @@ def parse_kv_dtypes(text: str) -> list[str]:
     return names
 
 
+def parse_quants(text: str) -> list[str | None]:
+    """'none,int8,int4-rtn' -> [None, 'int8', 'int4-rtn'] (names checked, repeats dropped; `none`: dense)."""
+    from declab_arch import quant
+
+    names = list(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
+    if not names:
+        raise ArgError(f"--quant {text!r} names no quantisation (known: none, {quant.KNOWN})")
+    for name in names:
+        if name != "none":
+            try:
+                quant.check_quant(name)
+            except quant.QuantError as e:
+                raise ArgError(f"--quant: {e}") from None
+    return [None if n == "none" else n for n in names]
+
+
+def quant_name(record: dict) -> str | None:
+    """The quant name a record's `quant` entry gives (None: dense weights)."""
+    return (record.get("quant") or {}).get("name")
+
+
 def defaults(on_gpu: bool) -> dict:
     if on_gpu:
         return {"models": "llama-1b,mamba2-1.3b,rwkv7-1.5b,maskpredict-1b", "ctx": "4k..128k"}
@@ -162,6 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=int, default=16, help="KV cache page size for attention families")
     p.add_argument("--kv-dtype", default=None,
                    help="comma list of KV cache dtypes swept for attention families: fp8, bf16, ... (default: the model's dtype)")
+    p.add_argument("--quant", default=None,
+                   help="comma list of weight quantisations swept for every model: none, int8, int4-rtn, int4-rtn-gN (default: none)")
     p.add_argument("--iterations", default="4", help="Mask-Predict: comma list of refinement passes T")
     p.add_argument("--block", type=int, default=None, help="Mask-Predict: semi-autoregressive block length")
     p.add_argument("--peers", default=None, help="comma list of peers run on the same points: hf, mamba_ssm, fla")
@@ -178,9 +206,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def plan_points(models, ctxs, batches, iterations, peer_names=(), device=None, own=True, kv_dtypes=(None,)):
-    """(model, family, T, kv_dtype, batch, ctx, peer) in sweep order; T only for Mask-Predict models,
-    kv_dtype (one point per entry of `kv_dtypes`) only for the families with a KV cache. After a
+def plan_points(models, ctxs, batches, iterations, peer_names=(), device=None, own=True, kv_dtypes=(None,), quants=(None,)):
+    """(model, family, T, kv_dtype, quant, batch, ctx, peer) in sweep order; T only for Mask-Predict models,
+    kv_dtype (one point per entry of `kv_dtypes`) only for the families with a KV cache, quant one
+    point per entry of `quants` (None: the model's own weights). After a
     model's own points (peer None; left out when not `own`) come its peers' points (a `peers.Peer`),
     each peer's contexts in a row; a peer that cannot run the model is one point (a `peers.Absent`,
     batch and ctx None)."""
@@ -192,17 +221,18 @@ def plan_points(models, ctxs, batches, iterations, peer_names=(), device=None, o
         takes = decoders.family_options(family)
         for it in (iterations if "iterations" in takes else [None]) if own else []:
             for kv in kv_dtypes if "kv_dtype" in takes else [None]:
-                for batch in batches:
-                    for ctx in ctxs:
-                        yield model, family, it, kv, batch, ctx, None
+                for q in quants:
+                    for batch in batches:
+                        for ctx in ctxs:
+                            yield model, family, it, kv, q, batch, ctx, None
         for name in peer_names:
             for peer in peers.plan(name, model, family, device):
                 if isinstance(peer, peers.Absent):
-                    yield model, family, None, None, None, None, peer
+                    yield model, family, None, None, None, None, None, peer
                     continue
                 for batch in batches:
                     for ctx in ctxs:
-                        yield model, family, None, None, batch, ctx, peer
+                        yield model, family, None, None, None, batch, ctx, peer
 
 
 def first_line(error: BaseException) -> str:
@@ -212,15 +242,16 @@ def first_line(error: BaseException) -> str:
 
 def format_table(records: list[dict]) -> str:
     cols = [
-        ("model", "{}"), ("T", "{}"), ("kv", "{}"), ("batch", "{}"), ("ctx", "{}"), ("status", "{}"), ("ttft ms", "{:.1f}"),
+        ("model", "{}"), ("T", "{}"), ("kv", "{}"), ("quant", "{}"), ("batch", "{}"), ("ctx", "{}"), ("status", "{}"), ("ttft ms", "{:.1f}"),
         ("p50 ms", "{:.2f}"), ("p99 ms", "{:.2f}"), ("tok/s/seq", "{:.1f}"), ("tok/s", "{:.1f}"),
         ("prefill tok/s", "{:.0f}"), ("MBU", "{:.2f}"), ("MBU nom", "{:.2f}"), ("decay", "{:.2f}"), ("spread", "{:.0%}"),
         ("max batch", "{}"),
     ]
-    keys = ["model", "iterations", "kv_dtype", "batch", "ctx", "status", "ttft_ms", "step_ms_p50", "step_ms_p99", "decode_tok_s_per_seq",
+    keys = ["model", "iterations", "kv_dtype", "quant", "batch", "ctx", "status", "ttft_ms", "step_ms_p50", "step_ms_p99", "decode_tok_s_per_seq",
             "decode_tok_s", "prefill_tok_s", "mbu", "mbu_nominal", "decay", "spread", "max_batch_fits"]
     rows = [[name for name, _ in cols]]
     for r in records:
+        r = {**r, "quant": quant_name(r)}
         rows.append(["-" if r.get(k) is None else fmt.format(r[k]) for (_, fmt), k in zip(cols, keys)])
     widths = [max(len(row[i]) for row in rows) for i in range(len(cols))]
     return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows)
@@ -236,9 +267,10 @@ def cpu_note(records: list[dict], threads: int) -> str:
 
 def summary(records: list[dict], where: str) -> dict:
     """The last stdout line: where the full records are, and each point's status and headline figures."""
-    keep = ("model", "peer", "iterations", "kv_dtype", "batch", "ctx", "status", "decode_tok_s_per_seq", "step_ms_p50", "ttft_ms", "mbu",
+    keep = ("model", "peer", "iterations", "kv_dtype", "quant", "batch", "ctx", "status", "decode_tok_s_per_seq", "step_ms_p50", "ttft_ms", "mbu",
             "mbu_nominal", "decay", "spread", "max_batch_fits")
     # Four significant digits: a headline, not the record.
+    records = [{**r, "quant": quant_name(r)} for r in records]
     points = [{k: float(f"{r[k]:.4g}") if isinstance(r[k], float) else r[k] for k in keep if r.get(k) is not None} for r in records]
     return {"out": where, "points": points, "ok": sum(r.get("status") == "ok" for r in records)}
 
@@ -288,11 +320,11 @@ def fits(dec, batch, ctx, new_tokens):
 
 def add_decay(records: list[dict]) -> None:
     """Each record's decode tok/s over that of the first (smallest-context) record of its model,
-    iterations, KV cache dtype and batch, in sweep order."""
+    iterations, KV cache dtype, weight quantisation and batch, in sweep order."""
     base = {}
     for record in records:
         if record.get("decode_tok_s_per_seq"):
-            key = (record["model"], record.get("iterations"), record.get("kv_dtype"), record["batch"])
+            key = (record["model"], record.get("iterations"), record.get("kv_dtype"), quant_name(record), record["batch"])
             first = base.setdefault(key, record["decode_tok_s_per_seq"])
             record["decay"] = record["decode_tok_s_per_seq"] / first
 
@@ -362,12 +394,12 @@ def measure_point(args, point, loaded, peer_models, device, spec, tp, ctxs, ceil
     import decoders
     from decoders import harness, peers
 
-    model, family, it, kv, batch, ctx, peer = point
+    model, family, it, kv, q, batch, ctx, peer = point
     if isinstance(peer, peers.Absent):
         record = {"iterations": None, **peers.describe(peer, None, model, family), **env, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
         record.update(status=peer.status, reason=peer.reason, ctx=None, batch=None)
         return record
-    key = (model, it, kv)
+    key = (model, it, kv, q)
     if key not in loaded:
         loaded.clear()
         release_peers(peer_models, device)
@@ -380,7 +412,7 @@ def measure_point(args, point, loaded, peer_models, device, spec, tp, ctxs, ceil
         if "iterations" in takes:
             options.update(iterations=it, block_length=args.block)
         try:
-            dec = decoders.load(model, device=device, dtype=args.dtype, impl=args.impl, seed=args.seed, tp=tp, **options)
+            dec = decoders.load(model, device=device, dtype=args.dtype, impl=args.impl, seed=args.seed, tp=tp, quant=q, **options)
             dec.check_context(max(ctxs))
         except decoders.USER_ERRORS as e:
             # Found only when its weights are read (a mis-shaped tensor): the points before it stay.
@@ -414,6 +446,7 @@ def run(args) -> int:
     from declab_kernels import resolve_impl
     from decoders.records import environment
     from decoders.cli import JsonlSink, check_figure_file, check_output_file
+    from decoders.quant import check_load_quant
 
     here = distributed.world()
     lead = here.rank == 0
@@ -446,6 +479,9 @@ def run(args) -> int:
     except UsageError as e:
         raise ArgError(f"--page-size: {e}") from None
     kv_dtypes = parse_kv_dtypes(args.kv_dtype) if args.kv_dtype is not None else [None]
+    quants = parse_quants(args.quant) if args.quant is not None else [None]
+    if args.tp > 1 and quants != [None]:
+        raise ArgError("--quant does not combine with --tp (quantised weights are not split over processes)")
     try:
         resolve_impl(args.impl, device)
     except ValueError as e:
@@ -462,10 +498,16 @@ def run(args) -> int:
         family = decoders.check_model(model, context=max(ctxs))
         if args.kv_dtype is not None and "kv_dtype" not in decoders.family_options(family):
             raise ArgError(f"--kv-dtype: {model} ({family}) has no KV cache; leave it out of --models or drop --kv-dtype")
+        for q in quants:
+            try:
+                check_load_quant(model, q)
+            except decoders.USER_ERRORS as e:
+                raise ArgError(f"--quant: {e}") from None
     device = distributed.device_of(device, here)
 
     group = distributed.setup(device, here) if here.launched else None
-    plan = list(plan_points(models, ctxs, batches, iterations, peer_names, device, own=not args.peers_only, kv_dtypes=kv_dtypes))
+    plan = list(plan_points(models, ctxs, batches, iterations, peer_names, device, own=not args.peers_only, kv_dtypes=kv_dtypes,
+                            quants=quants))
     mine = distributed.share(len(plan), here) if spread else range(len(plan))
     tp = group if args.tp > 1 else None
     threads = harness.pin_cpu_threads() if device.type == "cpu" else None
@@ -482,7 +524,7 @@ def run(args) -> int:
     loaded, peer_models = {}, {}
     try:
         for index in mine:
-            model, family, it, _, batch, ctx, peer = plan[index]
+            model, family, it, _, _, batch, ctx, peer = plan[index]
             try:
                 record = measure_point(args, plan[index], loaded, peer_models, device, spec, tp, ctxs, ceiling, env,
                                        f"{len(records)} finished point(s) kept in {sink.where}")

@@ -998,6 +998,7 @@ def build_parser():
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--page-size", type=int, default=16, help="KV cache page size (transformer)")
     p.add_argument("--kv-dtype", default=None, help="KV cache dtype (transformer): fp8 | bf16 | ... (default: the model's dtype)")
+    p.add_argument("--quant", default=None, help="weight quantisation: int8, int4-rtn, int4-rtn-gN (on the fly), or int4 of a quantised folder (default: the model's own weights)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/engine.jsonl", help="JSON lines file the result is appended to (default runs/engine.jsonl)")
     return p
@@ -1048,7 +1049,7 @@ def main(argv=None) -> int:
         options = {"page_size": args.page_size} if record.state_kind == "kv" else {}
         if args.kv_dtype is not None:
             options["kv_dtype"] = args.kv_dtype
-        dec = decoders.load(args.model, device=args.device, dtype=args.dtype, impl=args.impl, seed=args.seed, **options)
+        dec = decoders.load(args.model, device=args.device, dtype=args.dtype, impl=args.impl, seed=args.seed, quant=args.quant, **options)
         engine = Engine(dec, max_batch=args.batch, max_step_tokens=args.max_step_tokens, max_model_len=args.ctx)
         prompt_len = args.ctx - args.new_tokens
         # Warm-up: compiles and autotunes the kernels and captures the decode graph of this batch.

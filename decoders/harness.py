@@ -27,6 +27,7 @@ import time
 
 import torch
 
+from declab_arch import quant_linear
 from decoders.base import Decoder
 from declab_kernels import timing
 
@@ -100,6 +101,12 @@ def with_impl(decoder: Decoder, impl: str, dtype: torch.dtype | None = None) -> 
     if dtype is not None and dtype != decoder.dtype:
         other.model = copy.deepcopy(decoder.model).to(dtype)
         other.dtype = dtype
+    if decoder.quant is not None and impl != decoder.impl:
+        # The quantised layers carry their impl (the module-called paths have no impl argument): a
+        # copy of the model (packed weights, small) computes on the other one.
+        if other.model is decoder.model:
+            other.model = copy.deepcopy(decoder.model)
+        quant_linear.set_impl(other.model, impl)
     return other
 
 

@@ -6,6 +6,10 @@ one the lab knows, and, given the model, the group divides every layer it would 
 The model's layers are read from a skeleton built on the meta device from its config (no tensor is
 allocated or read), so the check costs no more than `decoders.check_model`. Refusals are
 `declab_arch.quant.QuantError`, a CheckpointError: one line and exit code 2 under `decoders.user_errors`.
+
+`check_load_quant(model, quant)` is what `decoders.load(model, quant=...)` checks: on the fly only
+round-to-nearest (int8, int4-rtn; GPTQ needs calibration text, `python -m eval.quantize`), and a
+quantised folder (`folder_spec`, read from its config.json) takes no quant that contradicts its own.
 """
 
 import importlib
@@ -15,6 +19,7 @@ import torch
 
 from declab_arch import quant
 from declab_arch.checkpoint import CONFIG_DIR, read_json
+from decoders.base import UsageError
 
 # family -> (declab_arch module, model class)
 MODEL_CLASSES = {
@@ -53,3 +58,45 @@ def check_quant(name: str, group_size: int | None = None, *, model=None, head: b
         for layer, K in shapes.items():
             quant.layer_group(spec.group_size, K, f"{model}: {layer}")
     return spec
+
+
+def folder_spec(name_or_path) -> quant.QuantSpec | None:
+    """The quantisation a checkpoint folder's config.json states (the lab's `quantization` entry or an
+    AWQ / GPTQ `quantization_config`), read without any tensor; None for a preset or a dense folder."""
+    path = Path(str(name_or_path))
+    if not (path / "config.json").is_file():
+        return None
+    hf = read_json(path / "config.json")
+    entry, qc = hf.get("quantization"), hf.get("quantization_config")
+    if entry is not None:
+        if not isinstance(entry, dict) or not isinstance(entry.get("quant"), str):
+            raise quant.QuantError(f"{path}: config.json's quantization entry names no quant")
+        try:
+            return quant.parse_quant(entry["quant"])
+        except quant.QuantError as e:
+            raise quant.QuantError(f"{path}: config.json's quantization entry: {e}") from None
+    if qc is not None:
+        if not isinstance(qc, dict):
+            raise quant.QuantError(f"{path}: config.json's quantization_config is not an object")
+        return quant.QuantSpec(qc.get("bits"), qc.get("quant_method"), qc.get("group_size", qc.get("q_group_size")))
+    return None
+
+
+def check_load_quant(name_or_path, name: str | None) -> quant.QuantSpec | None:
+    """The quantisation a decoder of `name_or_path` loaded with quant=`name` runs on (None: dense),
+    checked before any tensor is read: QuantError for a bad name or group, or a name that contradicts
+    a quantised folder's; UsageError for GPTQ ("int4") asked of a dense model."""
+    found = folder_spec(name_or_path)
+    if name is None:
+        return found
+    if found is not None:
+        asked = quant.check_quant(name)
+        if (asked.bits, asked.group_size, asked.method == "rtn") != (found.bits, found.group_size, found.method == "rtn"):
+            raise quant.QuantError(f"{name_or_path} holds {found.name} ({found.method}) weights: quant {asked.name!r} contradicts them "
+                                   "(leave quant out to load the folder as it is)")
+        return found
+    spec = quant.check_quant(name)
+    if spec.bits == 4 and spec.method != "rtn":
+        raise UsageError(f"{spec.name} is calibrated (GPTQ) and is not made on the fly: make a folder with python -m eval.quantize "
+                         f"{name_or_path} --quant {spec.name} --calib CORPUS --out FOLDER and load that (or use int4-rtn)")
+    return check_quant(name, model=name_or_path)

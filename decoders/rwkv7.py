@@ -43,6 +43,9 @@ class RWKV7Decoder(RecurrentDecoder):
     presets = "rwkv7"
     state_kind = "recurrent"
     state_fields = {"shift": 2, "wkv": 1}
+    # The LoRA up-projections are packed by columns (`Packed.up`), which weight objects of different
+    # groups cannot share: quantised, they keep dense weights of their dequantised values.
+    quant_dense = ("lora.2.weight",)
 
     def __init__(self, model, config, *, prefill_chunk: int = 8192, **kwargs):
         # RWKV has no position limit: the state is the same size at any context.

@@ -808,6 +808,7 @@ def main(argv=None) -> int:
     p.add_argument("--num-blocks", type=positive, default=None, help="KV cache blocks (default: 60%% of the free GPU memory; on a CPU room for --max-batch sequences of 1024 tokens)")
     p.add_argument("--page-size", type=positive, default=None, help="KV cache page size, transformer family (default: the decoder's)")
     p.add_argument("--kv-dtype", default=None, help="KV cache dtype, transformer family: fp8 | bf16 | ... (default: the model's dtype)")
+    p.add_argument("--quant", default=None, help="weight quantisation: int8, int4-rtn, int4-rtn-gN (on the fly), or int4 of a quantised folder (default: the model's own weights)")
     p.add_argument("--impl", default="auto", choices=["auto", "triton", "ref"])
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: bfloat16 on a GPU, float32 on a CPU)")
     p.add_argument("--device", default=None)
@@ -831,6 +832,9 @@ def main(argv=None) -> int:
                 raise UsageError(f"--kv-dtype applies to the transformer family, not {family}")
             decoders.kv_cache.parse_kv_dtype(args.kv_dtype)
             load_options["kv_dtype"] = args.kv_dtype
+        from decoders.quant import check_load_quant
+
+        check_load_quant(args.model, args.quant)
         if args.num_blocks is not None:
             if decoders.family_class(family).state_kind != "kv":
                 raise UsageError(f"--num-blocks applies to the transformer family, not {family}")
@@ -838,7 +842,8 @@ def main(argv=None) -> int:
         if args.max_model_len is not None:
             engine_options["max_model_len"] = args.max_model_len
         sock = bind(args.host, args.port)
-        decoder = decoders.load(args.model, device=args.device, dtype=args.dtype, impl=args.impl, seed=args.seed, **load_options)
+        decoder = decoders.load(args.model, device=args.device, dtype=args.dtype, impl=args.impl, seed=args.seed, quant=args.quant,
+                                **load_options)
         app = build_app(decoder, model_name=args.served_model_name or args.model, max_batch=args.max_batch,
                         max_step_tokens=args.max_step_tokens, max_waiting=args.max_waiting, **engine_options)
     host, port = sock.getsockname()[:2]

@@ -511,7 +511,8 @@ class EngineTarget:
         options = {"page_size": args.page_size} if "page_size" in decoders.family_options(family) else {}
         if args.kv_dtype is not None:
             options["kv_dtype"] = args.kv_dtype
-        self.decoder = decoders.load(model, device=args.device, dtype=args.dtype, impl=args.impl, seed=args.seed, **options)
+        self.decoder = decoders.load(model, device=args.device, dtype=args.dtype, impl=args.impl, seed=args.seed, quant=args.quant,
+                                     **options)
         self.engine = Engine(self.decoder, max_batch=args.max_batch, max_step_tokens=args.max_step_tokens)
         # The engine's limit, which its KV pool can make shorter than the model's context.
         self.vocab_size, self.max_context, self.device = self.decoder.vocab_size, self.engine.max_model_len, self.decoder.device
@@ -567,6 +568,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--page-size", type=int, default=16, help="KV cache page size for attention families")
     p.add_argument("--kv-dtype", default=None, help="engine: KV cache dtype of attention families, fp8 | bf16 | ... (default: the model's dtype)")
+    p.add_argument("--quant", default=None, help="engine: weight quantisation: int8, int4-rtn, int4-rtn-gN (on the fly), or int4 of a quantised folder (default: the model's own weights)")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload and the random weights")
     p.add_argument("--out", default="runs/serve_bench.jsonl", help="JSON lines file, appended point by point; workloads are saved beside it")
     p.add_argument("--plot", default=None, help="PNG: p99 TTFT and p99 ITL against output tokens/s, one line per model and arrival process")
@@ -814,6 +816,17 @@ def run(args) -> int:
             family = decoders.family_of(model)
             if "kv_dtype" not in decoders.family_options(family):
                 raise ArgError(f"--kv-dtype: {model} ({family}) has no KV cache")
+    if args.quant is not None:
+        import decoders
+        from decoders.quant import check_load_quant
+
+        if args.target is not None:
+            raise ArgError("--quant is for the engine in-process; a --target server is started with its own --quant")
+        for model in models:
+            try:
+                check_load_quant(model, args.quant)
+            except decoders.USER_ERRORS as e:
+                raise ArgError(f"--quant: {e}") from None
     for model in models:
         _, max_context = model_limits(model)
         # The lengths against the context now, before any model is loaded.

@@ -28,8 +28,9 @@ tokenizer's BOS, else its EOS.
 
 Requests are batched longest first (`Collator`). Model arguments: pretrained (preset or folder),
 dtype, device, impl, max_length, batch_size, family, seed, samples (Mask-Predict Monte-Carlo
-samples), add_bos_token, prefix_token_id; any other argument goes to the family
-(`decoders.load(..., **options)`, e.g. page_size).
+samples), add_bos_token, prefix_token_id, quant (weight quantisation, `decoders.load`'s: int8 or
+int4-rtn on the fly; a quantised folder loads as quantised without it); any other argument goes to
+the family (`decoders.load(..., **options)`, e.g. page_size).
 """
 
 import inspect
@@ -75,13 +76,16 @@ class DecLabLM(TemplateLM):
         samples: int = 16,
         add_bos_token: bool | str | None = None,
         prefix_token_id: int | None = None,
+        quant: str | None = None,
         **options,
     ):
         super().__init__()
         self.add_bos_token = parse_optional_bool(add_bos_token)
         self.custom_prefix_token_id = None if prefix_token_id is None else int(prefix_token_id)
         dtype = None if dtype in (None, "auto") else dtype
-        self.decoder = decoders.load(str(pretrained), family=family, device=device, dtype=dtype, impl=impl, seed=int(seed), **options)
+        quant = None if quant in (None, "none") else str(quant)
+        self.decoder = decoders.load(str(pretrained), family=family, device=device, dtype=dtype, impl=impl, seed=int(seed), quant=quant,
+                                     **options)
         self.tokenizer = tokenizer_for(self.decoder)
         self.decoder.tokenizer = self.tokenizer
         self._device = self.decoder.device
@@ -327,6 +331,10 @@ def check_model_args(args: dict) -> None:
         decoders.parse_device(str(args["device"]))
     if args.get("dtype") not in (None, "auto"):
         decoders.parse_dtype(str(args["dtype"]))
+    if args.get("quant") not in (None, "none"):
+        from decoders.quant import check_load_quant
+
+        check_load_quant(str(args["pretrained"]), str(args["quant"]))
 
 
 def parse_batch_size(batch_size, max_batch_size) -> int:

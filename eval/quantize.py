@@ -26,7 +26,7 @@ import decoders
 from declab_arch import quant
 from decoders.base import UsageError
 from decoders.cli import Parser, check_output_dir, run_command
-from decoders.quant import check_quant
+from decoders.quant import check_quant, folder_spec
 from eval.corpus import documents
 from eval.tokenizer import save_tokenizer, tokenizer_for
 from eval.train import tokenize_stream
@@ -70,6 +70,8 @@ def parser() -> Parser:
 
 def run(args) -> int:
     spec = check_quant(args.quant, args.group_size, model=args.model, head=args.head)
+    if (held := folder_spec(args.model)) is not None:
+        raise UsageError(f"{args.model} is already quantised ({held.name}): quantise its dense checkpoint")
     if spec.method == "gptq" and args.calib is None:
         raise UsageError(f"{spec.name} is calibrated (GPTQ): give the calibration text with --calib CORPUS (or use int4-rtn)")
     if spec.method != "gptq" and args.calib is not None:
