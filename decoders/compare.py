@@ -120,16 +120,23 @@ def parse_ints(text: str, name: str, minimum: int = 1) -> list[int]:
     return values
 
 
+def comma_names(text: str, option: str, what: str) -> list[str]:
+    """'a, b,a' -> ['a', 'b']: the names of a comma list in the order given, repeats dropped; none is an error."""
+    names = list(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
+    if not names:
+        raise ArgError(f"{option} {text!r} names no {what}")
+    return names
+
+
 def parse_peers(text: str) -> list[str]:
     """'hf,fla' -> ['hf', 'fla'] (known names only, in the order given, repeats dropped)."""
     from decoders.peers import PACKAGES
 
-    names = list(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
-    if not names:
-        raise ArgError(f"--peers {text!r} names no peer (known: {', '.join(PACKAGES)})")
+    known = f"(known: {', '.join(PACKAGES)})"
+    names = comma_names(text, "--peers", f"peer {known}")
     for name in names:
         if name not in PACKAGES:
-            raise ArgError(f"unknown peer {name!r} (known: {', '.join(PACKAGES)})")
+            raise ArgError(f"unknown peer {name!r} {known}")
     return names
 
 
@@ -137,12 +144,11 @@ def parse_kv_dtypes(text: str) -> list[str]:
     """'bf16,fp8' -> ['bf16', 'fp8'] (known names only, in the order given, repeats dropped)."""
     from decoders.kv_cache import KV_DTYPES
 
-    names = list(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
-    if not names:
-        raise ArgError(f"--kv-dtype {text!r} names no dtype (known: {', '.join(KV_DTYPES)})")
+    known = f"(known: {', '.join(KV_DTYPES)})"
+    names = comma_names(text, "--kv-dtype", f"dtype {known}")
     for name in names:
         if name not in KV_DTYPES:
-            raise ArgError(f"--kv-dtype: unknown dtype {name!r} (known: {', '.join(KV_DTYPES)})")
+            raise ArgError(f"--kv-dtype: unknown dtype {name!r} {known}")
     return names
 
 
@@ -150,9 +156,7 @@ def parse_quants(text: str) -> list[str | None]:
     """'none,int8,int4-rtn' -> [None, 'int8', 'int4-rtn'] (names checked, repeats dropped; `none`: dense)."""
     from declab_arch import quant
 
-    names = list(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
-    if not names:
-        raise ArgError(f"--quant {text!r} names no quantisation (known: none, {quant.KNOWN})")
+    names = comma_names(text, "--quant", f"quantisation (known: none, {quant.KNOWN})")
     for name in names:
         if name != "none":
             try:
