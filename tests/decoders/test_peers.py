@@ -43,7 +43,7 @@ def test_bad_peers_are_refused(bad, message):
 def test_unknown_peer_is_one_line_and_exit_code_2(tmp_path, capsys):
     code, records, _, err = sweep(tmp_path, capsys, "--models", "llama-tiny", "--ctx", "256", "--peers", "hf,vllm")
     lines = [line for line in err.splitlines() if line.startswith("error:")]
-    assert code == 2 and len(lines) == 1 and "unknown peer 'vllm' (known: hf, mamba_ssm, fla)" in lines[0], err
+    assert code == 2 and len(lines) == 1 and "unknown peer 'vllm' (known: hf, gpt-fast, mamba_ssm, fla)" in lines[0], err
     assert records == []
 
 
