@@ -15,7 +15,8 @@ decoder's `memory()` of the same shape. Rows, selected by the `--peers` name:
 | `gpt-fast`  | `gpt-fast`     | transformer | a gpt-fast checkout's `Transformer`, its prefill and compiled `decode_one_token` |
 | `hf`        | `hf-mamba2`    | mamba2      | transformers `Mamba2ForCausalLM.generate` (mamba-ssm kernels when importable) |
 | `mamba_ssm` | `mamba_ssm-cg` | mamba2      | mamba-ssm `MambaLMHeadModel.generate(cg=True)` (CUDA graphs), causal-conv1d's CUDA kernels |
-| `fla`       | `fla-rwkv7`    | rwkv7       | flash-linear-attention `RWKV7ForCausalLM` through HF `generate`   |
+| `fla`       | `fla-rwkv7`    | rwkv7       | flash-linear-attention `RWKV7ForCausalLM` through HF `generate` (eager: the reference) |
+| `fla`       | `fla-rwkv7-cg` | rwkv7       | the same model: prefill with its Cache, then its one-token forward replayed from a CUDA graph |
 
 A peer that cannot be imported, needs a GPU it does not have, or would run without the kernels it is
 meant to run (mamba-ssm without causal-conv1d's CUDA kernels) is `unavailable`; one selected for a
@@ -471,6 +472,98 @@ def fla_rwkv7(config, device, dtype):
     return on_device(RWKV7ForCausalLM, RWKV7Config(**{**dataclasses.asdict(config), "eos_token_id": None}), device, dtype)
 
 
+class FlaGraphStep:
+    """One-token forward of an fla model with its Cache, replayed from a CUDA graph (run eagerly off
+    the GPU, which is how the CPU tests exercise it).
+
+    fla's Cache replaces each layer's state tensors at every forward; the step feeds the forward fixed
+    tensors instead (the graph's inputs), copies the new states back into them and feeds the greedy
+    token back as the next input, so one replay is one decode step with no host work. The states are
+    of fixed size, so one capture per batch size serves every context."""
+
+    def __init__(self, model, cache, batch: int, device: torch.device):
+        self.model, self.cache = model, cache
+        self.token = torch.zeros(batch, 1, dtype=torch.long, device=device)  # [B, 1]
+        self.states = [{k: v.clone() for k, v in layer.state.items() if isinstance(v, torch.Tensor)} for layer in cache.layers]
+        self.graph = None
+        if device.type == "cuda":
+            self.capture()
+
+    def body(self):
+        for layer, static in zip(self.cache.layers, self.states):
+            layer.state.update(static)
+        logits = self.model(input_ids=self.token, past_key_values=self.cache, use_cache=True, logits_to_keep=1).logits  # [B, 1, V]
+        for layer, static in zip(self.cache.layers, self.states):
+            for key, tensor in static.items():
+                tensor.copy_(layer.state[key])
+        self.token.copy_(logits[:, -1].argmax(-1, keepdim=True))
+
+    def capture(self):
+        saved = [{k: v.clone() for k, v in static.items()} for static in self.states], self.token.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        # Triton autotuning and first-call work must not happen inside the capture.
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                self.body()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.body()
+        self.load(*saved)
+
+    def load(self, states: list[dict], token: torch.Tensor):
+        """Decode on from these layer states and this token [B, 1] (copied into the step's inputs)."""
+        for static, new in zip(self.states, states):
+            for key, tensor in static.items():
+                tensor.copy_(new[key])
+        self.token.copy_(token)
+
+    def step(self) -> torch.Tensor:
+        """One decode step: the next token [B, 1], a copy."""
+        if self.graph is None:
+            self.body()
+        else:
+            self.graph.replay()
+        return self.token.clone()
+
+
+def fla_graph_generate(model, prompts: torch.Tensor, new_tokens: int, timer: Timer) -> torch.Tensor:
+    """Prefill with fla's Cache (its chunk kernels), then greedy decode steps of `FlaGraphStep`, one
+    timer mark per new token. The step is captured once per batch size (in the harness's warm-up)."""
+    from fla.models.utils import Cache
+
+    batch = prompts.shape[0]
+    steps = model.__dict__.setdefault("declab_graph_steps", {})
+    with torch.no_grad():
+        timer.mark()
+        cache = Cache()
+        logits = model(input_ids=prompts, past_key_values=cache, use_cache=True, logits_to_keep=1).logits  # [B, 1, V]
+        first = logits[:, -1].argmax(-1, keepdim=True)  # [B, 1]
+        prefilled = [dict(layer.state) for layer in cache.layers]
+        if batch not in steps:
+            steps[batch] = FlaGraphStep(model, cache, batch, prompts.device)
+        step = steps[batch]
+        step.load(prefilled, first)
+        timer.mark()
+        tokens = [first]
+        for _ in range(new_tokens - 1):
+            tokens.append(step.step())
+            timer.mark()
+    return torch.cat([prompts, *tokens], dim=1)
+
+
+def fla_graph_settings(config, device) -> dict:
+    cuda = torch.device(device).type == "cuda"
+    return {
+        "compiled": None,
+        "cuda_graphs": cuda,
+        "cache": "fla Cache; decode on fixed state tensors (recurrent and token-shift state per layer), copied back each step",
+        "attention": None,
+        "kernels": "fla Triton: chunk_rwkv7 (prefill), fused_mul_recurrent_rwkv7 (decode step, one CUDA graph per batch size)",
+    }
+
+
 def fla_settings(config, device) -> dict:
     return {
         "compiled": None,
@@ -492,6 +585,7 @@ def hf_mamba2_settings(config, device) -> dict:
 
 
 
+FLA_GRAPH_TIMING = "CUDA event after prefill and after each replay of the decode step's graph, once per new token"
 GPT_FAST_TIMING = "CUDA event (CPU: monotonic clock) after prefill and at each call of decode_n_tokens' callback, once per new token"
 
 PEERS = [
@@ -512,6 +606,9 @@ PEERS = [
     Peer(name="fla-rwkv7", package="fla", family="rwkv7", module="fla",
          cpu_reason="fla's Triton kernels autotune on a GPU", timing=HF_TIMING,
          build=fla_rwkv7, run=hf_generate, settings=fla_settings),
+    Peer(name="fla-rwkv7-cg", package="fla", family="rwkv7", module="fla",
+         cpu_reason="fla's Triton kernels autotune on a GPU", timing=FLA_GRAPH_TIMING,
+         build=fla_rwkv7, run=fla_graph_generate, settings=fla_graph_settings),
 ]
 
 # What a peer needs beyond importing, checked on the device it runs on: None, or why it would not run as intended.

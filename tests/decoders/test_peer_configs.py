@@ -123,7 +123,7 @@ def test_shapes_gpt_fast_cannot_express_are_refused(change, message):
 
 def test_every_row_that_needs_no_extra_package_names_its_configuration():
     config = decoders.model_config("llama-tiny")[1]
-    for name in ("hf-eager", "hf-compile", "hf-mamba2", "fla-rwkv7"):
+    for name in ("hf-eager", "hf-compile", "hf-mamba2", "fla-rwkv7", "fla-rwkv7-cg"):
         (peer,) = [p for p in peers.PEERS if p.name == name]
         for device in ("cpu", "cuda"):
             settings = peer.settings(config, torch.device(device))
@@ -210,3 +210,76 @@ def test_gpt_fast_decode_is_greedy_on_its_own_model():
         model.setup_caches(max_batch_size=2, max_seq_length=14)
         logits = model(runs[0][:, :13], torch.arange(13))
     assert torch.equal(logits[:, 8:].argmax(-1), runs[0][:, 9:].to(logits.device).long())
+
+
+class FakeFla(torch.nn.Module):
+    """Two layers whose recurrent and token-shift states advance the way fla's do: each forward reads
+    them from fla's Cache and hands new tensors back through `Cache.update`."""
+
+    def __init__(self, vocab=13, width=6):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.head = torch.nn.Linear(width, vocab)
+
+    def forward(self, input_ids, past_key_values, use_cache, logits_to_keep):
+        from types import SimpleNamespace
+
+        x = self.embed(input_ids)  # [B, T, W]
+        for i in range(2):
+            state = past_key_values[i] if len(past_key_values) > i else None
+            h = state["recurrent_state"] if state else torch.zeros_like(x[:, 0])
+            for t in range(x.shape[1]):
+                h = 0.5 * h + torch.tanh(x[:, t])
+            shift = x[:, -1] if state is None else 0.5 * (x[:, -1] + state["conv_state"])
+            past_key_values.update(recurrent_state=h, conv_state=shift, ffn_state=2 * shift, layer_idx=i, offset=x.shape[1])
+            x = x + h[:, None] + shift[:, None]
+        return SimpleNamespace(logits=self.head(x[:, -logits_to_keep:]))
+
+
+def test_fla_graph_step_decodes_as_the_plain_cache_loop():
+    from fla.models.utils import Cache
+
+    torch.manual_seed(0)
+    model = FakeFla().eval()
+    prompts = torch.randint(0, 13, (3, 5))
+    with torch.no_grad():
+        cache = Cache()
+        token = model(prompts, cache, True, 1).logits[:, -1].argmax(-1, keepdim=True)
+        want = [token]
+        for _ in range(6):
+            token = model(token, cache, True, 1).logits[:, -1].argmax(-1, keepdim=True)
+            want.append(token)
+    want = torch.cat([prompts, *want], dim=1)
+    # The second call reuses the first call's step, loaded with its own prefill's states.
+    for other in (prompts.flip(0), prompts):
+        timer = Timer(torch.device("cpu"))
+        peers.fla_graph_generate(model, other, 7, timer)
+        assert len(timer.intervals()) == 7
+    assert list(model.declab_graph_steps) == [3]
+    assert torch.equal(peers.fla_graph_generate(model, prompts, 7, Timer(torch.device("cpu"))), want)
+
+
+@pytest.mark.gpu
+def test_fla_graph_decodes_as_hf_generate_on_the_gpu():
+    lab = decoders.load("rwkv7-tiny", device="cuda", dtype=torch.float32)
+    model = peers.fla_rwkv7(lab.config, lab.device, torch.float32)
+    prompts = torch.randint(0, lab.vocab_size, (2, 100), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    graphed = peers.fla_graph_generate(model, prompts, 8, Timer(lab.device))
+    again = peers.fla_graph_generate(model, prompts, 8, Timer(lab.device))
+    eager = peers.hf_generate(model, prompts, 8, Timer(lab.device))
+    assert model.declab_graph_steps[2].graph is not None
+    assert torch.equal(graphed, again) and torch.equal(graphed, eager)
+
+
+@pytest.mark.gpu
+@needs_checkout
+def test_gpt_fast_compiled_on_the_gpu(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv(peers.GPT_FAST_ENV, CHECKOUT)
+    code, records, err = sweep(tmp_path, capsys, "--models", "llama-tiny", "--peers", "gpt-fast,hf", "--peers-only", "--ctx", "256,512",
+                               "--new-tokens", "8")
+    assert code == 0, err
+    rows = [r for r in records if r["peer"] == "gpt-fast"]
+    assert [r["status"] for r in rows] == ["ok", "ok"], [r.get("reason") for r in rows]
+    assert rows[0]["cuda_graphs"] is True and "reduce-overhead" in rows[0]["peer_config"]["compiled"]
+    compiled = [r for r in records if r["peer"] == "hf-compile"]
+    assert [r["status"] for r in compiled] == ["ok", "ok"], [r.get("reason") for r in compiled]
