@@ -283,3 +283,11 @@ def test_gpt_fast_compiled_on_the_gpu(tmp_path, capsys, monkeypatch):
     assert rows[0]["cuda_graphs"] is True and "reduce-overhead" in rows[0]["peer_config"]["compiled"]
     compiled = [r for r in records if r["peer"] == "hf-compile"]
     assert [r["status"] for r in compiled] == ["ok", "ok"], [r.get("reason") for r in compiled]
+
+
+def test_the_rope_difference_is_recorded():
+    scaled, plain = decoders.model_config("llama-1b")[1], decoders.model_config("llama-tiny")[1]
+    assert peers.gpt_fast_rope(scaled, {"rope_scaling": None}) == "llama3, as the lab's config"
+    assert peers.gpt_fast_rope(scaled, {}).startswith("none: this checkout's ModelArgs has no rope_scaling")
+    assert peers.gpt_fast_rope(plain, {}) == "none, as the lab's config"
+    assert peers.gpt_fast_rope(dataclasses.replace(plain, attention_bias=True), {}).startswith("not built: gpt-fast's attention has no bias")
