@@ -4,12 +4,15 @@
     python -m decoders.compare --models llama-1b,mamba2-1.3b --ctx 4k..128k --batch 1,16
     python -m decoders.compare --models maskpredict-tiny --iterations 1,4,16 --block 8
     python -m decoders.compare --models llama-1b,mamba2-1.3b,rwkv7-1.5b --peers hf,mamba_ssm,fla
+    python -m decoders.compare --models llama-1b --peers hf,gpt-fast --gpt-fast GPT_FAST_CHECKOUT
     python -m decoders.compare --models llama-1b --ctx 128k --kv-dtype bf16,fp8
     python -m decoders.compare --models llama-1b,llama-8b --ctx 4k --quant none,int8,int4-rtn
 
 With `--peers`, the libraries a user would run instead (`decoders.peers`) run after each model's own
 points on the same shapes, contexts and batches, each in its own row (`hf-eager:llama-1b`, ...); a peer
 that is not installed or does not run the model's family is recorded as such, with the reason.
+`--gpt-fast PATH` (or the variable DECLAB_GPT_FAST) names the gpt-fast checkout the `gpt-fast` peer
+imports its model and decode loop from; a folder without its model.py and generate.py is refused.
 With `--kv-dtype`, every point of a model with a KV cache (transformer, Mask-Predict) is measured once
 per cache dtype (`fp8`: e4m3 pages, see `decoders.kv_cache`); the records carry `kv_dtype`, and on a
 GPU every record carries `max_batch_fits`, the largest batch whose state would fit at its context.
@@ -38,6 +41,7 @@ at the end. Every record carries `world_size` and `tp`.
 import argparse
 import contextlib
 import json
+import os
 import re
 import signal
 import sys
@@ -140,6 +144,26 @@ def parse_peers(text: str) -> list[str]:
     return names
 
 
+def check_gpt_fast(path: str | None, peer_names: list[str]) -> None:
+    """Check the gpt-fast checkout (--gpt-fast, else DECLAB_GPT_FAST) before anything runs, and hand
+    --gpt-fast to the peer through that variable. Neither given: the gpt-fast row says it is unavailable."""
+    from pathlib import Path
+
+    from decoders.peers import GPT_FAST_ENV, gpt_fast_problem
+
+    if path is not None and "gpt-fast" not in peer_names:
+        raise ArgError("--gpt-fast needs --peers gpt-fast")
+    if "gpt-fast" not in peer_names:
+        return
+    given, source = (path, "--gpt-fast") if path is not None else (os.environ.get(GPT_FAST_ENV), GPT_FAST_ENV)
+    if not given:
+        return
+    problem = gpt_fast_problem(Path(given))
+    if problem:
+        raise ArgError(f"{source}: {problem}")
+    os.environ[GPT_FAST_ENV] = str(Path(given).resolve())
+
+
 def parse_kv_dtypes(text: str) -> list[str]:
     """'bf16,fp8' -> ['bf16', 'fp8'] (known names only, in the order given, repeats dropped)."""
     from decoders.kv_cache import KV_DTYPES
@@ -196,7 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma list of weight quantisations swept for every model: none, int8, int4-rtn, int4-rtn-gN (default: none)")
     p.add_argument("--iterations", default="4", help="Mask-Predict: comma list of refinement passes T")
     p.add_argument("--block", type=int, default=None, help="Mask-Predict: semi-autoregressive block length")
-    p.add_argument("--peers", default=None, help="comma list of peers run on the same points: hf, mamba_ssm, fla")
+    p.add_argument("--peers", default=None, help="comma list of peers run on the same points: hf, gpt-fast, mamba_ssm, fla")
+    p.add_argument("--gpt-fast", default=None, metavar="PATH",
+                   help="gpt-fast checkout (its model.py and generate.py) the gpt-fast peer runs from (default: $DECLAB_GPT_FAST)")
     p.add_argument("--peers-only", action="store_true", help="run only the peers' points (the lab's own rows come from another sweep)")
     p.add_argument("--spec", default=None, help="speculative decoding of every autoregressive model: draft=PRESET_OR_FOLDER|ngram|heads:FOLDER,k=4[,verify=chunk|steps][,graphs=1]")
     p.add_argument("--out", default="runs/compare.jsonl", help="JSON lines file, appended point by point (default runs/compare.jsonl)")
@@ -473,6 +499,7 @@ def run(args) -> int:
     peer_names = parse_peers(args.peers) if args.peers is not None else []
     if args.peers_only and not peer_names:
         raise ArgError("--peers-only needs --peers")
+    check_gpt_fast(args.gpt_fast, peer_names)
     if args.point_timeout is not None and not args.point_timeout > 0:
         raise ArgError(f"--point-timeout must be a positive number of seconds, got {args.point_timeout}")
     if args.block is not None and args.block < 1:

@@ -43,7 +43,7 @@ def test_bad_peers_are_refused(bad, message):
 def test_unknown_peer_is_one_line_and_exit_code_2(tmp_path, capsys):
     code, records, _, err = sweep(tmp_path, capsys, "--models", "llama-tiny", "--ctx", "256", "--peers", "hf,vllm")
     lines = [line for line in err.splitlines() if line.startswith("error:")]
-    assert code == 2 and len(lines) == 1 and "unknown peer 'vllm' (known: hf, mamba_ssm, fla)" in lines[0], err
+    assert code == 2 and len(lines) == 1 and "unknown peer 'vllm' (known: hf, gpt-fast, mamba_ssm, fla)" in lines[0], err
     assert records == []
 
 
@@ -104,8 +104,10 @@ def test_peers_that_need_a_gpu_say_so_on_the_cpu(monkeypatch):
     # installed or not here, the device is the reason given
     monkeypatch.setattr(peers, "import_reason", lambda module: None)
     cpu = torch.device("cpu")
-    (fla,) = peers.plan("fla", "rwkv7-tiny", "rwkv7", cpu)
-    assert isinstance(fla, peers.Absent) and fla.status == "unavailable" and fla.reason.startswith("needs a CUDA device")
+    fla = peers.plan("fla", "rwkv7-tiny", "rwkv7", cpu)
+    assert [row.name for row in fla] == ["fla-rwkv7", "fla-rwkv7-cg"]
+    for row in fla:
+        assert isinstance(row, peers.Absent) and row.status == "unavailable" and row.reason.startswith("needs a CUDA device")
     (hf,) = peers.plan("hf", "rwkv7-tiny", "rwkv7", cpu)
     assert isinstance(hf, peers.Absent) and hf.status == "not applicable"
     assert [(p.name, p.status) for p in peers.plan("hf", "maskpredict-tiny", "maskpredict", cpu)] == [("hf", "not applicable")]
@@ -143,9 +145,10 @@ def test_every_peer_on_the_gpu(tmp_path, capsys):
     status = {(r["model"], r["ctx"]): r["status"] for r in records}
     for name in ("hf-eager:llama-tiny", "hf-compile:llama-tiny", "hf-mamba2:mamba2-tiny"):
         assert status[name, 256] == status[name, 512] == "ok", (name, [r.get("reason") for r in records if r["model"] == name])
-    for name, module in (("mamba_ssm-cg:mamba2-tiny", "mamba_ssm"), ("fla-rwkv7:rwkv7-tiny", "fla")):
+    for name, module in (("mamba_ssm-cg:mamba2-tiny", "mamba_ssm"), ("fla-rwkv7:rwkv7-tiny", "fla"), ("fla-rwkv7-cg:rwkv7-tiny", "fla")):
         rows = [r for r in records if r["model"] == name]
-        want = ["ok", "ok"] if peers.import_reason(module) is None else ["unavailable"]
+        runs = peers.import_reason(module) is None and (module != "mamba_ssm" or peers.mamba_ssm_kernel_reason() is None)
+        want = ["ok", "ok"] if runs else ["unavailable"]
         assert [r["status"] for r in rows] == want, (name, rows)
 
 
