@@ -10,8 +10,8 @@ x `[M, K]` (contiguous last dimension) -> `[M, N]` in x's dtype, float32 accumul
 "triton" or "ref" (already resolved by `declab_kernels.resolve_impl`).
 
 - `int8_linear(x, qweight, scale, *, impl)`, `int4_linear(x, qweight, scales, zeros, group_size, *, impl)`:
-  up to MAX_ROWS rows (decode) the Triton GEMV that dequantises in registers; more rows (prefill,
-  large batches) dequantise the whole weight to x's dtype with one Triton kernel and run `F.linear`
+  up to MAX_ROWS rows (int8) or INT4_GEMV_ROWS (int4) the Triton GEMV that dequantises in registers;
+  more rows (prefill, large batches) dequantise the whole weight to x's dtype with one Triton kernel and run `F.linear`
   (cuBLAS), because there the product is compute-bound and the dense pass (2 bytes an element
   written and read again) costs less than a tensor-core GEMM loses by being written by hand.
   impl="ref" is the float32 reference at any M.
@@ -28,9 +28,12 @@ from declab_kernels.quant_gemv.ref import (
 )
 
 MAX_ROWS = 16
+# The int4 GEMV's row limit: it keeps every x row's per-thread sums, and each row's update costs a
+# select over all of them (M^2 work), past 4 rows more than the dense path's extra pass.
+INT4_GEMV_ROWS = 4
 
 __all__ = ["int8_linear", "int4_linear", "dequantize_int8", "dequantize_int4", "pack_int4", "unpack_int4",
-           "int8_linear_ref", "int4_linear_ref", "MAX_ROWS", "INT4_LAYOUT", "SHIFTS"]
+           "int8_linear_ref", "int4_linear_ref", "MAX_ROWS", "INT4_GEMV_ROWS", "INT4_LAYOUT", "SHIFTS"]
 
 
 def int8_linear(x, qweight, scale, *, impl):
@@ -52,7 +55,7 @@ def int4_linear(x, qweight, scales, zeros, group_size, *, impl):
         return int4_linear_ref(x, qweight, scales, zeros, group_size)
     from declab_kernels.quant_gemv import triton as T
 
-    if x.shape[0] <= MAX_ROWS:
+    if x.shape[0] <= INT4_GEMV_ROWS:
         return T.int4_gemv_triton(x, qweight, scales, zeros, group_size)
     return F.linear(x, T.dequantize_int4_triton(qweight, scales, zeros, group_size, x.dtype))
 

@@ -1,21 +1,26 @@
 """Weight-only quantised GEMV in Triton (int8 per output channel, int4 group-wise), and the
 dequantisation kernels that the many-row path feeds to a dense matmul.
 
-GEMV (M <= MAX_ROWS rows of x): one program per BLOCK_N output rows walks K in tiles, loads the
-packed words of its rows (contiguous in K, so a row's words are one coalesced load), unpacks and
-dequantises them in registers and accumulates every x row's products in float32; the weight tile is
-unpacked once and reused by all M rows. For int4 with a power-of-two group the tile is loaded as
-sub-blocks that each lie inside one group ([BLOCK_N, sub-blocks, words], 3-D from the pointers, no
-reshape), multiplied either as [BLOCK_N, sub-blocks, words, 8] codes in input order against a
-contiguous x tile of that shape, or nibble by nibble against stride-8 slices of x (autotuning picks
-per shape), and the dequantisation is folded into each sub-block's sums: sum_k (q_k - z) s x_k = s (sum_k q_k x_k -
-z sum_k x_k), one scale and zero point a row and sub-block. Other group sizes gather the scale and
-zero of every element. On CUDA the tile sizes are autotuned per (N, K, rows, group); under the
-interpreter one configuration runs.
+int8 GEMV (M <= MAX_ROWS rows of x): one program per BLOCK_N output rows walks K in tiles of its
+rows' codes (contiguous in K, one coalesced load), converts them in registers and accumulates every x
+row's products in float32; the row scale is applied once after the sum.
+
+int4 GEMV (M <= INT4_GEMV_ROWS), on the sliced packing (nibble i of word j is input i S + j, S = K / 8):
+one program per BLOCK_N rows walks the words in tiles `[BLOCK_N, BLOCK_T, V]`, BLOCK_T threads along
+the words (32 a warp, warps too), each thread V consecutive words of each of its rows (one 16-byte
+load at V = 4). Nibble i of every word multiplies x[i S + j], so slice i of x is a contiguous
+`[1, BLOCK_T, V]` load in the words' layout, shared by the thread's rows: no reshape, no interleave,
+nothing moves between threads inside the loop. A nibble is unpacked with a shift and a mask into the
+mantissa of 1.0 (f = 1 + code / 16 exactly, no int-to-float conversion); a thread sums f x over its V
+words, and since those V inputs lie in one group, the dequantisation is one scale and zero a row,
+slice and thread: sum_v (code_v - z) s x_v = s (16 (sum_v f_v x_v - sum_v x_v) - z sum_v x_v). The
+per-thread sums `[M, BLOCK_N, BLOCK_T]` are reduced across threads once, after the loop. V is 4, 2 or
+1: the largest dividing both S and the group. On CUDA the tiles are autotuned per (N, S, rows, group,
+V); under the interpreter one configuration runs.
 
 PDL (constexpr, `declab_kernels.pdl`, launched with launch_pdl): every program calls
-gdc_launch_dependents() first, loads its first weight tile (int4: words, scales and zeros; int8: the
-row scales and the first tile), then gdc_wait() before it reads x or stores anything.
+gdc_launch_dependents() first, loads its first weight tile (int4: the words; int8: the row scales and
+the first tile), then gdc_wait() before it reads x or stores anything.
 """
 
 import os
@@ -25,7 +30,7 @@ import triton
 import triton.language as tl
 
 from declab_kernels import pdl
-from declab_kernels.quant_gemv import MAX_ROWS
+from declab_kernels.quant_gemv import INT4_GEMV_ROWS, MAX_ROWS
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Under the interpreter, which runs programs one after another, wide row blocks: few programs.
@@ -215,18 +220,18 @@ def words_per_thread(S: int, group_size: int) -> int:
     return next(v for v in (4, 2, 1) if S % v == 0 and group_size % v == 0)
 
 
-def _check_x(x, K, name):
-    if x.dim() != 2 or x.stride(-1) != 1 or x.shape[1] != K or not 1 <= x.shape[0] <= MAX_ROWS:
-        raise ValueError(f"{name}: x must be [M, {K}] with 1 <= M <= {MAX_ROWS} and a contiguous last dimension, got {tuple(x.shape)}")
+def _check_x(x, K, name, max_rows):
+    if x.dim() != 2 or x.stride(-1) != 1 or x.shape[1] != K or not 1 <= x.shape[0] <= max_rows:
+        raise ValueError(f"{name}: x must be [M, {K}] with 1 <= M <= {max_rows} and a contiguous last dimension, got {tuple(x.shape)}")
 
 
 def int4_gemv_triton(x, qweight, scales, zeros, group_size, *, out=None, config=None):
-    """x `[M, K]` (M <= MAX_ROWS) -> `[M, N]` in x's dtype; see `declab_kernels.quant_gemv`.
+    """x `[M, K]` (M <= INT4_GEMV_ROWS) -> `[M, N]` in x's dtype; see `declab_kernels.quant_gemv`.
     `config` (BLOCK_N, BLOCK_T, num_warps): that configuration instead of the autotuned one (the
     interpreter's default: INTERPRET_CONFIG)."""
     N, S = qweight.shape
     K = S * 8
-    _check_x(x, K, "int4_gemv")
+    _check_x(x, K, "int4_gemv", INT4_GEMV_ROWS)
     M = x.shape[0]
     if out is None:
         out = torch.empty(M, N, device=x.device, dtype=x.dtype)
@@ -247,7 +252,7 @@ def int4_gemv_triton(x, qweight, scales, zeros, group_size, *, out=None, config=
 def int8_gemv_triton(x, qweight, scale, *, out=None):
     """x `[M, K]` (M <= MAX_ROWS) -> `[M, N]` in x's dtype; see `declab_kernels.quant_gemv`."""
     N, K = qweight.shape
-    _check_x(x, K, "int8_gemv")
+    _check_x(x, K, "int8_gemv", MAX_ROWS)
     M = x.shape[0]
     if out is None:
         out = torch.empty(M, N, device=x.device, dtype=x.dtype)

@@ -52,7 +52,7 @@ def test_dequantize_int4_ref_formula():
 
 
 @pytest.mark.parametrize("N, K, group", [(37, 384, 128), (33, 200, 40), (16, 256, 32), (9, 512, 512), (5, 64, 8), (7, 96, 24)])
-@pytest.mark.parametrize("M", [1, 5, 16])
+@pytest.mark.parametrize("M", [1, 3, 16])
 def test_int4_gemv_triton_matches_ref(N, K, group, M, nan_empty):
     qweight, scales, zeros = int4_case(N, K, group)
     x = torch.randn(M, K, device=DEVICE)
