@@ -119,7 +119,7 @@ def gpu_only(test):
 
 @gpu_only
 @pytest.mark.parametrize("N, K", [(4096, 4096), (14336, 4096), (4096, 14336), (2048, 8192), (3000, 2056)])
-@pytest.mark.parametrize("M", [1, 16, 40])
+@pytest.mark.parametrize("M", [1, 4, 16, 40])
 def test_bf16_gpu(N, K, M):
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
     qweight, scales, zeros = int4_case(N, K, 128 if K % 128 == 0 else 8)
