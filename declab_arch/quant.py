@@ -37,8 +37,9 @@ runs a model's module-called linears through the weight objects, `dequantized` g
 `weight_bytes` the model's parameter bytes with the quantised layers packed.
 
 Checkpoints: `save` writes a family's folder with the quantised layers as "<module>.qweight",
-".scales", ".zeros" (int4) or ".qweight", ".scale" (int8) and a `quantization` entry in config.json;
-`read_checkpoint` reads it back, or a Hugging Face AWQ (version gemm) or GPTQ folder
+".scales", ".zeros" (int4) or ".qweight", ".scale" (int8) and a `quantization` entry in config.json
+(int4: with `int4_layout`, the packing's version); `read_checkpoint` reads it back (an int4 folder
+without `int4_layout`, saved in layout 1, is repacked on load), or a Hugging Face AWQ (version gemm) or GPTQ folder
 (`quantization_config`), unpacking to the lab's layout. A config that does not match its tensors is a
 `QuantError` (a CheckpointError: one line, exit 2 in the command lines).
 """
@@ -448,8 +449,11 @@ def routed(model, mapping: dict, *, impl: str):
 
 def quantization_entry(spec: QuantSpec, mapping: dict) -> dict:
     """The `quantization` entry of a lab config.json."""
-    return {"quant": spec.name, "bits": spec.bits, "method": spec.method, "group_size": spec.group_size,
-            "head": LM_HEAD + ".weight" in mapping}
+    entry = {"quant": spec.name, "bits": spec.bits, "method": spec.method, "group_size": spec.group_size,
+             "head": LM_HEAD + ".weight" in mapping}
+    if spec.bits == 4:
+        entry["int4_layout"] = quant_gemv.INT4_LAYOUT
+    return entry
 
 
 def save(folder, model, mapping: dict, spec: QuantSpec, family_save) -> None:
@@ -493,6 +497,10 @@ def _from_lab(entry: dict, tensors: dict, source: str, dtype) -> tuple[QuantSpec
         raise QuantError(f"{source}: config.json's quantization entry: {e}") from None
     if entry.get("group_size", spec.group_size) != spec.group_size or entry.get("bits", spec.bits) != spec.bits:
         raise QuantError(f"{source}: config.json's quantization entry ({entry}) contradicts its quant {spec.name!r}")
+    # Folders saved before the entry recorded a layout hold layout 1 (consecutive inputs in a word).
+    layout = entry.get("int4_layout", 1)
+    if spec.bits == 4 and layout not in (1, quant_gemv.INT4_LAYOUT):
+        raise QuantError(f"{source}: config.json's int4_layout {layout!r} is unknown (known: 1, {quant_gemv.INT4_LAYOUT})")
     mapping = {}
     for qname in [n for n in tensors if n.endswith(".qweight")]:
         prefix = qname[: -len(".qweight")]
@@ -511,15 +519,18 @@ def _from_lab(entry: dict, tensors: dict, source: str, dtype) -> tuple[QuantSpec
         group = layer_group(spec.group_size, K, f"{source}: {prefix}")
         _check_shape(f"{prefix}.scales", scales, (q.shape[0], K // group), f"group {group}")
         _check_shape(f"{prefix}.zeros", zeros, (q.shape[0], K // group), f"group {group}")
+        if layout != quant_gemv.INT4_LAYOUT:
+            q = quant_gemv.pack_int4(unpack_cols(q))
         mapping[f"{prefix}.weight"] = Int4Weight(q, scales.to(SCALE_DTYPE), zeros.to(torch.uint8), group, dtype)
     return spec, mapping
 
 
 def unpack_cols(packed, order=None):
-    """`[R, C // 8]` int32 packed along the last dimension -> `[R, C]` codes; `order[j]` is the column
-    (within each eight) that nibble j holds (None: nibble j holds column j)."""
+    """`[R, C // 8]` int32 packed along the last dimension, eight consecutive columns a word (as the
+    hub's tools and the lab's layout 1 pack) -> `[R, C]` codes; `order[j]` is the column (within each
+    eight) that nibble j holds (None: nibble j holds column j)."""
     R, W = packed.shape
-    nibbles = quant_gemv.unpack_int4(packed).view(R, W, 8)
+    nibbles = (packed.unsqueeze(-1) >> quant_gemv.SHIFTS.to(packed.device)) & 0xF  # [R, W, 8]
     if order is not None:
         cols = torch.empty_like(nibbles)
         cols[:, :, list(order)] = nibbles
@@ -574,7 +585,7 @@ def _from_hf(qc: dict, tensors: dict, source: str, dtype) -> tuple[QuantSpec, di
                     raise QuantError(f"{source}: {prefix}.g_idx has shape {list(g_idx.shape)}, expected [{K}]")
                 if not torch.equal(g_idx.long().cpu(), torch.arange(K) // group):
                     raise QuantError(f"{source}: {prefix}: act-order (desc_act) groups that permute the inputs are not supported")
-            codes = quant_gemv.unpack_int4(q.T.contiguous())  # q.T [N, K // 8]: nibble j of word i is input 8i + j
+            codes = unpack_cols(q.T.contiguous())  # q.T [N, K // 8]: nibble j of word i is input 8i + j
             # why: the stored zero - 1 wraps 0 to nibble 15; & 15 after adding the 1 back recovers it
             zeros = ((unpack_cols(qzeros) + zero_offset) & 0xF).T
         mapping[f"{prefix}.weight"] = Int4Weight(quant_gemv.pack_int4(codes.contiguous()), scales.T.contiguous().to(SCALE_DTYPE),

@@ -91,6 +91,10 @@ SPECS = [
     _spec("gemv dot n16 k256 s1 (M=4)", "gemv", "_gemv_kernel",
           dict({k: v for k, v in _GEMV_1.items() if k != "M"}, M_POW2=4, DOT=True, BLOCK_N=16, BLOCK_K=256, SPLIT_K=1, LOOP_STAGES=None),
           dict(num_warps=4, num_stages=4), _GEMV_PTRS, unaligned=("M",)),
+    *(_spec(f"int4 gemv n{bn} w{w} (4096 x 4096, g128, M={m})", "quant_gemv", "_int4_gemv_kernel",
+            dict(GROUP=128, M_POW2=m, V=4, BLOCK_N=bn, BLOCK_T=32 * w), dict(num_warps=w, num_stages=3),
+            {"q_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8"}, unaligned=("M",))
+      for bn, w, m in ((4, 4, 1), (2, 8, 1), (4, 4, 4))),
     _spec("rmsnorm (d 2048, residual)", "rmsnorm", "_add_rms_norm_kernel",
           dict(HAS_RES=True, BLOCK=2048), dict(num_warps=8), floats=("eps",)),
     _spec("rotary + K/V write (32/8 heads of 64, page 16)", "rotary", "_rotary_kernel",

@@ -11,7 +11,7 @@ bf16 x of M rows (1 and 16) times weight `[N, K]` for (N, K) in SHAPES. Per case
    copies together (>= 256 MB, at least two) overflow L2 and every call reads its weight from HBM;
    bytes = packed weight + scales + zeros (int4) or weight + scales (int8) or the bf16 weight, plus
    x and y; GB/s and the fraction of the copy bandwidth measured at the start of the run; the
-   configuration autotuning picked (tile sizes, and for int4 how x is fed: X_TILE).
+   configuration autotuning picked (tile sizes) and, for int4, the packing's version (`int4_layout`).
 One JSON line per case (with `decoders.records.environment`) appended to `--out` as soon as
 it is measured. After `--budget` seconds the remaining cases are skipped (and listed). A table at the
 end, then one JSON line summarising the run. About 1-2 minutes on an H200.
@@ -80,7 +80,11 @@ def measure(fmt, M, N, K, copy_bw):
     err = rel(y, ref(x))
     record = {"format": fmt, "M": M, "N": N, "K": K, "weight_bytes": wbytes, "rel_err": err, "ok": err < TOL, "first_call_s": round(first_s, 3)}
     if fmt != "bf16":
+        from declab_kernels.quant_gemv import INT4_LAYOUT
         from declab_kernels.quant_gemv import triton as T
+
+        if fmt.startswith("int4"):
+            record["int4_layout"] = INT4_LAYOUT
 
         # The configuration autotuning picked for this shape (the last one tuned).
         tuned = T._int4_tuned if fmt.startswith("int4") else T._int8_tuned

@@ -2,24 +2,28 @@
 packing helpers that define the lab's int4 layout.
 
 int8: qweight `[N, K]` int8, scale `[N]`; W[n, k] = qweight[n, k] * scale[n] (symmetric).
-int4: qweight `[N, K // 8]` int32, scales and zeros `[N, K // g]` (float, uint8); the 4-bit code of
-W[n, k] is nibble k % 8 (bits 4 (k % 8) .. 4 (k % 8) + 3) of word qweight[n, k // 8], and
-W[n, k] = (code - zeros[n, k // g]) * scales[n, k // g] (asymmetric, codes and zeros in 0..15).
+int4: qweight `[N, S]` int32 with S = K // 8, scales and zeros `[N, K // g]` (float, uint8). The row is
+packed in eight slices of S inputs: nibble i (bits 4 i .. 4 i + 3) of word qweight[n, j] is the code of
+input k = i S + j, so the words of a row hold slice 0 in their low nibbles, slice 7 in their high ones
+(layout version `INT4_LAYOUT`). W[n, k] = (code - zeros[n, k // g]) * scales[n, k // g] (asymmetric,
+codes and zeros in 0..15).
 """
 
 import torch
 
-SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)  # [8] bit offset of nibble j
+# The version of the int4 packing above; 1 was nibble k % 8 of word k // 8 (consecutive inputs in a word).
+INT4_LAYOUT = 2
+SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)  # [8] bit offset of nibble i
 
 
 def pack_int4(codes):
-    """codes `[N, K]` integers in 0..15 (K a multiple of 8) -> `[N, K // 8]` int32, nibble j of word i
-    holding code 8 i + j."""
+    """codes `[N, K]` integers in 0..15 (K a multiple of 8) -> `[N, K // 8]` int32, nibble i of word j
+    holding code i K / 8 + j."""
     N, K = codes.shape
     if K % 8:
         raise ValueError(f"pack_int4: K = {K} is not a multiple of 8")
-    c = codes.to(torch.int64).view(N, K // 8, 8)
-    words = (c << SHIFTS.to(torch.int64).to(codes.device)).sum(-1)
+    c = codes.to(torch.int64).view(N, 8, K // 8)  # [N, slice i, word j]
+    words = (c << SHIFTS.to(torch.int64).to(codes.device)[None, :, None]).sum(1)
     # why: nibble 7 reaches bit 31; wrap the 32-bit pattern into int32's range explicitly
     words = words - ((words >> 31) & 1) * (1 << 32)
     return words.to(torch.int32)
@@ -27,9 +31,9 @@ def pack_int4(codes):
 
 def unpack_int4(qweight):
     """`[N, K // 8]` int32 -> codes `[N, K]` int32 in 0..15 (the inverse of `pack_int4`)."""
-    N, W = qweight.shape
-    codes = (qweight.unsqueeze(-1) >> SHIFTS.to(qweight.device)) & 0xF  # [N, K // 8, 8]
-    return codes.reshape(N, W * 8)
+    N, S = qweight.shape
+    codes = (qweight.unsqueeze(1) >> SHIFTS.to(qweight.device)[None, :, None]) & 0xF  # [N, 8, S]
+    return codes.reshape(N, 8 * S)
 
 
 def dequantize_int8_ref(qweight, scale):

@@ -173,7 +173,8 @@ def test_lab_checkpoint_round_trip(tmp_path):
     spec = Q.parse_quant("int4-g16")
     Q.save(tmp_path, model, mapping, spec, llama.save)
     config = json.loads((tmp_path / "config.json").read_text())
-    assert config["quantization"] == {"quant": "int4-g16", "bits": 4, "method": "gptq", "group_size": 16, "head": False}
+    assert config["quantization"] == {"quant": "int4-g16", "bits": 4, "method": "gptq", "group_size": 16, "head": False,
+                                      "int4_layout": 2}
     read_spec, read, tensors = Q.read_checkpoint(tmp_path)
     assert read_spec == spec
     assert set(read) == {n for n in mapping if n.endswith(".weight")}
@@ -183,6 +184,29 @@ def test_lab_checkpoint_round_trip(tmp_path):
     rebuilt = llama.build(llama.read_config(tmp_path), tensors, str(tmp_path))
     with torch.no_grad(), Q.routed(model, mapping, impl="ref"):
         assert rel(rebuilt(calib(1, 8)), model(calib(1, 8))) < 1e-5
+
+
+def test_lab_checkpoint_of_layout_1_is_repacked_and_an_unknown_layout_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model = model_of("llama-tiny")
+    mapping = Q.quantize_model(model, "int4-rtn-g16")
+    Q.save(tmp_path, model, mapping, Q.parse_quant("int4-rtn-g16"), llama.save)
+    path, config_path = tmp_path / "model.safetensors", tmp_path / "config.json"
+    tensors = load_file(path)
+    # Layout 1, as folders were saved before int4_layout: nibble j of word i holds input 8 i + j.
+    for name in [n for n in tensors if n.endswith(".qweight")]:
+        tensors[name] = pack_cols(Q.quant_gemv.unpack_int4(tensors[name]))
+    save_file(tensors, str(path))
+    config = json.loads(config_path.read_text())
+    del config["quantization"]["int4_layout"]
+    config_path.write_text(json.dumps(config))
+    _, read, _ = Q.read_checkpoint(tmp_path)
+    assert all(torch.equal(read[n].qweight, mapping[n].qweight) for n in read)
+    config["quantization"]["int4_layout"] = 3
+    config_path.write_text(json.dumps(config))
+    with pytest.raises(Q.QuantError, match="int4_layout 3 is unknown"):
+        Q.read_checkpoint(tmp_path)
 
 
 def test_lab_checkpoint_round_trip_native_family(tmp_path):

@@ -195,6 +195,13 @@ def test_serving_commands_refuse_bad_quant_in_one_line(tmp_path, capsys, module,
     assert code == 2 and message in err[-1] and "Traceback" not in "\n".join(err)
 
 
+def pack_consecutive(codes):
+    """[R, C] codes -> [R, C // 8] int32, nibble j of word i holding column 8 i + j (as AutoGPTQ packs)."""
+    c = codes.to(torch.int64).view(codes.shape[0], -1, 8) << torch.arange(0, 32, 4)
+    words = c.sum(-1)
+    return (words - ((words >> 31) & 1) * (1 << 32)).to(torch.int32)
+
+
 def test_ref_a_gptq_hub_folder_decodes_as_quantised(tmp_path):
     from safetensors.torch import load_file, save_file
 
@@ -210,8 +217,8 @@ def test_ref_a_gptq_hub_folder_decodes_as_quantised(tmp_path):
         if name in tensors:
             prefix = name.removesuffix(".weight")
             del tensors[name]
-            tensors[f"{prefix}.qweight"] = w.qweight.T.contiguous()
-            tensors[f"{prefix}.qzeros"] = quant_gemv.pack_int4(((w.zeros.int() - 1) & 15).T.contiguous())
+            tensors[f"{prefix}.qweight"] = pack_consecutive(quant_gemv.unpack_int4(w.qweight)).T.contiguous()
+            tensors[f"{prefix}.qzeros"] = pack_consecutive(((w.zeros.int() - 1) & 15).T.contiguous())
             tensors[f"{prefix}.scales"] = w.scales.T.contiguous()
     save_file(tensors, str(tmp_path / "model.safetensors"))
     config = json.loads((tmp_path / "config.json").read_text())
