@@ -127,13 +127,8 @@ def layer_group(group_size: int, K: int, name: str) -> int:
     return group
 
 
-class Int8Weight:
-    """int8 per output channel: qweight `[N, K]` int8, scale `[N]` float32; W = qweight * scale[:, None]."""
-
-    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
-        self.qweight, self.scale, self.dtype = qweight, scale, dtype
-        self.shape = tuple(qweight.shape)
-        self.format = "int8"
+class PackedWeight:
+    """What the quantised weights share: their device and the bytes of their tensors (`tensors()`)."""
 
     @property
     def device(self):
@@ -142,6 +137,15 @@ class Int8Weight:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+
+class Int8Weight(PackedWeight):
+    """int8 per output channel: qweight `[N, K]` int8, scale `[N]` float32; W = qweight * scale[:, None]."""
+
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
+        self.qweight, self.scale, self.dtype = qweight, scale, dtype
+        self.shape = tuple(qweight.shape)
+        self.format = "int8"
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {"qweight": self.qweight, "scale": self.scale}
@@ -163,7 +167,7 @@ class Int8Weight:
         return Int8Weight(torch.cat([p.qweight for p in parts]), torch.cat([p.scale for p in parts]), parts[0].dtype)
 
 
-class Int4Weight:
+class Int4Weight(PackedWeight):
     """int4 group-wise: qweight `[N, K // 8]` int32, scales `[N, K // g]` float16, zeros `[N, K // g]`
     uint8; W = (code - zero) * scale per group of g inputs (layout: `declab_kernels.quant_gemv`)."""
 
@@ -172,14 +176,6 @@ class Int4Weight:
         self.group_size, self.dtype = group_size, dtype
         self.shape = (qweight.shape[0], qweight.shape[1] * 8)
         self.format = f"int4-g{group_size}"
-
-    @property
-    def device(self):
-        return self.qweight.device
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors().values())
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {"qweight": self.qweight, "scales": self.scales, "zeros": self.zeros}
