@@ -6,6 +6,10 @@
 #   declab_bench/gpu_suite.sh OUT_DIR tests fused profile gemv kernels wkv7 compare-triton compare-8b compare-batch peers ablation compare-ref
 #   declab_bench/gpu_suite.sh OUT_DIR gpu-tests version-ab quant-gemv kv-fp8   (GPU_TESTS: the test files; AB_BEFORE: the baseline tree)
 #
+# Triton's compiled kernels can outlive a machine: the stage save-cache packs the cache into
+# OUT_DIR/triton-cache-part-* (15 MB pieces), and TRITON_CACHE_SEED=FOLDER holding such pieces
+# unpacks them before the first stage, so a later call on a fresh machine skips those compilations.
+#
 # Peers (flash-linear-attention, mamba-ssm) are used when importable; put wheels in WHEEL_DIR
 # (default .whl) to have them installed into a scratch folder first. On a copy of the tree without
 # its .git, set DECLAB_GIT_SHA (and DECLAB_GIT_DIRTY=1 if needed) so every record names its commit.
@@ -22,6 +26,11 @@ if compgen -G "$wheels/*.whl" >/dev/null; then
     && export PYTHONPATH="/tmp/declab-peers:${PYTHONPATH:-}"
 fi
 export PYTHONPATH="$PWD:${PYTHONPATH:-}"
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/declab-triton-cache}
+mkdir -p "$TRITON_CACHE_DIR"
+if [ -n "${TRITON_CACHE_SEED:-}" ] && compgen -G "$TRITON_CACHE_SEED/triton-cache-part-*" >/dev/null; then
+  cat "$TRITON_CACHE_SEED"/triton-cache-part-* | tar -xz -C "$TRITON_CACHE_DIR" && echo "triton cache: unpacked from $TRITON_CACHE_SEED"
+fi
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 
 log="$out/suite.log"
@@ -84,6 +93,7 @@ for s in "$@"; do
     quant-gemv) stage quant_gemv 170 python3 -m declab_bench.quant_gemv --out "$out/quant_gemv.jsonl" ;;
     kv-fp8) stage kv_fp8 "${FP8_LIMIT:-200}" python3 -m decoders.compare --no-progress --impl triton --models "${FP8_MODEL:-llama-1b}" \
         --ctx "${FP8_CTX:-128k}" --batch 1 --kv-dtype bf16,fp8 --out "$out/compare_kv_fp8.jsonl" ;;
+    save-cache) tar -cz -C "$TRITON_CACHE_DIR" . | split -b 15m - "$out/triton-cache-part-" && ls -la "$out"/triton-cache-part-* ;;
     *) echo "unknown stage $s" ;;
   esac
 done
