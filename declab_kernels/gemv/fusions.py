@@ -43,36 +43,31 @@ def _need_2d(x, name):
         raise ValueError(f"{name}: needs x [M, K], got {tuple(x.shape)}")
 
 
-class Pre:
-    """Base of the input-side fusions."""
+class Fusion:
+    """What every fusion record has: its kind, its input check, whether the fused kernel takes it, and
+    its part of the choice table's key."""
 
     kind = ""
+
+    def check(self, x, n, k):
+        _need_2d(x, self.kind)
+
+    def fusable(self, x) -> bool:
+        return True
+
+    def key(self) -> tuple:
+        return (self.kind,)
+
+
+class Pre(Fusion):
+    """Base of the input-side fusions."""
+
     before = True
     in_place = False
 
-    def check(self, x, n, k):
-        _need_2d(x, self.kind)
 
-    def fusable(self, x) -> bool:
-        return True
-
-    def key(self) -> tuple:
-        return (self.kind,)
-
-
-class Post:
+class Post(Fusion):
     """Base of the output-side fusions."""
-
-    kind = ""
-
-    def check(self, x, n, k):
-        _need_2d(x, self.kind)
-
-    def fusable(self, x) -> bool:
-        return True
-
-    def key(self) -> tuple:
-        return (self.kind,)
 
 
 class RMSNorm(Pre):
