@@ -6,9 +6,9 @@
 #   declab_bench/gpu_suite.sh OUT_DIR tests fused profile gemv kernels wkv7 compare-triton compare-8b compare-batch peers ablation compare-ref
 #   declab_bench/gpu_suite.sh OUT_DIR gpu-tests version-ab quant-gemv kv-fp8   (GPU_TESTS: the test files; AB_BEFORE: the baseline tree)
 #
-# Triton's compiled kernels can outlive a machine: the stage save-cache packs the cache into
-# OUT_DIR/triton-cache-part-* (15 MB pieces), and TRITON_CACHE_SEED=FOLDER holding such pieces
-# unpacks them before the first stage, so a later call on a fresh machine skips those compilations.
+# Triton's compiled kernels and the GEMV picks can outlive a machine: the stage save-cache packs the
+# cache into OUT_DIR/triton-cache-part-* (15 MB pieces), the picks are in OUT_DIR/gemv_choices.jsonl,
+# and TRITON_CACHE_SEED=FOLDER holding such files seeds a later call on a fresh machine (seed.sh).
 #
 # Peers (flash-linear-attention, mamba-ssm) are used when importable; put wheels in WHEEL_DIR
 # (default .whl) to have them installed into a scratch folder first. On a copy of the tree without
@@ -26,11 +26,7 @@ if compgen -G "$wheels/*.whl" >/dev/null; then
     && export PYTHONPATH="/tmp/declab-peers:${PYTHONPATH:-}"
 fi
 export PYTHONPATH="$PWD:${PYTHONPATH:-}"
-export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/declab-triton-cache}
-mkdir -p "$TRITON_CACHE_DIR"
-if [ -n "${TRITON_CACHE_SEED:-}" ] && compgen -G "$TRITON_CACHE_SEED/triton-cache-part-*" >/dev/null; then
-  cat "$TRITON_CACHE_SEED"/triton-cache-part-* | tar -xz -C "$TRITON_CACHE_DIR" && echo "triton cache: unpacked from $TRITON_CACHE_SEED"
-fi
+source "$(dirname "$0")/seed.sh"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 
 log="$out/suite.log"

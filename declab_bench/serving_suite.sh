@@ -7,7 +7,8 @@
 #   declab_bench/serving_suite.sh OUT_DIR SECONDS STAGE...   (stages: deps tests engine64 compare64 sb8b bursty b256 http spec)
 #
 # Wheels for the server and the HTTP client are installed from WHEEL_DIR (default .whl-serve) when
-# the machine lacks them; CORPUS (default .corpus, a folder of train / valid / test shards) is the spec stage's training text.
+# the machine lacks them; TRITON_CACHE_SEED seeds Triton's cache and the GEMV picks as in gpu_suite.sh
+# (seed.sh; the save-cache stage is gpu_suite.sh's); CORPUS (default .corpus, a folder of train / valid / test shards) is the spec stage's training text.
 set -uo pipefail
 out=${1:?usage: declab_bench/serving_suite.sh OUT_DIR SECONDS STAGE...}
 deadline=$((SECONDS + ${2:?seconds for the whole call}))
@@ -18,6 +19,7 @@ mkdir -p "$work"
 export PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1
 export PYTHONPATH="$PWD:${PYTHONPATH:-}"
 log="$out/suite.log"
+source "$(dirname "$0")/seed.sh"
 
 stage() {  # stage NAME SECONDS COMMAND...: run under min(SECONDS, time left), log, never stop the suite
   local name=$1 limit=$2 left=$((deadline - SECONDS))

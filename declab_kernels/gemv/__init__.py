@@ -18,7 +18,8 @@ with the work around a projection fused into it as data.
 - `choices() -> [record]`: what `linear` picked so far, one record per key: M, N, K, dtype, bias, pre,
   post (the specs' keys as text, "" for none), weight (the weight-format axis: "dense" today), impl
   ("torch": the unfused form, or "triton"), torch_us, triton_us, triton_config and every candidate's
-  times_us. The profiler and the benchmarks read it.
+  times_us (and from_file, the file it came from, for a pick read from DECLAB_GEMV_CHOICES). The
+  profiler and the benchmarks read it.
 - `gemv(x, weight, bias=None, *, impl, out=None) -> [M, N] | [G, M, N]`: the plain GEMV kernel (or its
   float32 reference), also grouped: x `[G, M, K]`, weight `[G, N, K]`, bias `[G, N]`.
 
@@ -31,7 +32,15 @@ the place for a format's own fused kernels.
 
 Inside a CUDA graph: call `linear` once per key before capture, so that compilation, the measurement
 and the split-K workspace all happen outside it.
+
+`DECLAB_GEMV_CHOICES=FILE` keeps the table beyond the process: a key recorded in FILE (JSON lines) for
+the same GPU model and Triton version is taken from it instead of measured, and every key measured is
+appended to it. Two processes (two trees of an A/B, a test run on a fresh machine) then run the same
+picks, and neither times nor compiles the candidates it does not run.
 """
+
+import json
+import os
 
 import torch
 import torch.nn.functional as F
@@ -72,6 +81,49 @@ def choices() -> list:
             for key, rec in _TABLE.items()]
 
 
+def _file_key(key, device) -> str:
+    """A choice-table key as FILE records it: the key without the device index, with the GPU model and
+    the Triton version the times were measured on."""
+    import triton
+
+    return json.dumps([*key[:5], _text(key[5]), _text(key[6]), key[7], torch.cuda.get_device_name(device), triton.__version__])
+
+
+_FILE: dict = {}
+
+
+def _stored(key, device) -> dict | None:
+    """The record of `key` in DECLAB_GEMV_CHOICES (read once), its configuration resolved by name;
+    None when there is no file, no record, or a configuration this tree no longer has."""
+    path = os.environ.get("DECLAB_GEMV_CHOICES")
+    if not path:
+        return None
+    if path not in _FILE:
+        lines = open(path).read().splitlines() if os.path.exists(path) else []
+        _FILE[path] = {rec["key"]: rec for rec in map(json.loads, filter(None, lines))}
+    rec = _FILE[path].get(_file_key(key, device))
+    if rec is None:
+        return None
+    from declab_kernels.gemv.triton import CONFIGS, config_name
+
+    configs = {config_name(c): c for c in CONFIGS}
+    if rec["impl"] == "triton" and rec["triton_config"] not in configs:
+        return None
+    config = configs.get(rec["triton_config"]) if rec["impl"] == "triton" else None
+    return {**{k: v for k, v in rec.items() if k != "key"}, "config": config, "from_file": path}
+
+
+def _store(key, device, rec) -> None:
+    """Appends `rec` (a measured choice) to DECLAB_GEMV_CHOICES, when set."""
+    path = os.environ.get("DECLAB_GEMV_CHOICES")
+    if not path:
+        return
+    line = {"key": _file_key(key, device), **{k: v for k, v in rec.items() if k != "config"}}
+    with open(path, "a") as f:
+        f.write(json.dumps(line) + "\n")
+    _FILE.setdefault(path, {})[line["key"]] = line
+
+
 def _graph_us(call, weights) -> float:
     """µs per call of `call(w)`, one call per weight copy, replayed from a CUDA graph: as in a decode
     step, calls run back to back and every weight comes from HBM (the copies overflow L2)."""
@@ -100,6 +152,7 @@ def _choose(x, weight, bias, key, baseline, fused) -> dict:
     rec = {"impl": "torch" if best == "torch" else "triton", "config": configs.get(best), "torch_us": times["torch"],
            "triton_us": times[fastest] if fastest else None, "triton_config": fastest, "times_us": times}
     _TABLE[key] = rec
+    _store(key, x.device, rec)
     return rec
 
 
@@ -178,6 +231,8 @@ def _measured(x, weight, bias, pre, post, impl, early_tiles):
 
     fused = {**(pre.kernel_args() if pre else {}), **(post.kernel_args() if post else {})}
     rec = _TABLE.get(key)
+    if rec is None and (rec := _stored(key, x.device)) is not None:
+        _TABLE[key] = rec
     if rec is None:
         if torch.cuda.is_current_stream_capturing():
             return pair(x, weight)

@@ -315,6 +315,55 @@ def test_gated_rms_norm_pre_matches_the_pair(impl, group_size):
     assert rel(got, want) < 1e-5
 
 
+def test_choices_file_pins_the_picks_across_processes(monkeypatch, tmp_path):
+    """With DECLAB_GEMV_CHOICES, a key measured once is written to the file, and a later process (its
+    tables empty, measuring made to fail) takes the same pick from it; a configuration the tree no
+    longer has, or another GPU model, is measured again."""
+    from declab_kernels.gemv.triton import CONFIGS, config_name
+
+    path = tmp_path / "choices.jsonl"
+    monkeypatch.setenv("DECLAB_GEMV_CHOICES", str(path))
+    monkeypatch.setattr(G_, "_dense_fusable", lambda *a, **k: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
+    monkeypatch.setattr(G_, "_TABLE", {})
+    monkeypatch.setattr(G_, "_FILE", {})
+    cfg = CONFIGS[2]
+
+    def choose(x2, weight, bias, key, baseline, fused):
+        rec = {"impl": "triton", "config": cfg, "torch_us": 2.0, "triton_us": 1.0, "triton_config": config_name(cfg), "times_us": {}}
+        G_._TABLE[key] = rec
+        G_._store(key, x2.device, rec)
+        return rec
+
+    monkeypatch.setattr(G_, "_choose", choose)
+    x, w = torch.randn(1, 64, device=DEVICE), torch.randn(32, 64, device=DEVICE)
+    linear(x, w, impl="triton")
+    assert len(path.read_text().splitlines()) == 1
+
+    def fail(*a, **k):
+        raise AssertionError("measured although the file holds the key")
+
+    G_._TABLE.clear()
+    G_._FILE.clear()
+    monkeypatch.setattr(G_, "_choose", fail)
+    assert rel(linear(x, w, impl="triton"), gemv_ref(x, w)) < 1e-5
+    (rec,) = G_.choices()
+    assert rec["triton_config"] == config_name(cfg) and rec["from_file"] == str(path)
+    # Another GPU model, or a file naming a configuration that is gone: measured again.
+    G_._TABLE.clear()
+    G_._FILE.clear()
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Other GPU")
+    with pytest.raises(AssertionError, match="measured"):
+        linear(x, w, impl="triton")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
+    path.write_text(path.read_text().replace(config_name(cfg), "fma n999 k1 s1 w1 st1"))
+    G_._TABLE.clear()
+    G_._FILE.clear()
+    with pytest.raises(AssertionError, match="measured"):
+        linear(x, w, impl="triton")
+
+
 @gpu_only
 @pytest.mark.parametrize("M", [1, 3])
 def test_gpu_gemv_norm_prologue_bf16(M):
