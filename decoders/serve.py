@@ -175,6 +175,10 @@ class EngineLoop:
 
     def __init__(self, engine: Engine, device: torch.device, metrics: Metrics):
         self.engine = engine
+        # The engine thread selects the device by index ("cuda" alone names the current one, which a
+        # new thread would take as device 0).
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.metrics = metrics
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()

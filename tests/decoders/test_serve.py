@@ -399,3 +399,24 @@ def test_on_the_gpu_the_server_serves_generates_tokens(model):
         assert answers == expected
         settle(url, "declab_requests_running")
         assert metric(url, "declab_requests_running") == 0
+
+
+def test_the_engine_thread_selects_the_device_by_index(monkeypatch):
+    """A decoder on "cuda" (no index) is served: the engine thread selects the main thread's current
+    device by its index (torch.cuda.set_device refuses a device without one)."""
+    selected = []
+    monkeypatch.setattr(serve.torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(serve.torch.cuda, "set_device", lambda device: selected.append(serve.torch.device(device).index))
+
+    class Idle:
+        def stats(self):
+            return {}
+
+        def has_unfinished(self):
+            return False
+
+    loop = serve.EngineLoop(Idle(), serve.torch.device("cuda"), serve.Metrics())
+    assert loop.device == serve.torch.device("cuda", 3)
+    loop.inbox.put(("stop", None))
+    loop.run()
+    assert selected == [3]
