@@ -7,6 +7,7 @@ import gzip
 import json
 
 import pytest
+import torch
 
 from eval import ablation
 from eval.corpus import documents
@@ -121,3 +122,16 @@ def test_one_file_corpus_is_refused_for_calibration(tmp_path, corpus, capsys):
     with pytest.raises(SystemExit) as e:
         ablation.main(argv(text, tmp_path / "out"))
     assert e.value.code == 2 and "is one file, so its calibration and evaluation text would be the same" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_bf16_variants_are_gated_and_timed_graphed(tmp_path, corpus):
+    out = tmp_path / "gpu"
+    ablation.main(argv(corpus, out, "--eval-args", "dtype=bfloat16,max_length=256,batch_size=2", "--speed-ctx", "64", "--speed-tokens", "16"))
+    speeds = records(out, "speed")
+    assert len(speeds) == 16
+    for s in speeds:
+        assert s["status"] == "ok" and s["correctness"]["ok"], (s["preset"], s["quant"], s.get("reason"))
+        assert s["impl"] == "triton" and s["dtype"] == "bfloat16" and s["cuda_graphs"]
+    assert all(r["speed_ratio"] > 0 for r in records(out, "row"))
