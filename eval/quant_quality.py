@@ -114,13 +114,12 @@ def check(a, presets: list[str], model_args: dict, eval_split: str) -> list[str]
                 check_quant(name, model=preset)
     if calibrates(quants):
         check_disjoint(str(a.corpus), a.calib_split, eval_split)
-    made = {r["out"]: r for r in records(a.out, "quantized")}
+    made = {r["out"]: r["calibration"] for r in records(a.out, "quantized")}
     for name in quants:
         for preset in presets:
-            where = folder(a.out, preset, name)
-            if name != NONE and where.exists() and str(where) in made and made[str(where)]["calibration"] != calibration(a, name, eval_split):
-                raise decoders.UsageError(f"{where} was calibrated with {made[str(where)]['calibration']}, not "
-                                          f"{calibration(a, name, eval_split)}: remove it or give the same settings")
+            where, asked = folder(a.out, preset, name), calibration(a, name, eval_split)
+            if name != NONE and where.exists() and made.get(str(where), asked) != asked:
+                raise decoders.UsageError(f"{where} was calibrated with {made[str(where)]}, not {asked}: remove it or give the same settings")
     return quants
 
 

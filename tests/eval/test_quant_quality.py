@@ -94,6 +94,10 @@ def test_rerun_reuses_finished_folders_and_evaluations(study, corpus, capsys):
     # Speeds are measured again (one process times every variant); the table is written again.
     assert len(records(study, "speed")) == 2 * counts["speed"] and len(records(study, "row")) == 2 * counts["row"]
     assert capsys.readouterr().out.count("evaluation reused") == counts["eval"]
+    # A finished GPTQ folder is not reused for other calibration settings: refused before training.
+    with pytest.raises(SystemExit) as e:
+        ablation.main(argv(corpus, study, "--calib-sequences", "8"))
+    assert e.value.code == 2 and "llama-tiny-int4-g16 was calibrated with" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("extra, message", [
