@@ -155,8 +155,12 @@ def make_folders(a, checkpoints: dict, quants: list[str], eval_split: str, devic
     return made
 
 
+# What a finished evaluation must match to be reused.
+EVAL_KEY = ("checkpoint", "tasks", "limit", "model_args", "task_docs", "seed")
+
+
 def eval_key(checkpoint, tasks, limit, model_args, task_docs, seed) -> dict:
-    """What a finished evaluation must match to be reused."""
+    """The EVAL_KEY fields of an evaluation."""
     return {"checkpoint": str(checkpoint), "tasks": list(tasks), "limit": limit, "model_args": dict(model_args), "task_docs": task_docs,
             "seed": seed}
 
@@ -167,8 +171,7 @@ def evaluate(a, variants: dict, bf16_runs: list[dict], tasks, model_args: dict, 
     back from a finished "eval" record."""
     env = environment(device)
     base = {Path(r["checkpoint"]): r["results"] for r in bf16_runs if r["iterations"] is None}
-    done = {json.dumps(eval_key(**{k: r[k] for k in ("checkpoint", "tasks", "limit", "model_args", "task_docs", "seed")}), sort_keys=True): r
-            for r in records(a.out, "eval")}
+    done = {json.dumps({k: r[k] for k in EVAL_KEY}, sort_keys=True): r for r in records(a.out, "eval")}
     results = {}
     for (preset, name), checkpoint in variants.items():
         if name == NONE and Path(checkpoint) in base:
