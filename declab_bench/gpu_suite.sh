@@ -94,7 +94,7 @@ for s in "$@"; do
       eval_setup "$out/quant_quality"
       PYTHONPATH="/tmp/declab-eval:$PYTHONPATH" HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 HF_HOME=/tmp/declab-hf \
         stage quant_quality "${QQ_LIMIT:-450}" python3 -m eval.ablation --corpus "${ABL_CORPUS:-.corpus}" --out "$out/quant_quality" \
-        --quant none,int8,int4-rtn,int4 ${QQ_ARGS:---time-budget 90 --task-docs 40 --mp-iterations= --genppl-prompts 0 --calib-sequences 64} ;;
+        --quant none,int8,int4-rtn,int4 ${QQ_ARGS:---time-budget 90 --task-docs 40 --mp-iterations= --genppl-prompts 0 --calib-sequences 64 --eval-args dtype=bfloat16,max_length=512,batch_size=32} ;;
     compare-ref) stage compare_ref 300 python3 -m decoders.compare --no-progress --impl ref \
         --models llama-1b,mamba2-1.3b,rwkv7-1.5b --ctx 4k..128k --batch 1 --new-tokens 16 --out "$out/compare_ref.jsonl" ;;
     gpu-tests) stage gpu_tests "${TEST_LIMIT:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short -rf ${GPU_TESTS:?GPU_TESTS: the test files} ;;
