@@ -195,7 +195,7 @@ def speeds(a, variants: dict, model_args: dict, device) -> dict:
     """{(preset, quant): harness record} of decoding at batch 1, every variant loaded as the
     evaluation loads it (its dtype, device and impl) and gated against the reference first."""
     from decoders import harness
-    from decoders.compare import measure_lab_point
+    from decoders.compare import first_line, measure_lab_point
 
     threads = harness.pin_cpu_threads() if device.type == "cpu" else None
     env = {**environment(device), **({"cpu_threads": threads} if threads else {})}
@@ -205,7 +205,11 @@ def speeds(a, variants: dict, model_args: dict, device) -> dict:
     for (preset, name), checkpoint in variants.items():
         dec = decoders.load(str(checkpoint), device=model_args.get("device", device), dtype=model_args.get("dtype"),
                             impl=model_args.get("impl", "auto"), seed=a.seed)
-        gate = harness.check_against_reference(dec, new_tokens=a.speed_tokens, seed=a.seed)
+        try:
+            gate = harness.check_against_reference(dec, new_tokens=a.speed_tokens, seed=a.seed)
+        except RuntimeError as e:
+            # Recorded as compare records it: a variant whose gate cannot run is not timed, the others are.
+            gate = {"ok": False, "rel_rms": None, "tolerance": None, "error": first_line(e)}
         record = measure_lab_point(settings, dec, gate, str(checkpoint), None, 1, a.speed_ctx, ceiling, env)
         record["weight_bytes"] = dec.memory(1, a.speed_ctx, new_tokens=a.speed_tokens).weight_bytes
         # The decoder's own quant record (method, bits, group) is kept as weights; quant is the variant's name.
