@@ -3,7 +3,7 @@
 # bounded in time, results under OUT_DIR (JSON lines, one file per benchmark) and every stage's
 # output in OUT_DIR/suite.log (few files: the machine's transfer back counts them).
 #
-#   declab_bench/gpu_suite.sh OUT_DIR tests fused profile gemv kernels wkv7 compare-triton compare-8b compare-batch peers ablation compare-ref
+#   declab_bench/gpu_suite.sh OUT_DIR tests fused profile gemv kernels wkv7 compare-triton compare-8b compare-batch peers ablation quant-quality compare-ref
 #   declab_bench/gpu_suite.sh OUT_DIR gpu-tests version-ab quant-gemv kv-fp8   (GPU_TESTS: the test files; AB_BEFORE: the baseline tree)
 #
 # Triton's compiled kernels and the GEMV picks can outlive a machine: the stage save-cache packs the
@@ -41,6 +41,14 @@ stage() {  # stage NAME SECONDS COMMAND...: run, log, never stop the suite
   tail -n 25 /tmp/declab-stage.log
 }
 
+eval_setup() {  # eval_setup DIR: lm-eval's wheels (EVAL_WHEEL_DIR) installed, ABL_CORPUS's tokenizer copied into DIR
+  if compgen -G "${EVAL_WHEEL_DIR:-.whl-eval}/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/declab-eval "${EVAL_WHEEL_DIR:-.whl-eval}"/*.whl
+  fi
+  mkdir -p "$1"
+  if [ -d "${ABL_CORPUS:-.corpus}/tokenizer" ]; then cp -r "${ABL_CORPUS:-.corpus}/tokenizer" "$1/"; fi
+}
+
 for s in "$@"; do
   case $s in
     tests)
@@ -73,13 +81,16 @@ for s in "$@"; do
     # .whl-eval), the corpus folder ABL_CORPUS (default .corpus, with an optional pre-trained
     # tokenizer in ABL_CORPUS/tokenizer), the arguments in ABL_ARGS.
     ablation)
-      if compgen -G "${EVAL_WHEEL_DIR:-.whl-eval}/*.whl" >/dev/null; then
-        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/declab-eval "${EVAL_WHEEL_DIR:-.whl-eval}"/*.whl
-      fi
-      mkdir -p "$out/ablation"
-      [ -d "${ABL_CORPUS:-.corpus}/tokenizer" ] && cp -r "${ABL_CORPUS:-.corpus}/tokenizer" "$out/ablation/"
+      eval_setup "$out/ablation"
       PYTHONPATH="/tmp/declab-eval:$PYTHONPATH" HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 HF_HOME=/tmp/declab-hf \
         stage ablation "${ABL_LIMIT:-540}" python3 -m eval.ablation --corpus "${ABL_CORPUS:-.corpus}" --out "$out/ablation" ${ABL_ARGS:---time-budget 190} ;;
+    # The ablation with its quantised half (--quant) on the four 30M presets, sized for about 300 s
+    # (training 90 s of it); the same set-up as ablation, QQ_ARGS in place of the sizing.
+    quant-quality)
+      eval_setup "$out/quant_quality"
+      PYTHONPATH="/tmp/declab-eval:$PYTHONPATH" HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 HF_HOME=/tmp/declab-hf \
+        stage quant_quality "${QQ_LIMIT:-450}" python3 -m eval.ablation --corpus "${ABL_CORPUS:-.corpus}" --out "$out/quant_quality" \
+        --quant none,int8,int4-rtn,int4 ${QQ_ARGS:---time-budget 90 --task-docs 40 --mp-iterations= --genppl-prompts 0 --calib-sequences 64 --eval-args dtype=bfloat16,max_length=512,batch_size=32} ;;
     compare-ref) stage compare_ref 300 python3 -m decoders.compare --no-progress --impl ref \
         --models llama-1b,mamba2-1.3b,rwkv7-1.5b --ctx 4k..128k --batch 1 --new-tokens 16 --out "$out/compare_ref.jsonl" ;;
     gpu-tests) stage gpu_tests "${TEST_LIMIT:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short -rf ${GPU_TESTS:?GPU_TESTS: the test files} ;;

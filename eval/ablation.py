@@ -15,7 +15,13 @@
 5. runs `eval.quality` on the four checkpoints (Mask-Predict at each of --mp-iterations, each T
    also scored by the generative perplexity of its samples under the transformer run, the llama
    preset's, on --genppl-prompts held-out prompts), writing quality.jsonl, quality.md, mqar.png and
-   maskpredict_iterations.png into <out>.
+   maskpredict_iterations.png into <out>;
+6. with --quant (e.g. none,int8,int4-rtn,int4), quantises each trained preset into
+   <out>/quant/<preset>-<quant> (int4 by GPTQ on --calib-sequences x --calib-length tokens of the
+   corpus's --calib-split, train by default, which must share no text with the tasks' split),
+   evaluates every variant with the same tasks and model args (Mask-Predict at its default
+   iterations only), times decoding at batch 1 beside the bf16 original and writes quant.jsonl and
+   quant.md (`eval.quant_quality`). A rerun reuses the finished folders and evaluations.
 
 Every record is a JSON line with environment(): <out>/ablation.jsonl (presets, parameter counts,
 runs), <out>/runs/*/train.jsonl (training), <out>/quality.jsonl (evaluation).
@@ -25,9 +31,10 @@ out to the ranks (each on its own GPU, cuda:LOCAL_RANK) once rank 0 has made the
 and the tokenised data; rank 0 merges their records into ablation.jsonl and runs the evaluation. A
 run that raises on a rank is an error record naming it, and its preset is left out of the evaluation.
 
-Every option (the presets, corpus, output folder, tokenizer, training counts, evaluation model args
-and Mask-Predict iterations) is checked before the first step, so a mistake is one line and exit
-code 2, not an error after hours of training. `--match-tolerance 0.5` lets the tiny presets
+Every option (the presets, corpus, output folder, tokenizer, training counts, evaluation model args,
+Mask-Predict iterations, quant names against every preset's layers, calibration split and counts) is
+checked before the first step, so a mistake is one line and exit code 2, not an error after hours of
+training. `--match-tolerance 0.5` lets the tiny presets
 (`llama-tiny,mamba2-tiny,rwkv7-tiny,maskpredict-tiny`, not matched in size) try the pipeline in minutes.
 """
 
@@ -36,7 +43,7 @@ import sys
 from pathlib import Path
 
 import decoders
-from eval import quality, samples, train
+from eval import quality, quant_quality, samples, train
 from eval.tasks import make
 from decoders import distributed
 from decoders.records import append_jsonl, environment
@@ -85,6 +92,9 @@ def check_args(a, presets: list[str]) -> tuple[dict, list[int]]:
     iterations = quality.parse_iterations(a.mp_iterations)
     quality.check_runs(presets, model_args, limit=a.limit, genppl_prompts=a.genppl_prompts, genppl_tokens=a.genppl_tokens)
     a.counts = train.check_matched(presets, a.match_tolerance)
+    a.quants = None
+    if a.quant is not None:
+        a.quants = quant_quality.check(a, presets, model_args, samples.held_out_split(str(a.corpus)))
     return model_args, iterations
 
 
@@ -120,6 +130,13 @@ def parser() -> Parser:
     p.add_argument("--genppl-tokens", type=int, default=64, help="tokens of each such prompt and continuation")
     p.add_argument("--limit", type=float, help="examples per task (testing only)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quant", help="comma-separated quantisations of every trained preset, evaluated and timed beside the bf16 "
+                   "original: none, int8, int4 (GPTQ), int4-rtn, int4-gN, int4-rtn-gN (default: no quantised half)")
+    p.add_argument("--calib-sequences", type=int, default=128, help="GPTQ calibration sequences (default 128)")
+    p.add_argument("--calib-length", type=int, default=512, help="tokens per calibration sequence (default 512)")
+    p.add_argument("--calib-split", default="train", help="the corpus split GPTQ calibrates on (default train; never the tasks' split)")
+    p.add_argument("--speed-ctx", type=int, default=512, help="context of the batch-1 decode timing of each variant (default 512)")
+    p.add_argument("--speed-tokens", type=int, default=32, help="tokens decoded in that timing (default 32)")
     return p
 
 
@@ -143,10 +160,13 @@ def ablation(a, here: distributed.World) -> None:
         # Test bits per byte and cloze on the held-out test split when the corpus folder has one.
         split = samples.held_out_split(str(a.corpus))
         make.make(out / "tasks", seed=a.seed, text=str(a.corpus), text_split=split, n_docs=a.task_docs, ppl_docs_n=a.task_docs)
-        append_jsonl(log, {"kind": "tasks", "text_split": split, **environment(device)})
+        calib_split = a.calib_split if a.quants and quant_quality.calibrates(a.quants) else None
+        append_jsonl(log, {"kind": "tasks", "text_split": split, "calib_split": calib_split, **environment(device)})
         # One tokenizer and tokenised stream for every preset, made here before the runs that read them.
         steps = max(1, tokens // (a.batch * a.seq_len))
         tokenizer = train.load_or_make_tokenizer(a.tokenizer, str(a.corpus), out)
+        if calib_split is not None:
+            quant_quality.check_calibration_text(a, tokenizer)
         train.prepare_data(str(a.corpus), tokenizer, steps * a.batch * a.seq_len + a.batch, out / "data")
         return tokens
 
@@ -174,8 +194,11 @@ def ablation(a, here: distributed.World) -> None:
     genppl = None
     if a.genppl_prompts > 0 and scorer is not None and any(quality.is_maskpredict(c) for c in checkpoints):
         genppl = quality.genppl_setup(scorer, str(a.corpus), model_args=model_args, prompts=a.genppl_prompts, tokens=a.genppl_tokens)
-    quality.quality(checkpoints, a.tasks.split(","), out, include_path=str(out / "tasks"), model_args=model_args,
-                    limit=limit, mp_iterations=iterations, genppl=genppl)
+    runs = quality.quality(checkpoints, a.tasks.split(","), out, include_path=str(out / "tasks"), model_args=model_args,
+                           limit=limit, mp_iterations=iterations, genppl=genppl)
+    if a.quants is not None:
+        finished = {preset: out / "runs" / preset for preset in presets if preset not in lost}
+        quant_quality.study(a, finished, a.quants, runs, a.tasks.split(","), model_args, limit, samples.held_out_split(str(a.corpus)), device)
 
 
 def main(argv=None):

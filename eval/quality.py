@@ -22,6 +22,7 @@ and gets their generative perplexity under the scorer (`eval.samples`), recorded
 """
 
 import argparse
+import functools
 import json
 import re
 from pathlib import Path
@@ -47,11 +48,19 @@ def primary_metric(metrics: dict) -> tuple[str, float] | None:
     return None
 
 
+@functools.lru_cache(maxsize=4)
+def task_manager(include_path):
+    """lm-eval's TaskManager over its own tasks and `include_path`'s, made once per folder: indexing
+    every task YAML takes seconds, more than evaluating a small model on the lab's tasks."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=include_path)
+
+
 def run_one(pretrained: str, tasks: list[str], *, include_path, model_args: dict, limit, iterations=None, genppl=None) -> tuple[dict, dict]:
     """lm-eval results {task: metrics} and the decoder's description for one checkpoint (and T); with
     `genppl` (scorer decoder, prompts, new tokens) also the generative perplexity of its samples."""
     import lm_eval
-    from lm_eval.tasks import TaskManager
 
     from eval.lm_model import DecLabLM
 
@@ -59,8 +68,7 @@ def run_one(pretrained: str, tasks: list[str], *, include_path, model_args: dict
     if iterations is not None:
         args["iterations"] = iterations
     lm = DecLabLM(**args)
-    manager = TaskManager(include_path=include_path)
-    out = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit, log_samples=False)
+    out = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=task_manager(include_path), limit=limit, log_samples=False)
     results = {task: {k: v for k, v in metrics.items() if k != "alias"} for task, metrics in out["results"].items()}
     if genppl is not None:
         from eval.samples import generative_perplexity

@@ -83,14 +83,27 @@ def run(args) -> int:
     out = check_output_dir(args.out, "--out")
     if out.exists() and any(out.iterdir()):
         raise UsageError(f"--out {out}: folder is not empty")
-    began = time.perf_counter()
-    decoder = decoders.load(args.model, device=args.device, dtype=args.dtype, impl="ref")
-    layers = len(quant.linear_layers(decoder.model)) + args.head
-    tokenizer = tokenizer_for(decoder)
-    tokens = None
+    calib = None
     if spec.method == "gptq":
-        tokens = calibration_tokens(args.calib, tokenizer, sequences=args.sequences, length=args.length, split=args.split)
-    mapping = quant.quantize_model(decoder.model, spec.name, calib_tokens=tokens, head=args.head)
+        calib = {"corpus": args.calib, "split": args.split, "sequences": args.sequences, "length": args.length}
+    summary = quantize_folder(args.model, spec, out, calib=calib, head=args.head, device=args.device, dtype=args.dtype)
+    print(f"{args.model} -> {out}: {spec.name}, {summary['layers']} layers, {summary['dense_bytes'] / 2**20:.1f} MiB -> "
+          f"{summary['quantized_bytes'] / 2**20:.1f} MiB, mean relative weight error {summary['mean_rel_weight_error']:.4f}, "
+          f"{summary['seconds']:.1f} s")
+    print(json.dumps(summary))
+    return 0
+
+
+def quantize_folder(model: str, spec: quant.QuantSpec, out: Path, *, calib=None, head: bool = False, device=None, dtype=None) -> dict:
+    """Quantise `model` (a preset or dense folder, checked) as `spec` into the folder `out` (empty or
+    new); `calib`: for GPTQ, the calibration text as `calibration_tokens` takes it (corpus, split,
+    sequences, length). Returns the summary the command prints as JSON."""
+    began = time.perf_counter()
+    decoder = decoders.load(model, device=device, dtype=dtype, impl="ref")
+    layers = len(quant.linear_layers(decoder.model)) + head
+    tokenizer = tokenizer_for(decoder)
+    tokens = calibration_tokens(tokenizer=tokenizer, **calib) if spec.method == "gptq" else None
+    mapping = quant.quantize_model(decoder.model, spec.name, calib_tokens=tokens, head=head)
     weights = {n: w for n, w in mapping.items() if n.endswith(".weight")}
     params = dict(decoder.model.named_parameters())
     dense = {n: params[n] if n in params else quant.head_weight(decoder.model) for n in weights}
@@ -100,15 +113,11 @@ def run(args) -> int:
         save_tokenizer(tokenizer, out)
     dense_bytes = sum(t.numel() * t.element_size() for t in dense.values())
     packed_bytes = sum(w.nbytes for w in weights.values())
-    seconds = time.perf_counter() - began
-    print(f"{args.model} -> {out}: {spec.name}, {layers} layers, {dense_bytes / 2**20:.1f} MiB -> {packed_bytes / 2**20:.1f} MiB, "
-          f"mean relative weight error {sum(errors) / len(errors):.4f}, {seconds:.1f} s")
-    print(json.dumps({"model": args.model, "out": str(out), "quant": spec.name, "method": spec.method, "group_size": spec.group_size,
-                      "layers": layers, "head": args.head, "dense_bytes": dense_bytes, "quantized_bytes": packed_bytes,
-                      "mean_rel_weight_error": sum(errors) / len(errors),
-                      "calibration": None if tokens is None else {"corpus": args.calib, "split": args.split, "sequences": args.sequences, "length": args.length},
-                      "seconds": round(seconds, 1)}))
-    return 0
+    return {"model": str(model), "out": str(out), "quant": spec.name, "method": spec.method, "group_size": spec.group_size,
+            "layers": layers, "head": head, "dense_bytes": dense_bytes, "quantized_bytes": packed_bytes,
+            "mean_rel_weight_error": sum(errors) / len(errors),
+            "calibration": calib if tokens is not None else None,
+            "seconds": round(time.perf_counter() - began, 1)}
 
 
 def main(argv=None) -> int:
