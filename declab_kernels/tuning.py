@@ -54,3 +54,14 @@ LONG_ATTENTION_BATCH = 1
 def attention_variant(batch: int) -> str:
     """The paged decode attention's kernel variant for a batch of `batch` sequences."""
     return "long" if batch <= LONG_ATTENTION_BATCH else "split"
+
+# Quantised linears (`declab_kernels.quant_gemv`, int8 and int4): rows up to which the CUDA-core GEMV
+# runs ("fma"); from the next row up to QUANT_DOT_ROWS the dequantising tensor-core kernel ("dot"),
+# above it dequantise + cuBLAS. Before the dot kernel existed, the GEMVs at 16 rows were 5-10x slower
+# than bf16 and the dense path cost 47-160 us at 16 rows (fa5dd1f, results/quant_gemv.jsonl); the
+# two values here are the predictions of declab_kernels/quant_gemv/README.md (M = 1: the GEMV and the
+# dot kernel both near the copy time; the dot kernel's dequantisation, repeated by each of the
+# cdiv(M, 64) row blocks, overtakes the dense path's one extra pass near 1-2k rows), not yet
+# measurements: `python -m declab_bench.quant_gemv` records both candidates at M = 1 and at M = 512.
+QUANT_FMA_ROWS = 1
+QUANT_DOT_ROWS = 1024
