@@ -219,24 +219,42 @@ def _dot_store(acc, out_ptr, part_ptr, cnt_ptr, rn, rm, n_mask, m_mask, M, N, st
 
 @triton.jit
 def _int4_dot_tile(acc, words, x_ptr, s_ptr, z_ptr, stride_xm, rm, x_mask, rn64, n_mask, j0, S, n_groups,
-                   GROUP: tl.constexpr, BLOCK_W: tl.constexpr, DOT_PREC: tl.constexpr):
+                   GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr, DOT_PREC: tl.constexpr):
     """acc `[BN, BM]` plus the products of one tile of words `[BN, BW]` (words j0 .. j0 + BW of the
     program's rows) with x's matching columns; x_mask `[BM]` masks x's rows (a split past the end
     masks them all)."""
     k_in = tl.arange(0, BLOCK_W)
+    # Nibbles 5..7 moved to bits 8..19, so that every nibble can sit below a float's exponent field.
+    high = words >> 12
     for i in tl.static_range(8):
         # Nibble i of words j0 .. j0 + BW holds inputs i S + j0 .. + BW: one group (BW divides S and the group).
         k0 = i * S + j0
         g_off = rn64 * n_groups + k0 // GROUP  # [BN]
         s = tl.load(s_ptr + g_off, mask=n_mask, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + g_off, mask=n_mask, other=0).to(tl.int32)
-        # code - zero as a float without a conversion instruction: (2^23 + code) - (2^23 + zero), exact.
-        c = (((words >> (4 * i)) & 0xF) | MAGIC_BITS).to(tl.float32, bitcast=True)
-        zf = (z | MAGIC_BITS).to(tl.float32, bitcast=True)
-        w = (c - zf[:, None]).to(x_ptr.dtype.element_ty)  # [BN, BW] integers -15..15, exact in bf16
+        if i < 5:
+            b = words
+            sh = 4 * i
+        else:
+            b = high
+            sh = 4 * (i - 3)
+        # The nibble masked in place under 2^23's exponent is the float 2^23 + code 2^sh (no shift, no
+        # conversion instruction); minus 2^23 + zero 2^sh it is (code - zero) 2^sh, exact, and so in bf16.
+        c = ((b & (0xF << sh)) | MAGIC_BITS).to(tl.float32, bitcast=True)
+        zf = ((z << sh) | MAGIC_BITS).to(tl.float32, bitcast=True)
+        s = s * (1.0 / (1 << sh))
         xt = tl.load(x_ptr + rm[None, :] * stride_xm + (k0 + k_in)[:, None], mask=x_mask[None, :], other=0.0)  # [BW, BM]
-        # The group's scale once per (row, nibble, tile), on the product, not on every weight.
-        acc += tl.dot(w, xt, input_precision=DOT_PREC) * s[:, None]
+        if BLOCK_M <= 16:
+            # Decode: the group's scale once per (row, nibble, tile), on the product [BN, 16], not on
+            # every weight; the weight operand (code - zero) 2^sh is exact in bf16.
+            w = (c - zf[:, None]).to(x_ptr.dtype.element_ty)  # [BN, BW]
+            acc += tl.dot(w, xt, input_precision=DOT_PREC) * s[:, None]
+        else:
+            # Prefill: the scale on the weight (one multiply a weight, the weight rounded to x's dtype as
+            # the dense path rounds it), so that the eight products chain into one accumulator: eight
+            # separately scaled [BN, 64] products in flight spill (ptxas, sm_90).
+            w = ((c - zf[:, None]) * s[:, None]).to(x_ptr.dtype.element_ty)
+            acc = tl.dot(w, xt, acc, input_precision=DOT_PREC)
     return acc
 
 
@@ -271,12 +289,12 @@ def _int4_dot_kernel(
         words = tl.load(q_rows + j_lo, mask=n_mask[:, None] & (j_lo < j_hi), other=0)
         tl.extra.cuda.gdc_wait()
         acc = _int4_dot_tile(acc, words, x_ptr, s_ptr, z_ptr, stride_xm, rm, m_mask & (j_lo < j_hi), rn64, n_mask & (j_lo < j_hi),
-                             j_lo, S, n_groups, GROUP, BLOCK_W, DOT_PREC)
+                             j_lo, S, n_groups, GROUP, BLOCK_M, BLOCK_W, DOT_PREC)
         j_start = j_lo + BLOCK_W
     for j0 in range(j_start, j_hi, BLOCK_W):
         words = tl.load(q_rows + j0, mask=n_mask[:, None], other=0, eviction_policy="evict_first")
         acc = _int4_dot_tile(acc, words, x_ptr, s_ptr, z_ptr, stride_xm, rm, m_mask, rn64, n_mask, j0, S, n_groups,
-                             GROUP, BLOCK_W, DOT_PREC)
+                             GROUP, BLOCK_M, BLOCK_W, DOT_PREC)
     _dot_store(acc, out_ptr, part_ptr, cnt_ptr, rn, rm, n_mask, m_mask, M, N, stride_om, pid_n, pid_m, pid_k, split)
 
 
@@ -405,15 +423,19 @@ def int8_gemv_triton(x, qweight, scale, *, out=None):
     return out
 
 
-# Dequantising tensor-core kernels (M >= 2 rows up to tuning.QUANT_DOT_ROWS). Four candidates each,
-# autotuned per (N, K or S, BLOCK_M, group); every one fills the MMA's 64-row side with weight rows
-# (BLOCK_N 64 or 128) and moves 16-32 KB of packed weight a tile. int4: BLOCK_W words a row a tile
-# (8 BLOCK_W inputs), clipped to `int4_dot_words` for the shape; int8: BLOCK_K codes, the same bytes
-# at BLOCK_K = 4 BLOCK_W.
-INT4_DOT_CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_W": bw}, num_warps=w, num_stages=st)
-                    for bn, bw, w, st in ((64, 64, 4, 3), (128, 64, 8, 3), (64, 128, 4, 2), (128, 32, 4, 4))]
-INT8_DOT_CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
-                    for bn, bk, w, st in ((64, 256, 4, 3), (128, 256, 8, 3), (64, 512, 4, 2), (128, 128, 4, 4))]
+# Dequantising tensor-core kernels: candidates per BLOCK_M (16: decode rows, padded; 64: prefill),
+# autotuned per (N, K or S, BLOCK_M, group). The weight rows fill the MMA's 64-row side (BLOCK_N 64
+# or 128). int4: BLOCK_W words a row a tile (8 BLOCK_W inputs), clipped to `int4_dot_words` for the
+# shape; int8: BLOCK_K codes. Compiled for sm_90 (offline, Triton 3.9's ptxas), all use wgmma without
+# spills: int4 at BLOCK_M 16 148..255 registers, 57..115 KB of shared memory (x's eight slices and the
+# words, num_stages deep); at BLOCK_M 64 only BLOCK_W 32 fits (BLOCK_W 64: 155..270 KB or spills);
+# int8 95..195 registers.
+INT4_DOT_CONFIGS = {bm: [triton.Config({"BLOCK_N": bn, "BLOCK_W": bw}, num_warps=w, num_stages=st) for bn, bw, w, st in cfgs]
+                    for bm, cfgs in ((16, ((64, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 4), (128, 32, 8, 4))),
+                                     (64, ((128, 32, 8, 2), (64, 32, 4, 3), (128, 32, 8, 3))))}
+INT8_DOT_CONFIGS = {bm: [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st) for bn, bk, w, st in cfgs]
+                    for bm, cfgs in ((16, ((64, 256, 4, 3), (128, 256, 8, 3), (64, 128, 4, 4), (128, 128, 8, 4))),
+                                     (64, ((128, 128, 8, 3), (64, 128, 4, 3), (128, 64, 8, 3))))}
 INTERPRET_INT4_DOT = dict(BLOCK_N=16, BLOCK_W=16)
 INTERPRET_INT8_DOT = dict(BLOCK_N=16, BLOCK_K=32)
 # Splits along K at most, and the SM count the interpreter pretends to have (so that small test
@@ -433,10 +455,11 @@ def _clip_words(configs, nargs, **kwargs):
     return list(kept.values())
 
 
-_int4_dot_tuned = triton.autotune(INT4_DOT_CONFIGS, key=["N", "S", "BLOCK_M", "GROUP"], do_bench=_bench,
-                                  prune_configs_by={"early_config_prune": _clip_words})(_int4_dot_kernel)
-_int8_dot_tuned = triton.autotune(INT8_DOT_CONFIGS, key=["N", "K", "BLOCK_M"], do_bench=_bench)(_int8_dot_kernel)
-
+_int4_dot_tuned = {bm: triton.autotune(cfgs, key=["N", "S", "BLOCK_M", "GROUP"], do_bench=_bench,
+                                        prune_configs_by={"early_config_prune": _clip_words})(_int4_dot_kernel)
+                   for bm, cfgs in INT4_DOT_CONFIGS.items()}
+_int8_dot_tuned = {bm: triton.autotune(cfgs, key=["N", "K", "BLOCK_M"], do_bench=_bench)(_int8_dot_kernel)
+                   for bm, cfgs in INT8_DOT_CONFIGS.items()}
 
 def dot_block_m(M: int) -> int:
     """Rows of x a dot program takes: 16 (tl.dot's least, padded by masking) up to MAX_ROWS, 64 above."""
@@ -480,7 +503,7 @@ def _workspace(device, n_part, n_cnt):
 
 
 def _dot_launch(kernel, tuned, configs, x, out, args, consts, N, tiles_of, config, split):
-    """Launch a dot kernel: `config` (a dict of its block sizes) or autotuning over `configs`; the
+    """Launch a dot kernel: `config` (a dict of its block sizes) or autotuning (`tuned`, over `configs`, per BLOCK_M); the
     grid (n blocks, m blocks, splits), splits by `split_k` unless `split` is given; the workspace
     sized for every candidate's grid."""
     M = x.shape[0]
@@ -491,7 +514,7 @@ def _dot_launch(kernel, tuned, configs, x, out, args, consts, N, tiles_of, confi
         blocks = triton.cdiv(N, meta["BLOCK_N"]) * triton.cdiv(M, block_m)
         return split if split is not None else split_k(blocks, tiles_of(meta), sms)
 
-    candidates = [config] if config is not None else [c.kwargs for c in configs]
+    candidates = [config] if config is not None else [c.kwargs for c in configs[block_m]]
     n_part = max(splits(c) * M * N if splits(c) > 1 else 0 for c in candidates)
     n_cnt = max(triton.cdiv(N, c["BLOCK_N"]) * triton.cdiv(M, block_m) for c in candidates)
     part, cnt = _workspace(x.device, n_part, n_cnt)
@@ -505,7 +528,7 @@ def _dot_launch(kernel, tuned, configs, x, out, args, consts, N, tiles_of, confi
         kernel[grid(config)](x, *args[:-1], out, part, cnt, *args[-1], **consts, **config)
     else:
         # The autotuner passes the keywords that are no configuration's (launch_pdl too) to every launch.
-        tuned[grid](x, *args[:-1], out, part, cnt, *args[-1], **consts)
+        tuned[block_m][grid](x, *args[:-1], out, part, cnt, *args[-1], **consts)
     return out
 
 
