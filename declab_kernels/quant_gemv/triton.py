@@ -286,9 +286,13 @@ def _int4_dot_kernel(
         # Let the next kernel launch now, fetch the first tile of words (no kernel of a decode step
         # writes a weight) while the previous kernel finishes, and wait for it before reading x.
         tl.extra.cuda.gdc_launch_dependents()
-        words = tl.load(q_rows + j_lo, mask=n_mask[:, None] & (j_lo < j_hi), other=0)
+        # A split past the end (j_lo = j_hi) loads nothing and adds nothing; the test as a [BN] and a
+        # [BM] tensor (the interpreter refuses a mask combined with a scalar comparison).
+        live_n = n_mask & (tl.zeros((BLOCK_N,), tl.int32) + j_lo < j_hi)
+        live_m = m_mask & (tl.zeros((BLOCK_M,), tl.int32) + j_lo < j_hi)
+        words = tl.load(q_rows + j_lo, mask=live_n[:, None], other=0)
         tl.extra.cuda.gdc_wait()
-        acc = _int4_dot_tile(acc, words, x_ptr, s_ptr, z_ptr, stride_xm, rm, m_mask & (j_lo < j_hi), rn64, n_mask & (j_lo < j_hi),
+        acc = _int4_dot_tile(acc, words, x_ptr, s_ptr, z_ptr, stride_xm, rm, live_m, rn64, live_n,
                              j_lo, S, n_groups, GROUP, BLOCK_M, BLOCK_W, DOT_PREC)
         j_start = j_lo + BLOCK_W
     for j0 in range(j_start, j_hi, BLOCK_W):
