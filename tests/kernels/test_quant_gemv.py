@@ -212,9 +212,25 @@ def test_bf16_gpu(N, K, M):
 
 
 @gpu_only
-def test_cuda_graph_replay():
+@pytest.mark.parametrize("N, K, M, kernel", [(4096, 4096, 1, "dot"), (14336, 4096, 512, "dot"), (4096, 4096, 512, "dequant+cublas"),
+                                             (2048, 8192, 16, "dot")])
+def test_bf16_gpu_kernels(N, K, M, kernel):
+    """The candidates the benchmark times beside the dispatched kernel (dot at one row, the dense path
+    at prefill rows), and the dot kernel's split-K at 2048 outputs."""
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    qweight, scales, zeros = int4_case(N, K, 128)
+    got = Q.int4_linear(x, qweight, scales, zeros, 128, impl="triton", kernel=kernel)
+    assert rel(got, Q.int4_linear_ref(x, qweight, scales, zeros, 128)) < 1e-2
+    q8, s8 = int8_case(N, K)
+    assert rel(Q.int8_linear(x, q8, s8, impl="triton", kernel=kernel), Q.int8_linear_ref(x, q8, s8)) < 1e-2
+
+
+@gpu_only
+@pytest.mark.parametrize("M", [1, 4])
+def test_cuda_graph_replay(M):
+    """The GEMV (1 row) and the dot kernel split along K (4 rows: 64 column blocks, split 4) replayed."""
     qweight, scales, zeros = int4_case(4096, 4096, 128)
-    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(M, 4096, device="cuda", dtype=torch.bfloat16)
     # Autotuning and compilation happen at the first call, outside the capture.
     expected = Q.int4_linear(x, qweight, scales, zeros, 128, impl="triton")
     graph = torch.cuda.CUDAGraph()
