@@ -1,5 +1,6 @@
-"""Weight-only quantised GEMV in Triton (int8 per output channel, int4 group-wise), and the
-dequantisation kernels that the many-row path feeds to a dense matmul.
+"""Weight-only quantised products in Triton (int8 per output channel, int4 group-wise): the CUDA-core
+GEMVs, the dequantising tensor-core kernels, and the dequantisation kernels that the dense path
+feeds to cuBLAS.
 
 int8 GEMV (M <= MAX_ROWS rows of x): one program per BLOCK_N output rows walks K in tiles of its
 rows' codes (contiguous in K, one coalesced load), converts them in registers and accumulates every x
@@ -18,9 +19,26 @@ per-thread sums `[M, BLOCK_N, BLOCK_T]` are reduced across threads once, after t
 1: the largest dividing both S and the group. On CUDA the tiles are autotuned per (N, S, rows, group,
 V); under the interpreter one configuration runs.
 
+Dot kernels (any M; the dispatch runs them from 2 rows up to tuning.QUANT_DOT_ROWS): grid (N /
+BLOCK_N, M / BLOCK_M, splits along K). A program computes the transposed product out^T `[BLOCK_N,
+BLOCK_M]` in float32, so that its weight rows fill the MMA's 64-row side and x's rows (16, padded by
+masking, for decode; 64 for prefill) its narrow one. int4 on layout 2: a `[BLOCK_N, BW]` tile of words
+(BW dividing S and the group: `int4_dot_words`) gives, for nibble i, weights of the contiguous inputs
+i S + j0 .. + BW, all in one group; each nibble is masked in place under 2^23's exponent (2^23 + code
+2^sh as a float, no conversion instruction), minus 2^23 + zero 2^sh gives (code - zero) 2^sh exactly
+(bf16 too), and tl.dot takes it with x's matching `[BW, BLOCK_M]` columns. Decode (BLOCK_M 16) applies
+the group's scale (times 2^-sh) to each nibble's `[BLOCK_N, 16]` product, once per row, nibble and tile
+instead of once per weight; prefill (BLOCK_M 64) multiplies the weight by it before the dot, so that
+the eight products chain into one accumulator. int8: codes to x's dtype (exact), one dot a tile, the
+row scale once at the end. Splits (`split_k`: while the (m, n) blocks leave SMs idle, up to MAX_SPLIT)
+each own whole K tiles; each stores its float32 partial to a workspace `[split, M, N]`, takes a ticket
+from its block's int32 counter, and the last one sums the partials in split order (deterministic),
+writes the output and sets the counter back to 0: one launch, no host sync, a workspace of fixed size
+after the first call, CUDA-graph safe.
+
 PDL (constexpr, `declab_kernels.pdl`, launched with launch_pdl): every program calls
 gdc_launch_dependents() first, loads its first weight tile (int4: the words; int8: the row scales and
-the first tile), then gdc_wait() before it reads x or stores anything.
+the first tile), then gdc_wait() before it reads x, the workspace or stores anything.
 """
 
 import os
