@@ -33,7 +33,8 @@ from declab_kernels.quant_gemv.ref import (
 
 MAX_ROWS = 16
 # The int4 GEMV's row limit: it keeps every x row's per-thread sums, and each row's update costs a
-# select over all of them (M^2 work), past 4 rows more than the dense path's extra pass.
+# select over all of them (M^2 work). The dot kernel takes 2 rows and more where it can tile the
+# shape; the GEMV's 2..4 rows serve the shapes it cannot.
 INT4_GEMV_ROWS = 4
 
 # The kernels a Triton product may run on (module docstring).
