@@ -236,20 +236,50 @@ def _dot_store(acc, out_ptr, part_ptr, cnt_ptr, rn, rm, n_mask, m_mask, M, N, st
 
 
 @triton.jit
-def _int4_dot_tile(acc, words, x_ptr, s_ptr, z_ptr, stride_xm, rm, x_mask, rn64, n_mask, j0, S, n_groups,
-                   GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr, DOT_PREC: tl.constexpr):
+def _int4_group(s_ptr, z_ptr, rn64, n_mask, k0, n_groups, GROUP: tl.constexpr):
+    """(scale float32, zero int32) `[BN]` of the group holding input k0 of the program's rows."""
+    g_off = rn64 * n_groups + k0 // GROUP
+    return (tl.load(s_ptr + g_off, mask=n_mask, other=0.0).to(tl.float32),
+            tl.load(z_ptr + g_off, mask=n_mask, other=0).to(tl.int32))
+
+
+@triton.jit
+def _int4_groups(s_ptr, z_ptr, rn64, n_mask, j0, S, n_groups, GROUP: tl.constexpr):
+    """The (scale, zero) of each nibble of the tile at word j0: nibble i holds inputs i S + j0 .. + BW,
+    one group (BW divides S and the group). Loaded apart from the tile's arithmetic, so that the first
+    tile's come before the PDL wait with its words."""
+    return (_int4_group(s_ptr, z_ptr, rn64, n_mask, j0, n_groups, GROUP),
+            _int4_group(s_ptr, z_ptr, rn64, n_mask, S + j0, n_groups, GROUP),
+            _int4_group(s_ptr, z_ptr, rn64, n_mask, 2 * S + j0, n_groups, GROUP),
+            _int4_group(s_ptr, z_ptr, rn64, n_mask, 3 * S + j0, n_groups, GROUP),
+            _int4_group(s_ptr, z_ptr, rn64, n_mask, 4 * S + j0, n_groups, GROUP),
+            _int4_group(s_ptr, z_ptr, rn64, n_mask, 5 * S + j0, n_groups, GROUP),
+            _int4_group(s_ptr, z_ptr, rn64, n_mask, 6 * S + j0, n_groups, GROUP),
+            _int4_group(s_ptr, z_ptr, rn64, n_mask, 7 * S + j0, n_groups, GROUP))
+
+
+@triton.jit
+def _int4_dot_tile(acc, words, groups, x_ptr, stride_xm, rm, x_mask, j0, S,
+                   BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr, DOT_PREC: tl.constexpr):
     """acc `[BN, BM]` plus the products of one tile of words `[BN, BW]` (words j0 .. j0 + BW of the
-    program's rows) with x's matching columns; x_mask `[BM]` masks x's rows (a split past the end
-    masks them all)."""
-    k_in = tl.arange(0, BLOCK_W)
+    program's rows, their scales and zeros `groups` from `_int4_groups`) with x's matching columns;
+    x_mask `[BM]` masks x's rows (a split past the end masks them all)."""
+    # x's eight `[BW, BM]` column runs, loaded before any is used: outside the pipelined loop (the
+    # tile before the PDL wait) each load would otherwise wait for the previous nibble's product.
+    x_cols = x_ptr + rm[None, :] * stride_xm + tl.arange(0, BLOCK_W)[:, None]
+    xs = (tl.load(x_cols + j0, mask=x_mask[None, :], other=0.0),
+          tl.load(x_cols + (S + j0), mask=x_mask[None, :], other=0.0),
+          tl.load(x_cols + (2 * S + j0), mask=x_mask[None, :], other=0.0),
+          tl.load(x_cols + (3 * S + j0), mask=x_mask[None, :], other=0.0),
+          tl.load(x_cols + (4 * S + j0), mask=x_mask[None, :], other=0.0),
+          tl.load(x_cols + (5 * S + j0), mask=x_mask[None, :], other=0.0),
+          tl.load(x_cols + (6 * S + j0), mask=x_mask[None, :], other=0.0),
+          tl.load(x_cols + (7 * S + j0), mask=x_mask[None, :], other=0.0))
     # Nibbles 5..7 moved to bits 8..19, so that every nibble can sit below a float's exponent field.
     high = words >> 12
     for i in tl.static_range(8):
-        # Nibble i of words j0 .. j0 + BW holds inputs i S + j0 .. + BW: one group (BW divides S and the group).
-        k0 = i * S + j0
-        g_off = rn64 * n_groups + k0 // GROUP  # [BN]
-        s = tl.load(s_ptr + g_off, mask=n_mask, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + g_off, mask=n_mask, other=0).to(tl.int32)
+        s, z = groups[i]
+        xt = xs[i]
         if i < 5:
             b = words
             sh = 4 * i
@@ -261,7 +291,6 @@ def _int4_dot_tile(acc, words, x_ptr, s_ptr, z_ptr, stride_xm, rm, x_mask, rn64,
         c = ((b & (0xF << sh)) | MAGIC_BITS).to(tl.float32, bitcast=True)
         zf = ((z << sh) | MAGIC_BITS).to(tl.float32, bitcast=True)
         s = s * (1.0 / (1 << sh))
-        xt = tl.load(x_ptr + rm[None, :] * stride_xm + (k0 + k_in)[:, None], mask=x_mask[None, :], other=0.0)  # [BW, BM]
         if BLOCK_M <= 16:
             # Decode: the group's scale once per (row, nibble, tile), on the product [BN, 16], not on
             # every weight; the weight operand (code - zero) 2^sh is exact in bf16.
@@ -301,22 +330,23 @@ def _int4_dot_kernel(
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     j_start = j_lo
     if PDL:
-        # Let the next kernel launch now, fetch the first tile of words (no kernel of a decode step
-        # writes a weight) while the previous kernel finishes, and wait for it before reading x.
+        # Let the next kernel launch now, fetch the first tile of words and its scales and zeros (no
+        # kernel of a decode step writes a weight) while the previous kernel finishes, and wait for it
+        # before reading x.
         tl.extra.cuda.gdc_launch_dependents()
         # A split past the end (j_lo = j_hi) loads nothing and adds nothing; the test as a [BN] and a
         # [BM] tensor (the interpreter refuses a mask combined with a scalar comparison).
         live_n = n_mask & (tl.zeros((BLOCK_N,), tl.int32) + j_lo < j_hi)
         live_m = m_mask & (tl.zeros((BLOCK_M,), tl.int32) + j_lo < j_hi)
         words = tl.load(q_rows + j_lo, mask=live_n[:, None], other=0)
+        groups = _int4_groups(s_ptr, z_ptr, rn64, live_n, j_lo, S, n_groups, GROUP)
         tl.extra.cuda.gdc_wait()
-        acc = _int4_dot_tile(acc, words, x_ptr, s_ptr, z_ptr, stride_xm, rm, live_m, rn64, live_n,
-                             j_lo, S, n_groups, GROUP, BLOCK_M, BLOCK_W, DOT_PREC)
+        acc = _int4_dot_tile(acc, words, groups, x_ptr, stride_xm, rm, live_m, j_lo, S, BLOCK_M, BLOCK_W, DOT_PREC)
         j_start = j_lo + BLOCK_W
     for j0 in range(j_start, j_hi, BLOCK_W):
         words = tl.load(q_rows + j0, mask=n_mask[:, None], other=0, eviction_policy="evict_first")
-        acc = _int4_dot_tile(acc, words, x_ptr, s_ptr, z_ptr, stride_xm, rm, m_mask, rn64, n_mask, j0, S, n_groups,
-                             GROUP, BLOCK_M, BLOCK_W, DOT_PREC)
+        groups = _int4_groups(s_ptr, z_ptr, rn64, n_mask, j0, S, n_groups, GROUP)
+        acc = _int4_dot_tile(acc, words, groups, x_ptr, stride_xm, rm, m_mask, j0, S, BLOCK_M, BLOCK_W, DOT_PREC)
     _dot_store(acc, out_ptr, part_ptr, cnt_ptr, rn, rm, n_mask, m_mask, M, N, stride_om, pid_n, pid_m, pid_k, split)
 
 
