@@ -478,10 +478,10 @@ def int8_gemv_triton(x, qweight, scale, *, out=None):
 # Dequantising tensor-core kernels: candidates per BLOCK_M (16: decode rows, padded; 64: prefill),
 # autotuned per (N, K or S, BLOCK_M, group). The weight rows fill the MMA's 64-row side (BLOCK_N 64
 # or 128). int4: BLOCK_W words a row a tile (8 BLOCK_W inputs), clipped to `int4_dot_words` for the
-# shape; int8: BLOCK_K codes. Compiled for sm_90 (offline, Triton 3.9's ptxas), all use wgmma without
-# spills: int4 at BLOCK_M 16 148..255 registers, 57..115 KB of shared memory (x's eight slices and the
-# words, num_stages deep); at BLOCK_M 64 only BLOCK_W 32 fits (BLOCK_W 64: 155..270 KB or spills);
-# int8 95..195 registers.
+# shape; int8: BLOCK_K codes. Compiled for sm_90 (offline, Triton 3.9's ptxas, PDL on), all use wgmma
+# without spills: int4 at BLOCK_M 16 133..240 registers, 56..112 KB of shared memory (x's eight runs
+# and the words, num_stages deep); at BLOCK_M 64 only BLOCK_W 32 fits (BLOCK_W 64: 155..270 KB or
+# spills); int8 95..200 registers.
 INT4_DOT_CONFIGS = {bm: [triton.Config({"BLOCK_N": bn, "BLOCK_W": bw}, num_warps=w, num_stages=st) for bn, bw, w, st in cfgs]
                     for bm, cfgs in ((16, ((64, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 4), (128, 32, 8, 4))),
                                      (64, ((128, 32, 8, 2), (64, 32, 4, 3), (128, 32, 8, 3))))}
