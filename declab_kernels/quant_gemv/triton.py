@@ -26,7 +26,8 @@ masking, for decode; 64 for prefill) its narrow one. int4 on layout 2: a `[BLOCK
 (BW dividing S and the group: `int4_dot_words`) gives, for nibble i, weights of the contiguous inputs
 i S + j0 .. + BW, all in one group; each nibble is masked in place under 2^23's exponent (2^23 + code
 2^sh as a float, no conversion instruction), minus 2^23 + zero 2^sh gives (code - zero) 2^sh exactly
-(bf16 too), and tl.dot takes it with x's matching `[BW, BLOCK_M]` columns. Decode (BLOCK_M 16) applies
+(bf16 too; fp16's range is too short for 15 2^16, so for fp16 x the shift is undone on the weight),
+and tl.dot takes it with x's matching `[BW, BLOCK_M]` columns. Decode (BLOCK_M 16) applies
 the group's scale (times 2^-sh) to each nibble's `[BLOCK_N, 16]` product, once per row, nibble and tile
 instead of once per weight; prefill (BLOCK_M 64) multiplies the weight by it before the dot, so that
 the eight products chain into one accumulator. int8: codes to x's dtype (exact), one dot a tile, the
@@ -290,18 +291,21 @@ def _int4_dot_tile(acc, words, groups, x_ptr, stride_xm, rm, x_mask, j0, S,
         # conversion instruction); minus 2^23 + zero 2^sh it is (code - zero) 2^sh, exact, and so in bf16.
         c = ((b & (0xF << sh)) | MAGIC_BITS).to(tl.float32, bitcast=True)
         zf = ((z << sh) | MAGIC_BITS).to(tl.float32, bitcast=True)
-        s = s * (1.0 / (1 << sh))
+        d = c - zf[:, None]  # [BN, BW]
+        if x_ptr.dtype.element_ty == tl.float16:
+            # fp16 ends at 65504, below 15 2^16: the shift undone on the weight (one multiply a weight).
+            d = d * (1.0 / (1 << sh))
+        else:
+            s = s * (1.0 / (1 << sh))
         if BLOCK_M <= 16:
             # Decode: the group's scale once per (row, nibble, tile), on the product [BN, 16], not on
             # every weight; the weight operand (code - zero) 2^sh is exact in bf16.
-            w = (c - zf[:, None]).to(x_ptr.dtype.element_ty)  # [BN, BW]
-            acc += tl.dot(w, xt, input_precision=DOT_PREC) * s[:, None]
+            acc += tl.dot(d.to(x_ptr.dtype.element_ty), xt, input_precision=DOT_PREC) * s[:, None]
         else:
             # Prefill: the scale on the weight (one multiply a weight, the weight rounded to x's dtype as
             # the dense path rounds it), so that the eight products chain into one accumulator: eight
             # separately scaled [BN, 64] products in flight spill (ptxas, sm_90).
-            w = ((c - zf[:, None]) * s[:, None]).to(x_ptr.dtype.element_ty)
-            acc = tl.dot(w, xt, acc, input_precision=DOT_PREC)
+            acc = tl.dot((d * s[:, None]).to(x_ptr.dtype.element_ty), xt, acc, input_precision=DOT_PREC)
     return acc
 
 

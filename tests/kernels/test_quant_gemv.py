@@ -134,6 +134,19 @@ def test_int8_dot_matches_ref(N, K, M, nan_empty):
     assert rel(out, Q.int8_linear_ref(x, qweight, scale)) < 1e-5
 
 
+@pytest.mark.parametrize("M", [5, 17])
+def test_int4_dot_fp16(M):
+    """fp16 x: the weight operand must stay below fp16's 65504, so the kernel undoes the nibble's
+    shift on the weight there (with scales 2^-sh on the product, a code of 15 at shift 16 overflows)."""
+    qweight, scales, zeros = int4_case(20, 512, 128)
+    zeros.zero_()
+    qweight.fill_(-1)  # every code 15
+    x = torch.randn(M, 512, device=DEVICE).half()
+    out = Q.int4_linear(x, qweight, scales, zeros, 128, impl="triton", kernel="dot")
+    assert out.isfinite().all()
+    assert rel(out, Q.int4_linear_ref(x.float(), qweight, scales, zeros, 128)) < 1e-2
+
+
 @pytest.mark.parametrize("split", [1, 2, 3, 4, 8])
 def test_dot_split_k(split, nan_empty):
     """Every split count, those leaving splits without a tile too (int4: 6 tiles of 16 words at
