@@ -42,6 +42,7 @@ gdc_launch_dependents() first, loads its first weight tile (int4: the words; int
 the first tile), then gdc_wait() before it reads x, the workspace or stores anything.
 """
 
+import functools
 import os
 
 import torch
@@ -531,10 +532,16 @@ def split_k(blocks: int, tiles: int, sms: int) -> int:
     return split
 
 
+@functools.lru_cache(maxsize=None)
+def _device_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _sms(device) -> int:
+    """The SM count `split_k` fills on `device` (INTERPRET_SMS off CUDA)."""
     if device.type != "cuda":
         return INTERPRET_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return _device_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
 # Per device: (float32 partials, int32 counters). A workspace that grows is replaced, the old one kept
@@ -559,9 +566,10 @@ def _workspace(device, n_part, n_cnt):
 
 
 def _dot_launch(kernel, tuned, configs, x, out, args, consts, N, tiles_of, config, split):
-    """Launch a dot kernel: `config` (a dict of its block sizes) or autotuning (`tuned`, over `configs`, per BLOCK_M); the
-    grid (n blocks, m blocks, splits), splits by `split_k` unless `split` is given; the workspace
-    sized for every candidate's grid."""
+    """Launch a dot kernel with `config` (a dict of its block sizes), or autotuned (`tuned`, over
+    `configs`, per BLOCK_M). args: the tensors after x and before the output, then a tuple of the
+    integers after the workspace. Grid (n blocks, m blocks, splits), the splits by `split_k` unless
+    `split` is given; the workspace sized for every candidate's grid."""
     M = x.shape[0]
     block_m = consts["BLOCK_M"]
     sms = _sms(x.device)
