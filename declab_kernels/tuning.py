@@ -55,6 +55,7 @@ def attention_variant(batch: int) -> str:
     """The paged decode attention's kernel variant for a batch of `batch` sequences."""
     return "long" if batch <= LONG_ATTENTION_BATCH else "split"
 
+
 # Quantised linears (`declab_kernels.quant_gemv`, int8 and int4): rows up to which the CUDA-core GEMV
 # runs ("fma"); from the next row up to QUANT_DOT_ROWS the dequantising tensor-core kernel ("dot"),
 # above it dequantise + cuBLAS. Before the dot kernel existed, the GEMVs at 16 rows were 5-10x slower
