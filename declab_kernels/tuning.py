@@ -58,11 +58,12 @@ def attention_variant(batch: int) -> str:
 
 # Quantised linears (`declab_kernels.quant_gemv`, int8 and int4): rows up to which the CUDA-core GEMV
 # runs ("fma"); from the next row up to QUANT_DOT_ROWS the dequantising tensor-core kernel ("dot"),
-# above it dequantise + cuBLAS. Before the dot kernel existed, the GEMVs at 16 rows were 5-10x slower
-# than bf16 and the dense path cost 47-160 us at 16 rows (fa5dd1f, results/quant_gemv.jsonl); the
-# two values here are the predictions of declab_kernels/quant_gemv/README.md (M = 1: the GEMV and the
-# dot kernel both near the copy time; the dot kernel's dequantisation, repeated by each of the
-# cdiv(M, 64) row blocks, overtakes the dense path's one extra pass near 1-2k rows), not yet
-# measurements: `python -m declab_bench.quant_gemv` records both candidates at M = 1 and at M = 512.
+# above it dequantise + cuBLAS. Measured before the dot kernel existed (fa5dd1f, results/quant_gemv.jsonl):
+# at 16 rows the GEMVs were 5-10x slower than bf16 and the dense path cost 47-160 us, so 2 rows and up
+# leave them. The two values are not yet measurements of the dot kernel: one row stays on the GEMV
+# (declab_kernels/quant_gemv/README.md predicts the dot kernel 3.5x faster for int4, 1.3x for int8),
+# and the dense path takes over where the dot kernel's dequantisation, repeated by each of the
+# cdiv(M, 64) row blocks, is predicted to cost more than its one extra pass (1-2k rows).
+# `python -m declab_bench.quant_gemv` records both candidates at M = 1 and at M = 512.
 QUANT_FMA_ROWS = 1
 QUANT_DOT_ROWS = 1024
