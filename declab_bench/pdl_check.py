@@ -95,6 +95,13 @@ SPECS = [
             dict(GROUP=128, M_POW2=m, V=4, BLOCK_N=bn, BLOCK_T=32 * w), dict(num_warps=w, num_stages=3),
             {"q_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8"}, unaligned=("M",))
       for bn, w, m in ((4, 4, 1), (2, 8, 1), (4, 4, 4))),
+    *(_spec(f"int4 dot n{bn} w{bw} (4096 x 4096, g128, BLOCK_M {bm})", "quant_gemv", "_int4_dot_kernel",
+            dict(GROUP=128, BLOCK_M=bm, DOT_PREC="tf32", BLOCK_N=bn, BLOCK_W=bw), dict(num_warps=w, num_stages=st),
+            {"q_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "part_ptr": "*fp32", "cnt_ptr": "*i32"}, unaligned=("M",))
+      for bn, bw, bm, w, st in ((64, 64, 16, 4, 3), (128, 32, 64, 8, 2))),
+    _spec("int8 dot n64 k256 (4096 x 4096, BLOCK_M 16)", "quant_gemv", "_int8_dot_kernel",
+          dict(BLOCK_M=16, DOT_PREC="tf32", BLOCK_N=64, BLOCK_K=256), dict(num_warps=4, num_stages=3),
+          {"q_ptr": "*i8", "s_ptr": "*fp32", "part_ptr": "*fp32", "cnt_ptr": "*i32"}, unaligned=("M",)),
     _spec("rmsnorm (d 2048, residual)", "rmsnorm", "_add_rms_norm_kernel",
           dict(HAS_RES=True, BLOCK=2048), dict(num_warps=8), floats=("eps",)),
     _spec("rotary + K/V write (32/8 heads of 64, page 16)", "rotary", "_rotary_kernel",

@@ -54,3 +54,16 @@ LONG_ATTENTION_BATCH = 1
 def attention_variant(batch: int) -> str:
     """The paged decode attention's kernel variant for a batch of `batch` sequences."""
     return "long" if batch <= LONG_ATTENTION_BATCH else "split"
+
+
+# Quantised linears (`declab_kernels.quant_gemv`, int8 and int4): rows up to which the CUDA-core GEMV
+# runs ("fma"); from the next row up to QUANT_DOT_ROWS the dequantising tensor-core kernel ("dot"),
+# above it dequantise + cuBLAS. Measured before the dot kernel existed (fa5dd1f, results/quant_gemv.jsonl):
+# at 16 rows the GEMVs were 5-10x slower than bf16 and the dense path cost 47-160 us, so 2 rows and up
+# leave them. The two values are not yet measurements of the dot kernel: one row stays on the GEMV
+# (declab_kernels/quant_gemv/README.md predicts the dot kernel 3.5x faster for int4, 1.3x for int8),
+# and the dense path takes over where the dot kernel's dequantisation, repeated by each of the
+# cdiv(M, 64) row blocks, is predicted to cost more than its one extra pass (1-2k rows).
+# `python -m declab_bench.quant_gemv` records both candidates at M = 1 and at M = 512.
+QUANT_FMA_ROWS = 1
+QUANT_DOT_ROWS = 1024

@@ -9,54 +9,115 @@ Formats (declab_kernels/quant_gemv/README.md has the byte counts):
 x `[M, K]` (contiguous last dimension) -> `[M, N]` in x's dtype, float32 accumulation. `impl` is
 "triton" or "ref" (already resolved by `declab_kernels.resolve_impl`).
 
-- `int8_linear(x, qweight, scale, *, impl)`, `int4_linear(x, qweight, scales, zeros, group_size, *, impl)`:
-  up to MAX_ROWS rows (int8) or INT4_GEMV_ROWS (int4) the Triton GEMV that dequantises in registers;
-  more rows (prefill, large batches) dequantise the whole weight to x's dtype with one Triton kernel and run `F.linear`
-  (cuBLAS), because there the product is compute-bound and the dense pass (2 bytes an element
-  written and read again) costs less than a tensor-core GEMM loses by being written by hand.
-  impl="ref" is the float32 reference at any M.
+- `int8_linear(x, qweight, scale, *, impl, kernel=None)`, `int4_linear(x, qweight, scales, zeros, group_size, *, impl, kernel=None)`:
+  with impl="triton" one of three kernels (KERNELS), chosen by `int8_kernel(M)` / `int4_kernel(M, K,
+  group_size)` from the thresholds in `declab_kernels.tuning`, or the one `kernel` names (ValueError
+  where it cannot run the shape):
+  "fma", the GEMV that dequantises in registers on the CUDA cores (up to MAX_ROWS rows for int8,
+  INT4_GEMV_ROWS for int4); "dot", the dequantising tensor-core kernel (any M; int4 needs
+  `int4_dot_words` >= 16); "dequant+cublas", the whole weight dequantised to x's dtype by one
+  Triton kernel, then `F.linear`. impl="ref" is the float32 reference at any M.
 - `dequantize_int8(qweight, scale, dtype, *, impl)`, `dequantize_int4(qweight, scales, zeros, group_size, dtype, *, impl)`
   -> dense `[N, K]` in dtype.
 - `pack_int4(codes [N, K]) -> [N, K // 8]` int32 and its inverse `unpack_int4`; `SHIFTS`, the eight nibbles' bit offsets.
 """
 
+import math
+
 import torch.nn.functional as F
 
-from declab_kernels import check_impl
+from declab_kernels import check_impl, tuning
 from declab_kernels.quant_gemv.ref import (
     INT4_LAYOUT, SHIFTS, dequantize_int4_ref, dequantize_int8_ref, int4_linear_ref, int8_linear_ref, pack_int4, unpack_int4,
 )
 
 MAX_ROWS = 16
 # The int4 GEMV's row limit: it keeps every x row's per-thread sums, and each row's update costs a
-# select over all of them (M^2 work), past 4 rows more than the dense path's extra pass.
+# select over all of them (M^2 work). The dot kernel takes 2 rows and more where it can tile the
+# shape; the GEMV's 2..4 rows serve the shapes it cannot.
 INT4_GEMV_ROWS = 4
 
+# The kernels a Triton product may run on (module docstring).
+KERNELS = ("fma", "dot", "dequant+cublas")
+# The widest int4 tile of words the dot kernel takes (8 x 128 inputs), and tl.dot's least depth.
+DOT_WORDS = 128
+MIN_DOT_WORDS = 16
+
 __all__ = ["int8_linear", "int4_linear", "dequantize_int8", "dequantize_int4", "pack_int4", "unpack_int4",
-           "int8_linear_ref", "int4_linear_ref", "MAX_ROWS", "INT4_GEMV_ROWS", "INT4_LAYOUT", "SHIFTS"]
+           "int8_linear_ref", "int4_linear_ref", "int8_kernel", "int4_kernel", "int4_dot_words", "KERNELS",
+           "MAX_ROWS", "INT4_GEMV_ROWS", "INT4_LAYOUT", "SHIFTS"]
 
 
-def int8_linear(x, qweight, scale, *, impl):
-    """x `[M, K]` @ (qweight * scale[:, None])^T -> `[M, N]` in x's dtype."""
+def int4_dot_words(S: int, group_size: int) -> int:
+    """The widest tile of words (a power of two <= DOT_WORDS) the int4 dot kernel can take for rows of
+    S words in groups of `group_size` inputs: it must divide both, so that nibble i of every tile is
+    one contiguous run of inputs inside one group; 0 where that is below MIN_DOT_WORDS (the dot
+    kernel does not run such shapes)."""
+    g = math.gcd(S, group_size)
+    widest = min(g & -g, DOT_WORDS)
+    return widest if widest >= MIN_DOT_WORDS else 0
+
+
+def int8_kernel(M: int) -> str:
+    """The kernel `int8_linear` runs for M rows (KERNELS; thresholds in `declab_kernels.tuning`)."""
+    if M <= tuning.QUANT_FMA_ROWS:
+        return "fma"
+    return "dot" if M <= tuning.QUANT_DOT_ROWS else "dequant+cublas"
+
+
+def int4_kernel(M: int, K: int, group_size: int) -> str:
+    """The kernel `int4_linear` runs for M rows of depth K in groups of `group_size`: as `int8_kernel`,
+    except that a shape the dot kernel cannot tile (`int4_dot_words` 0) runs the GEMV up to
+    INT4_GEMV_ROWS rows and the dense path above."""
+    if M <= tuning.QUANT_FMA_ROWS:
+        return "fma"
+    if int4_dot_words(K // 8, group_size) and M <= tuning.QUANT_DOT_ROWS:
+        return "dot"
+    return "fma" if M <= INT4_GEMV_ROWS else "dequant+cublas"
+
+
+def _kernel(kernel, chosen, fits, name):
+    """`kernel` checked (it must be among KERNELS and `fits`), or the rule's `chosen` for None."""
+    if kernel is None:
+        return chosen
+    if kernel not in KERNELS:
+        raise ValueError(f"{name}: kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
+    if not fits[kernel]:
+        raise ValueError(f"{name}: the {kernel!r} kernel cannot run this shape")
+    return kernel
+
+
+def int8_linear(x, qweight, scale, *, impl, kernel=None):
+    """x `[M, K]` @ (qweight * scale[:, None])^T -> `[M, N]` in x's dtype; `kernel` as the module docstring says."""
     check_impl(impl)
     if impl == "ref":
         return int8_linear_ref(x, qweight, scale)
     from declab_kernels.quant_gemv import triton as T
 
-    if x.shape[0] <= MAX_ROWS:
+    M = x.shape[0]
+    kernel = _kernel(kernel, int8_kernel(M), {"fma": M <= MAX_ROWS, "dot": True, "dequant+cublas": True}, "int8_linear")
+    if kernel == "fma":
         return T.int8_gemv_triton(x, qweight, scale)
+    if kernel == "dot":
+        return T.int8_dot_triton(x, qweight, scale)
     return F.linear(x, T.dequantize_int8_triton(qweight, scale, x.dtype))
 
 
-def int4_linear(x, qweight, scales, zeros, group_size, *, impl):
-    """x `[M, K]` @ ((codes - zeros) * scales)^T -> `[M, N]` in x's dtype (groups of `group_size` inputs)."""
+def int4_linear(x, qweight, scales, zeros, group_size, *, impl, kernel=None):
+    """x `[M, K]` @ ((codes - zeros) * scales)^T -> `[M, N]` in x's dtype (groups of `group_size` inputs);
+    `kernel` as the module docstring says."""
     check_impl(impl)
     if impl == "ref":
         return int4_linear_ref(x, qweight, scales, zeros, group_size)
     from declab_kernels.quant_gemv import triton as T
 
-    if x.shape[0] <= INT4_GEMV_ROWS:
+    M, K = x.shape[0], qweight.shape[1] * 8
+    fits = {"fma": M <= INT4_GEMV_ROWS, "dot": int4_dot_words(K // 8, group_size) > 0, "dequant+cublas": True}
+    kernel = _kernel(kernel, int4_kernel(M, K, group_size), fits, "int4_linear")
+    if kernel == "fma":
         return T.int4_gemv_triton(x, qweight, scales, zeros, group_size)
+    if kernel == "dot":
+        return T.int4_dot_triton(x, qweight, scales, zeros, group_size)
     return F.linear(x, T.dequantize_int4_triton(qweight, scales, zeros, group_size, x.dtype))
 
 

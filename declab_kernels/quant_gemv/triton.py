@@ -1,5 +1,6 @@
-"""Weight-only quantised GEMV in Triton (int8 per output channel, int4 group-wise), and the
-dequantisation kernels that the many-row path feeds to a dense matmul.
+"""Weight-only quantised products in Triton (int8 per output channel, int4 group-wise): the CUDA-core
+GEMVs, the dequantising tensor-core kernels, and the dequantisation kernels that the dense path
+feeds to cuBLAS.
 
 int8 GEMV (M <= MAX_ROWS rows of x): one program per BLOCK_N output rows walks K in tiles of its
 rows' codes (contiguous in K, one coalesced load), converts them in registers and accumulates every x
@@ -18,11 +19,30 @@ per-thread sums `[M, BLOCK_N, BLOCK_T]` are reduced across threads once, after t
 1: the largest dividing both S and the group. On CUDA the tiles are autotuned per (N, S, rows, group,
 V); under the interpreter one configuration runs.
 
+Dot kernels (any M; the dispatch runs them from 2 rows up to tuning.QUANT_DOT_ROWS): grid (N /
+BLOCK_N, M / BLOCK_M, splits along K). A program computes the transposed product out^T `[BLOCK_N,
+BLOCK_M]` in float32, so that its weight rows fill the MMA's 64-row side and x's rows (16, padded by
+masking, for decode; 64 for prefill) its narrow one. int4 on layout 2: a `[BLOCK_N, BW]` tile of words
+(BW dividing S and the group: `int4_dot_words`) gives, for nibble i, weights of the contiguous inputs
+i S + j0 .. + BW, all in one group; each nibble is masked in place under 2^23's exponent (2^23 + code
+2^sh as a float, no conversion instruction), minus 2^23 + zero 2^sh gives (code - zero) 2^sh exactly
+(bf16 too; fp16's range is too short for 15 2^16, so for fp16 x the shift is undone on the weight),
+and tl.dot takes it with x's matching `[BW, BLOCK_M]` columns. Decode (BLOCK_M 16) applies
+the group's scale (times 2^-sh) to each nibble's `[BLOCK_N, 16]` product, once per row, nibble and tile
+instead of once per weight; prefill (BLOCK_M 64) multiplies the weight by it before the dot, so that
+the eight products chain into one accumulator. int8: codes to x's dtype (exact), one dot a tile, the
+row scale once at the end. Splits (`split_k`: while the (m, n) blocks leave SMs idle, up to MAX_SPLIT)
+each own whole K tiles; each stores its float32 partial to a workspace `[split, M, N]`, takes a ticket
+from its block's int32 counter, and the last one sums the partials in split order (deterministic),
+writes the output and sets the counter back to 0: one launch, no host sync, a workspace of fixed size
+after the first call, CUDA-graph safe.
+
 PDL (constexpr, `declab_kernels.pdl`, launched with launch_pdl): every program calls
 gdc_launch_dependents() first, loads its first weight tile (int4: the words; int8: the row scales and
-the first tile), then gdc_wait() before it reads x or stores anything.
+the first tile), then gdc_wait() before it reads x, the workspace or stores anything.
 """
 
+import functools
 import os
 
 import torch
@@ -30,7 +50,7 @@ import triton
 import triton.language as tl
 
 from declab_kernels import pdl
-from declab_kernels.quant_gemv import INT4_GEMV_ROWS, MAX_ROWS
+from declab_kernels.quant_gemv import INT4_GEMV_ROWS, MAX_ROWS, int4_dot_words
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Under the interpreter, which runs programs one after another, wide row blocks: few programs.
@@ -190,6 +210,198 @@ def _int8_dequant_kernel(q_ptr, s_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLO
     tl.store(out_ptr + rn64[:, None] * K + rk[None, :], (q * s[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _dot_store(acc, out_ptr, part_ptr, cnt_ptr, rn, rm, n_mask, m_mask, M, N, stride_om, pid_n, pid_m, pid_k, split):
+    """Write this program's float32 products acc `[BN, BM]` (output columns rn, rows rm). With split
+    programs along K (split > 1): store them to the partials `[split, M, N]`, take a ticket from the
+    (m, n) block's counter, and the last of the block sums the split partials in split order
+    (deterministic whoever is last), writes the output and sets the counter back to 0."""
+    o_mask = n_mask[:, None] & m_mask[None, :]
+    o_ptrs = out_ptr + rm[None, :] * stride_om + rn[:, None]
+    if split == 1:
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
+    else:
+        mn = rm[None, :] * N + rn[:, None]  # [BN, BM]
+        tl.store(part_ptr + pid_k * M * N + mn, acc, mask=o_mask)
+        # Every thread's partial stores are issued before one thread takes the ticket; acq_rel
+        # publishes them to, and acquires the others' for, the program that takes the last one.
+        tl.debug_barrier()
+        cnt = cnt_ptr + pid_m * tl.num_programs(0) + pid_n
+        ticket = tl.atomic_add(cnt, 1, sem="acq_rel")
+        if ticket == split - 1:
+            tl.store(cnt, 0)
+            total = tl.zeros(acc.shape, dtype=tl.float32)
+            for s in range(split):
+                # .cg reads from L2, where the other programs' stores landed.
+                total += tl.load(part_ptr + s * M * N + mn, mask=o_mask, other=0.0, cache_modifier=".cg")
+            tl.store(o_ptrs, total.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit
+def _int4_group(s_ptr, z_ptr, rn64, n_mask, k0, n_groups, GROUP: tl.constexpr):
+    """(scale float32, zero int32) `[BN]` of the group holding input k0 of the program's rows."""
+    g_off = rn64 * n_groups + k0 // GROUP
+    return (tl.load(s_ptr + g_off, mask=n_mask, other=0.0).to(tl.float32),
+            tl.load(z_ptr + g_off, mask=n_mask, other=0).to(tl.int32))
+
+
+@triton.jit
+def _int4_groups(s_ptr, z_ptr, rn64, n_mask, j0, S, n_groups, GROUP: tl.constexpr):
+    """The (scale, zero) of each nibble of the tile at word j0: nibble i holds inputs i S + j0 .. + BW,
+    one group (BW divides S and the group). Loaded apart from the tile's arithmetic, so that the first
+    tile's come before the PDL wait with its words."""
+    return (_int4_group(s_ptr, z_ptr, rn64, n_mask, j0, n_groups, GROUP),
+            _int4_group(s_ptr, z_ptr, rn64, n_mask, S + j0, n_groups, GROUP),
+            _int4_group(s_ptr, z_ptr, rn64, n_mask, 2 * S + j0, n_groups, GROUP),
+            _int4_group(s_ptr, z_ptr, rn64, n_mask, 3 * S + j0, n_groups, GROUP),
+            _int4_group(s_ptr, z_ptr, rn64, n_mask, 4 * S + j0, n_groups, GROUP),
+            _int4_group(s_ptr, z_ptr, rn64, n_mask, 5 * S + j0, n_groups, GROUP),
+            _int4_group(s_ptr, z_ptr, rn64, n_mask, 6 * S + j0, n_groups, GROUP),
+            _int4_group(s_ptr, z_ptr, rn64, n_mask, 7 * S + j0, n_groups, GROUP))
+
+
+@triton.jit
+def _int4_dot_tile(acc, words, groups, x_ptr, stride_xm, rm, x_mask, j0, S,
+                   BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr, DOT_PREC: tl.constexpr):
+    """acc `[BN, BM]` plus the products of one tile of words `[BN, BW]` (words j0 .. j0 + BW of the
+    program's rows, their scales and zeros `groups` from `_int4_groups`) with x's matching columns;
+    x_mask `[BM]` masks x's rows (a split past the end masks them all)."""
+    # x's eight `[BW, BM]` column runs, loaded before any is used: outside the pipelined loop (the
+    # tile before the PDL wait) each load would otherwise wait for the previous nibble's product.
+    x_cols = x_ptr + rm[None, :] * stride_xm + tl.arange(0, BLOCK_W)[:, None]
+    xs = (tl.load(x_cols + j0, mask=x_mask[None, :], other=0.0),
+          tl.load(x_cols + (S + j0), mask=x_mask[None, :], other=0.0),
+          tl.load(x_cols + (2 * S + j0), mask=x_mask[None, :], other=0.0),
+          tl.load(x_cols + (3 * S + j0), mask=x_mask[None, :], other=0.0),
+          tl.load(x_cols + (4 * S + j0), mask=x_mask[None, :], other=0.0),
+          tl.load(x_cols + (5 * S + j0), mask=x_mask[None, :], other=0.0),
+          tl.load(x_cols + (6 * S + j0), mask=x_mask[None, :], other=0.0),
+          tl.load(x_cols + (7 * S + j0), mask=x_mask[None, :], other=0.0))
+    # Nibbles 5..7 moved to bits 8..19, so that every nibble can sit below a float's exponent field.
+    high = words >> 12
+    for i in tl.static_range(8):
+        s, z = groups[i]
+        xt = xs[i]
+        if i < 5:
+            b = words
+            sh = 4 * i
+        else:
+            b = high
+            sh = 4 * (i - 3)
+        # The nibble masked in place under 2^23's exponent is the float 2^23 + code 2^sh (no shift, no
+        # conversion instruction); minus 2^23 + zero 2^sh it is (code - zero) 2^sh, exact, and so in bf16.
+        c = ((b & (0xF << sh)) | MAGIC_BITS).to(tl.float32, bitcast=True)
+        zf = ((z << sh) | MAGIC_BITS).to(tl.float32, bitcast=True)
+        d = c - zf[:, None]  # [BN, BW]
+        if x_ptr.dtype.element_ty == tl.float16:
+            # fp16 ends at 65504, below 15 2^16: the shift undone on the weight (one multiply a weight).
+            d = d * (1.0 / (1 << sh))
+        else:
+            s = s * (1.0 / (1 << sh))
+        if BLOCK_M <= 16:
+            # Decode: the group's scale once per (row, nibble, tile), on the product [BN, 16], not on
+            # every weight; the weight operand (code - zero) 2^sh is exact in bf16.
+            acc += tl.dot(d.to(x_ptr.dtype.element_ty), xt, input_precision=DOT_PREC) * s[:, None]
+        else:
+            # Prefill: the scale on the weight (one multiply a weight, the weight rounded to x's dtype as
+            # the dense path rounds it), so that the eight products chain into one accumulator: eight
+            # separately scaled [BN, 64] products in flight spill (ptxas, sm_90).
+            acc = tl.dot((d * s[:, None]).to(x_ptr.dtype.element_ty), xt, acc, input_precision=DOT_PREC)
+    return acc
+
+
+@triton.jit
+def _int4_dot_kernel(
+    x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr,
+    M, N, S, n_groups, stride_xm, stride_om,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr = False,
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    split = tl.num_programs(2)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    n_mask = rn < N
+    rn64 = rn.to(tl.int64)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+    m_mask = rm < M
+    # Split s owns whole tiles of words [s per, (s + 1) per); BW divides S, so every tile is whole.
+    per = tl.cdiv(S // BLOCK_W, split) * BLOCK_W
+    j_lo = pid_k * per
+    j_hi = tl.minimum(S, j_lo + per)
+    q_rows = q_ptr + rn64[:, None] * S + tl.arange(0, BLOCK_W)[None, :]  # [BN, BW]
+    # Transposed product, out^T [BN, BM]: the weight rows fill the MMA's 64-row side, x's few rows its narrow one.
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    j_start = j_lo
+    if PDL:
+        # Let the next kernel launch now, fetch the first tile of words and its scales and zeros (no
+        # kernel of a decode step writes a weight) while the previous kernel finishes, and wait for it
+        # before reading x.
+        tl.extra.cuda.gdc_launch_dependents()
+        # A split past the end (j_lo = j_hi) loads nothing and adds nothing; the test as a [BN] and a
+        # [BM] tensor (the interpreter refuses a mask combined with a scalar comparison).
+        live_n = n_mask & (tl.zeros((BLOCK_N,), tl.int32) + j_lo < j_hi)
+        live_m = m_mask & (tl.zeros((BLOCK_M,), tl.int32) + j_lo < j_hi)
+        words = tl.load(q_rows + j_lo, mask=live_n[:, None], other=0)
+        groups = _int4_groups(s_ptr, z_ptr, rn64, live_n, j_lo, S, n_groups, GROUP)
+        tl.extra.cuda.gdc_wait()
+        acc = _int4_dot_tile(acc, words, groups, x_ptr, stride_xm, rm, live_m, j_lo, S, BLOCK_M, BLOCK_W, DOT_PREC)
+        j_start = j_lo + BLOCK_W
+    for j0 in range(j_start, j_hi, BLOCK_W):
+        words = tl.load(q_rows + j0, mask=n_mask[:, None], other=0, eviction_policy="evict_first")
+        groups = _int4_groups(s_ptr, z_ptr, rn64, n_mask, j0, S, n_groups, GROUP)
+        acc = _int4_dot_tile(acc, words, groups, x_ptr, stride_xm, rm, m_mask, j0, S, BLOCK_M, BLOCK_W, DOT_PREC)
+    _dot_store(acc, out_ptr, part_ptr, cnt_ptr, rn, rm, n_mask, m_mask, M, N, stride_om, pid_n, pid_m, pid_k, split)
+
+
+@triton.jit
+def _int8_dot_tile(acc, q, x_ptr, stride_xm, rm, m_mask, k0, k_hi, DOT_PREC: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc `[BN, BM]` plus the products of the codes q `[BN, BK]` (inputs k0 .. k0 + BK) with x's columns."""
+    k = k0 + tl.arange(0, BLOCK_K)
+    xt = tl.load(x_ptr + rm[None, :] * stride_xm + k[:, None], mask=(k < k_hi)[:, None] & m_mask[None, :], other=0.0)  # [BK, BM]
+    # Codes -127..127 are exact in bf16; the row scale comes once, after the sum.
+    return tl.dot(q.to(xt.dtype), xt, acc, input_precision=DOT_PREC)
+
+
+@triton.jit
+def _int8_dot_kernel(
+    x_ptr, q_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr,
+    M, N, K, stride_xm, stride_om,
+    BLOCK_M: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    split = tl.num_programs(2)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    n_mask = rn < N
+    rn64 = rn.to(tl.int64)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+    m_mask = rm < M
+    # Split s owns whole tiles [s per, (s + 1) per); a split past the end runs no tile.
+    per = tl.cdiv(tl.cdiv(K, BLOCK_K), split) * BLOCK_K
+    k_lo = pid_k * per
+    k_hi = tl.minimum(K, k_lo + per)
+    kk = tl.arange(0, BLOCK_K)
+    q_rows = q_ptr + rn64[:, None] * K + kk[None, :]  # [BN, BK]
+    s = tl.load(s_ptr + rn64, mask=n_mask, other=0.0).to(tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    k_start = k_lo
+    if PDL:
+        # As the int4 kernel: the row scales and the first tile of codes before the wait, x after.
+        tl.extra.cuda.gdc_launch_dependents()
+        q = tl.load(q_rows + k_lo, mask=n_mask[:, None] & (k_lo + kk < k_hi)[None, :], other=0)
+        tl.extra.cuda.gdc_wait()
+        acc = _int8_dot_tile(acc, q, x_ptr, stride_xm, rm, m_mask, k_lo, k_hi, DOT_PREC, BLOCK_K)
+        k_start = k_lo + BLOCK_K
+    for k0 in range(k_start, k_hi, BLOCK_K):
+        q = tl.load(q_rows + k0, mask=n_mask[:, None] & (k0 + kk < k_hi)[None, :], other=0, eviction_policy="evict_first")
+        acc = _int8_dot_tile(acc, q, x_ptr, stride_xm, rm, m_mask, k0, k_hi, DOT_PREC, BLOCK_K)
+    _dot_store(acc * s[:, None], out_ptr, part_ptr, cnt_ptr, rn, rm, n_mask, m_mask, M, N, stride_om, pid_n, pid_m, pid_k, split)
+
+
 # Candidates autotuning measures per (N, S, rows, group, V) on a GPU. BLOCK_T is 32 num_warps: one
 # thread per position along T, so that x `[1, BT, V]` is laid out as the words are (a tile with fewer
 # threads than x elements / V would be laid out otherwise, and converted through shared memory).
@@ -220,9 +432,11 @@ def words_per_thread(S: int, group_size: int) -> int:
     return next(v for v in (4, 2, 1) if S % v == 0 and group_size % v == 0)
 
 
-def _check_x(x, K, name, max_rows):
-    if x.dim() != 2 or x.stride(-1) != 1 or x.shape[1] != K or not 1 <= x.shape[0] <= max_rows:
-        raise ValueError(f"{name}: x must be [M, {K}] with 1 <= M <= {max_rows} and a contiguous last dimension, got {tuple(x.shape)}")
+def _check_x(x, K, name, max_rows=None):
+    """ValueError unless x is `[M, K]` with 1 <= M (<= max_rows when given) and a contiguous last dimension."""
+    bound = f" <= {max_rows}" if max_rows is not None else ""
+    if x.dim() != 2 or x.stride(-1) != 1 or x.shape[1] != K or not 1 <= x.shape[0] <= (max_rows or x.shape[0]):
+        raise ValueError(f"{name}: x must be [M, {K}] with 1 <= M{bound} and a contiguous last dimension, got {tuple(x.shape)}")
 
 
 def int4_gemv_triton(x, qweight, scales, zeros, group_size, *, out=None, config=None):
@@ -264,6 +478,162 @@ def int8_gemv_triton(x, qweight, scale, *, out=None):
     else:
         _int8_tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](*args, **consts)
     return out
+
+
+# Dequantising tensor-core kernels: candidates per BLOCK_M (16: decode rows, padded; 64: prefill),
+# autotuned per (N, K or S, BLOCK_M, group). The weight rows fill the MMA's 64-row side (BLOCK_N 64
+# or 128). int4: BLOCK_W words a row a tile (8 BLOCK_W inputs), clipped to `int4_dot_words` for the
+# shape; int8: BLOCK_K codes. Compiled for sm_90 (offline, Triton 3.9's ptxas, PDL on), all use wgmma
+# without spills: int4 at BLOCK_M 16 133..240 registers, 56..112 KB of shared memory (x's eight runs
+# and the words, num_stages deep); at BLOCK_M 64 only BLOCK_W 32 fits (BLOCK_W 64: 155..270 KB or
+# spills); int8 95..200 registers.
+INT4_DOT_CONFIGS = {bm: [triton.Config({"BLOCK_N": bn, "BLOCK_W": bw}, num_warps=w, num_stages=st) for bn, bw, w, st in cfgs]
+                    for bm, cfgs in ((16, ((64, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 4), (128, 32, 8, 4))),
+                                     (64, ((128, 32, 8, 2), (64, 32, 4, 3), (128, 32, 8, 3))))}
+INT8_DOT_CONFIGS = {bm: [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st) for bn, bk, w, st in cfgs]
+                    for bm, cfgs in ((16, ((64, 256, 4, 3), (128, 256, 8, 3), (64, 128, 4, 4), (128, 128, 8, 4))),
+                                     (64, ((128, 128, 8, 3), (64, 128, 4, 3), (128, 64, 8, 3))))}
+INTERPRET_INT4_DOT = dict(BLOCK_N=16, BLOCK_W=16)
+INTERPRET_INT8_DOT = dict(BLOCK_N=16, BLOCK_K=32)
+# Splits along K at most, and the SM count the interpreter pretends to have (so that small test
+# shapes split, as llama's 2048..4096-row projections do on 132 SMs).
+MAX_SPLIT = 8
+INTERPRET_SMS = 4
+
+
+def _clip_words(configs, nargs, **kwargs):
+    """The int4 dot candidates with BLOCK_W clipped to the shape's widest tile (`int4_dot_words`), deduplicated."""
+    widest = int4_dot_words(nargs["S"], kwargs["GROUP"])
+    kept = {}
+    for c in configs:
+        kw = dict(c.kwargs, BLOCK_W=min(c.kwargs["BLOCK_W"], widest))
+        kept.setdefault((kw["BLOCK_N"], kw["BLOCK_W"], c.num_warps, c.num_stages),
+                        triton.Config(kw, num_warps=c.num_warps, num_stages=c.num_stages))
+    return list(kept.values())
+
+
+_int4_dot_tuned = {bm: triton.autotune(cfgs, key=["N", "S", "BLOCK_M", "GROUP"], do_bench=_bench,
+                                        prune_configs_by={"early_config_prune": _clip_words})(_int4_dot_kernel)
+                   for bm, cfgs in INT4_DOT_CONFIGS.items()}
+_int8_dot_tuned = {bm: triton.autotune(cfgs, key=["N", "K", "BLOCK_M"], do_bench=_bench)(_int8_dot_kernel)
+                   for bm, cfgs in INT8_DOT_CONFIGS.items()}
+
+def dot_block_m(M: int) -> int:
+    """Rows of x a dot program takes: 16 (tl.dot's least, padded by masking) up to MAX_ROWS, 64 above."""
+    return 16 if M <= MAX_ROWS else 64
+
+
+def split_k(blocks: int, tiles: int, sms: int) -> int:
+    """Programs along K for `blocks` (m, n) output blocks of `tiles` K tiles each: doubled, up to
+    MAX_SPLIT and `tiles`, while the blocks alone would leave some of the `sms` SMs without a program."""
+    split = 1
+    while blocks * split < sms and 2 * split <= min(MAX_SPLIT, tiles):
+        split *= 2
+    return split
+
+
+@functools.lru_cache(maxsize=None)
+def _device_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _sms(device) -> int:
+    """The SM count `split_k` fills on `device` (INTERPRET_SMS off CUDA)."""
+    if device.type != "cuda":
+        return INTERPRET_SMS
+    return _device_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+# Per device: (float32 partials, int32 counters). A workspace that grows is replaced, the old one kept
+# alive: a captured CUDA graph may still point at it.
+_workspaces: dict = {}
+_retired: list = []
+
+
+def _workspace(device, n_part, n_cnt):
+    """Partials of >= n_part floats and >= n_cnt counters, all zero, on `device`."""
+    key = str(device)
+    ws = _workspaces.get(key)
+    if ws is None or ws[0].numel() < n_part or ws[1].numel() < n_cnt:
+        if ws is not None:
+            _retired.append(ws)
+            n_part, n_cnt = max(n_part, ws[0].numel()), max(n_cnt, ws[1].numel())
+        # Counters start at zero and every launch leaves them at zero; partials need no zeroing.
+        ws = (torch.empty(max(n_part, 1), dtype=torch.float32, device=device),
+              torch.zeros(max(n_cnt, 1), dtype=torch.int32, device=device))
+        _workspaces[key] = ws
+    return ws
+
+
+def _dot_launch(kernel, tuned, configs, x, out, args, consts, N, tiles_of, config, split):
+    """Launch a dot kernel with `config` (a dict of its block sizes), or autotuned (`tuned`, over
+    `configs`, per BLOCK_M). args: the tensors after x and before the output, then a tuple of the
+    integers after the workspace. Grid (n blocks, m blocks, splits), the splits by `split_k` unless
+    `split` is given; the workspace sized for every candidate's grid."""
+    M = x.shape[0]
+    block_m = consts["BLOCK_M"]
+    sms = _sms(x.device)
+
+    def splits(meta):
+        blocks = triton.cdiv(N, meta["BLOCK_N"]) * triton.cdiv(M, block_m)
+        return split if split is not None else split_k(blocks, tiles_of(meta), sms)
+
+    candidates = [config] if config is not None else [c.kwargs for c in configs[block_m]]
+    n_part = max(splits(c) * M * N if splits(c) > 1 else 0 for c in candidates)
+    n_cnt = max(triton.cdiv(N, c["BLOCK_N"]) * triton.cdiv(M, block_m) for c in candidates)
+    part, cnt = _workspace(x.device, n_part, n_cnt)
+    use_pdl = pdl(x.device, __name__)
+    consts = dict(consts, DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", PDL=use_pdl, launch_pdl=use_pdl)
+
+    def grid(meta):
+        return triton.cdiv(N, meta["BLOCK_N"]), triton.cdiv(M, block_m), splits(meta)
+
+    if config is not None:
+        kernel[grid(config)](x, *args[:-1], out, part, cnt, *args[-1], **consts, **config)
+    else:
+        # The autotuner passes the keywords that are no configuration's (launch_pdl too) to every launch.
+        tuned[block_m][grid](x, *args[:-1], out, part, cnt, *args[-1], **consts)
+    return out
+
+
+def int4_dot_triton(x, qweight, scales, zeros, group_size, *, out=None, config=None, split=None):
+    """x `[M, K]` (any M) -> `[M, N]` in x's dtype with the dequantising tensor-core kernel; the shape
+    must have `int4_dot_words(S, group_size)` >= 16. `config` (BLOCK_N, BLOCK_W, optionally num_warps /
+    num_stages): that configuration instead of the autotuned one (the interpreter's default:
+    INTERPRET_INT4_DOT); `split`: that many programs along K instead of `split_k`'s."""
+    N, S = qweight.shape
+    K = 8 * S
+    _check_x(x, K, "int4_dot")
+    widest = int4_dot_words(S, group_size)
+    if widest < 16:
+        raise ValueError(f"int4_dot: {S} words a row and group {group_size} leave no tile of >= 16 words in one group")
+    if config is None and INTERPRET:
+        config = dict(INTERPRET_INT4_DOT, BLOCK_W=min(INTERPRET_INT4_DOT["BLOCK_W"], widest))
+    if config is not None and (widest % config["BLOCK_W"] or config["BLOCK_W"] < 16):
+        raise ValueError(f"int4_dot: BLOCK_W {config['BLOCK_W']} must be >= 16 and divide {widest}")
+    M = x.shape[0]
+    if out is None:
+        out = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    args = (qweight, scales, zeros, (M, N, S, K // group_size, x.stride(0), out.stride(0)))
+    consts = dict(GROUP=group_size, BLOCK_M=dot_block_m(M))
+    return _dot_launch(_int4_dot_kernel, _int4_dot_tuned, INT4_DOT_CONFIGS, x, out, args, consts, N,
+                       lambda meta: S // min(meta["BLOCK_W"], widest), config, split)
+
+
+def int8_dot_triton(x, qweight, scale, *, out=None, config=None, split=None):
+    """x `[M, K]` (any M) -> `[M, N]` in x's dtype with the tensor-core kernel; `config` (BLOCK_N,
+    BLOCK_K, ...) and `split` as `int4_dot_triton`'s."""
+    N, K = qweight.shape
+    _check_x(x, K, "int8_dot")
+    if config is None and INTERPRET:
+        config = INTERPRET_INT8_DOT
+    M = x.shape[0]
+    if out is None:
+        out = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    args = (qweight, scale, (M, N, K, x.stride(0), out.stride(0)))
+    consts = dict(BLOCK_M=dot_block_m(M))
+    return _dot_launch(_int8_dot_kernel, _int8_dot_tuned, INT8_DOT_CONFIGS, x, out, args, consts, N,
+                       lambda meta: triton.cdiv(K, meta["BLOCK_K"]), config, split)
 
 
 def dequantize_int4_triton(qweight, scales, zeros, group_size, dtype):
