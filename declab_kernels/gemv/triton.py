@@ -67,6 +67,7 @@ import triton
 import triton.language as tl
 
 from declab_kernels import pdl
+from declab_kernels.split_workspace import split_workspace
 from declab_kernels.gemv.fusions import check_row_splits
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -406,25 +407,9 @@ _gemv_tuned = triton.autotune(
     do_bench=_autotune_bench,
 )(_gemv_kernel)
 
-# Per device: (partials, counters). A workspace that grows is replaced, the old one kept alive:
-# a captured CUDA graph may still point at it.
-_workspaces: dict = {}
-_retired: list = []
-
-
 def _workspace(device, n_part, n_cnt):
-    """Float32 partials of >= n_part elements and >= n_cnt int32 counters, all zero, on `device`."""
-    key = str(device)
-    ws = _workspaces.get(key)
-    if ws is None or ws[0].numel() < n_part or ws[1].numel() < n_cnt:
-        if ws is not None:
-            _retired.append(ws)
-            n_part, n_cnt = max(n_part, ws[0].numel()), max(n_cnt, ws[1].numel())
-        # Counters start at zero and every launch leaves them at zero; partials need no zeroing.
-        ws = (torch.empty(max(n_part, 1), dtype=torch.float32, device=device),
-              torch.zeros(max(n_cnt, 1), dtype=torch.int32, device=device))
-        _workspaces[key] = ws
-    return ws
+    """This kernel family's split-K partials and counters (`declab_kernels.split_workspace`)."""
+    return split_workspace("gemv", device, n_part, n_cnt)
 
 
 def _as_config(config):

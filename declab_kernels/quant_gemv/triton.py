@@ -50,6 +50,7 @@ import triton
 import triton.language as tl
 
 from declab_kernels import pdl
+from declab_kernels.split_workspace import split_workspace
 from declab_kernels.quant_gemv import INT4_GEMV_ROWS, MAX_ROWS, int4_dot_words
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -544,25 +545,9 @@ def _sms(device) -> int:
     return _device_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
-# Per device: (float32 partials, int32 counters). A workspace that grows is replaced, the old one kept
-# alive: a captured CUDA graph may still point at it.
-_workspaces: dict = {}
-_retired: list = []
-
-
 def _workspace(device, n_part, n_cnt):
-    """Partials of >= n_part floats and >= n_cnt counters, all zero, on `device`."""
-    key = str(device)
-    ws = _workspaces.get(key)
-    if ws is None or ws[0].numel() < n_part or ws[1].numel() < n_cnt:
-        if ws is not None:
-            _retired.append(ws)
-            n_part, n_cnt = max(n_part, ws[0].numel()), max(n_cnt, ws[1].numel())
-        # Counters start at zero and every launch leaves them at zero; partials need no zeroing.
-        ws = (torch.empty(max(n_part, 1), dtype=torch.float32, device=device),
-              torch.zeros(max(n_cnt, 1), dtype=torch.int32, device=device))
-        _workspaces[key] = ws
-    return ws
+    """This kernel family's split-K partials and counters (`declab_kernels.split_workspace`)."""
+    return split_workspace("quant_gemv", device, n_part, n_cnt)
 
 
 def _dot_launch(kernel, tuned, configs, x, out, args, consts, N, tiles_of, config, split):
