@@ -62,7 +62,7 @@ class TransformerDecoder(AutoregressiveDecoder):
         return self._kv_dtype or self.dtype
 
     def describe(self) -> dict:
-        return {**super().describe(), "kv_dtype": str(self.kv_dtype).removeprefix("torch."), "step": self.step_kind}
+        return {**super().describe(), "kv_dtype": str(self.kv_dtype).removeprefix("torch.")}
 
     def _new_kv(self, **size) -> PagedKVCache:
         c = self.config

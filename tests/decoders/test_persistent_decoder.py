@@ -153,6 +153,23 @@ def test_gpu_timeline_orders_every_item():
     rows = step.timeline()
     assert len(rows) == len(step.items)
     assert all(0 <= r["start_ns"] <= r["ready_ns"] <= r["end_ns"] for r in rows)
-    # A head tile cannot be ready before the last down tile has ended.
-    last_down = max(r["end_ns"] for r in rows if r["stage"] == "down")
-    assert min(r["ready_ns"] for r in rows if r["stage"] == "head") >= last_down - 1000
+    # No head tile is ready before every down tile was (each down tile signals after its ready stamp).
+    last_down = max(r["ready_ns"] for r in rows if r["stage"] == "down")
+    assert min(r["ready_ns"] for r in rows if r["stage"] == "head") >= last_down
+
+
+@pytest.mark.parametrize("extra, says", [
+    (["--models", "mamba2-tiny"], "has no persistent step yet"),
+    (["--batch", "1,2"], "batch 1 only"),
+    (["--impl", "ref"], "Triton kernel"),
+    (["--quant", "int8", "--impl", "triton"], "dense weights"),
+])
+def test_compare_refuses_what_the_persistent_step_does_not_run(extra, says, tmp_path, capsys):
+    from decoders import compare
+
+    argv = ["--no-progress", "--models", "llama-tiny", "--ctx", "64", "--new-tokens", "4", "--step", "graphed,persistent",
+            "--device", "cpu", "--out", str(tmp_path / "out.jsonl")]
+    # The later --models wins, so each case changes one option of a sweep that would otherwise run.
+    code = compare.main(argv + extra)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and says in err[-1] and not (tmp_path / "out.jsonl").exists()
