@@ -27,10 +27,18 @@ __all__ = ["PersistentStep", "LayerWeights", "StepShape", "Tiles", "resident_pro
 # Warps of every program: the attention tile (K and V of the current and the next 128-key tile at
 # D = 64, 64 KB) and the GEMV chunks (two 8 KB chunks in flight) spread over 256 threads.
 NUM_WARPS = 8
-# Weight elements of one GEMV chunk (BN rows x BK columns): 8 KB of bf16, two in flight a program.
-CHUNK_ELEMS = 4096
+# Weight elements of one GEMV chunk (BN rows x BK columns): 16 KB of bf16, two in flight a program.
+CHUNK_ELEMS = 8192
+# Elements of one attention key tile (keys x D_pad): 64 keys at D = 64, K and V, this one and the next.
+ATTENTION_TILE_ELEMS = 4096
 # Programs an SM holds at most, whatever its registers and shared memory would allow.
 MAX_PROGRAMS_PER_SM = 2
+# Registers a thread may use (ptxas .maxnreg). Left free, ptxas took 222-247 whatever the tile sizes
+# (llama-1b, sm_90 offline compile), one 8-warp program an SM; at 128 it spills 96 bytes a thread and
+# two programs fit an SM, twice the weight bytes in flight.
+MAX_REGISTERS = 128
+# 32-bit registers of one SM (every NVIDIA SM from Volta to Hopper).
+REGISTERS_PER_SM = 65536
 
 
 @dataclass
@@ -54,7 +62,7 @@ def resident_programs(n_regs: int, shared: int, num_warps: int, device: torch.de
     program), capped at MAX_PROGRAMS_PER_SM."""
     props = torch.cuda.get_device_properties(device)
     per_warp = -(-max(n_regs, 1) * 32 // 256) * 256
-    by_regs = props.regs_per_multiprocessor // per_warp // num_warps
+    by_regs = REGISTERS_PER_SM // per_warp // num_warps
     by_threads = props.max_threads_per_multi_processor // (32 * num_warps)
     by_shared = props.shared_memory_per_multiprocessor // (shared + 1024)
     return min(by_regs, by_threads, by_shared, MAX_PROGRAMS_PER_SM)
@@ -108,7 +116,8 @@ class PersistentStep:
         self.consts = dict(
             D_MODEL=shape.d_model, INTER=shape.inter, VOCAB=shape.vocab, HQ=shape.hq, HKV=shape.hkv, D=D, D_PAD=d_pad,
             G=shape.group, G_PAD=max(16, g_r), G_R=g_r, PAGE=k_cache.shape[2],
-            BLOCK_N=decode_config(D, workspace.variant).block_n, S_PAD=s_pad,
+            BLOCK_N=decode_config(D, workspace.variant).block_n, TILE=min(decode_config(D, workspace.variant).block_n, ATTENTION_TILE_ELEMS // d_pad),
+            S_PAD=s_pad,
             CHUNK=min(s_pad, max(1, 8192 // (g_r * d_pad))), EMBED_BLOCK=min(1024, _pow2(shape.d_model)),
             DELAY=int(delay_ns), TIMELINE=bool(timeline),
         )
@@ -149,7 +158,8 @@ class PersistentStep:
         for _ in range(MAX_PROGRAMS_PER_SM):
             self._plan(programs)
             probe = torch.zeros(1, dtype=torch.int64, device=self.device)
-            compiled = persistent_step_kernel.warmup(*self._launch_args(probe, probe), grid=(1,), num_warps=NUM_WARPS, **self.consts)
+            compiled = persistent_step_kernel.warmup(*self._launch_args(probe, probe), grid=(1,), num_warps=NUM_WARPS,
+                                                      maxnreg=MAX_REGISTERS, **self.consts)
             compiled._init_handles()
             resident = resident_programs(compiled.n_regs, compiled.metadata.shared, NUM_WARPS, self.device)
             if sms * resident >= programs:
@@ -172,7 +182,8 @@ class PersistentStep:
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Logits [1, V] of the token tokens [1] at positions [1]; its K/V row is written into the cache."""
-        persistent_step_kernel[(self.programs,)](*self._launch_args(tokens, positions), num_warps=NUM_WARPS, **self.consts)
+        persistent_step_kernel[(self.programs,)](*self._launch_args(tokens, positions), num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS,
+                                                 **self.consts)
         return self.logits
 
     def timeline(self) -> list[dict]:

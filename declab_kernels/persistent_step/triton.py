@@ -30,7 +30,16 @@ globaltimer stamps per item (start, wait over, end) and the SM id into `time_ptr
 import triton
 import triton.language as tl
 
-from declab_kernels.persistent_step.schedule import ATTN, DOWN, EMBED, GU, HEAD, O, QKV
+from declab_kernels.persistent_step import schedule
+
+# The stage codes of the work list, as constexprs (a kernel reads no other globals).
+EMBED = tl.constexpr(schedule.EMBED)
+QKV = tl.constexpr(schedule.QKV)
+ATTN = tl.constexpr(schedule.ATTN)
+O = tl.constexpr(schedule.O)
+GU = tl.constexpr(schedule.GU)
+DOWN = tl.constexpr(schedule.DOWN)
+HEAD = tl.constexpr(schedule.HEAD)
 
 
 @triton.jit
@@ -129,10 +138,12 @@ def _attn_item(layer, tile, qkv_ptr, attn_ptr, lse_ptr, part_ptr, k_ptr, v_ptr, 
                cnt_ptr, wait_idx, target, signal_idx, ticket_idx, ticket_target, seed,
                HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, G: tl.constexpr,
                G_PAD: tl.constexpr, G_R: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-               S_PAD: tl.constexpr, CHUNK: tl.constexpr, DELAY: tl.constexpr, stamp_ptr, TIMELINE: tl.constexpr):
+               TILE: tl.constexpr, S_PAD: tl.constexpr, CHUNK: tl.constexpr, DELAY: tl.constexpr, stamp_ptr, TIMELINE: tl.constexpr):
     """Split `tile % num_splits` of kv head `tile // num_splits`: RoPE on q (and, in the split holding
     the step's position, on k, written with v into the cache), the split's online softmax over its
-    keys into a partial, then a ticket; the last ticket's taker merges the head's partials into attn."""
+    keys into a partial, then a ticket; the last ticket's taker merges the head's partials into attn.
+    The splits are cut at BLOCK_N keys (the graphed step's tiles, so both cut the keys alike); a split
+    walks its keys TILE at a time (fewer registers: one program holds every stage's code)."""
     hk = tile // num_splits
     split = tile % num_splits
     # Splits as the paged decode kernel cuts them: equal runs of whole BLOCK_N-key tiles.
@@ -151,7 +162,7 @@ def _attn_item(layer, tile, qkv_ptr, attn_ptr, lse_ptr, part_ptr, k_ptr, v_ptr, 
     v_base = v_ptr + layer.to(tl.int64) * stride_kl
     # The split's first K/V tile was written by earlier steps (the step's own row is patched in
     # below): loaded before the wait.
-    pos = start + tl.arange(0, BLOCK_N)
+    pos = start + tl.arange(0, TILE)
     valid = pos < end
     page = tl.load(bt_ptr + pos // PAGE, mask=valid, other=0).to(tl.int64)
     kv_off = page * stride_kb + (pos % PAGE) * stride_kt + hk * stride_kh
@@ -190,19 +201,19 @@ def _attn_item(layer, tile, qkv_ptr, attn_ptr, lse_ptr, part_ptr, k_ptr, v_ptr, 
         m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([G_PAD], dtype=tl.float32)
         acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
-        for n0 in range(start, end, BLOCK_N):
+        for n0 in range(start, end, TILE):
             k = k_t
             v = v_t
-            cur_valid = (n0 + tl.arange(0, BLOCK_N)) < end
+            cur_valid = (n0 + tl.arange(0, TILE)) < end
             # why: the next tile's loads go out before this tile's softmax
-            nxt = n0 + BLOCK_N + tl.arange(0, BLOCK_N)
+            nxt = n0 + TILE + tl.arange(0, TILE)
             nxt_valid = nxt < end
             nxt_page = tl.load(bt_ptr + nxt // PAGE, mask=nxt_valid, other=0).to(tl.int64)
             nxt_off = nxt_page * stride_kb + (nxt % PAGE) * stride_kt + hk * stride_kh
             nxt_mask = nxt_valid[:, None] & dmask[None, :]
             k_t = tl.load(k_base + nxt_off[:, None] + d[None, :], mask=nxt_mask, other=0.0)
             v_t = tl.load(v_base + nxt_off[:, None] + d[None, :], mask=nxt_mask, other=0.0)
-            # [G_PAD, BLOCK_N] scores in log2 units
+            # [G_PAD, TILE] scores in log2 units
             qk = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale
             qk = tl.where(cur_valid[None, :], qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -256,7 +267,7 @@ def persistent_step_kernel(
     eps, qk_scale, num_splits, time_ptr,
     D_MODEL: tl.constexpr, INTER: tl.constexpr, VOCAB: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
     D: tl.constexpr, D_PAD: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, G_R: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, S_PAD: tl.constexpr, CHUNK: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, TILE: tl.constexpr, S_PAD: tl.constexpr, CHUNK: tl.constexpr,
     BN_QKV: tl.constexpr, BK_QKV: tl.constexpr, BN_O: tl.constexpr, BK_O: tl.constexpr,
     BN_GU: tl.constexpr, BK_GU: tl.constexpr, BN_DOWN: tl.constexpr, BK_DOWN: tl.constexpr,
     BN_HEAD: tl.constexpr, BK_HEAD: tl.constexpr, EMBED_BLOCK: tl.constexpr,
@@ -296,7 +307,7 @@ def persistent_step_kernel(
             _attn_item(layer, tile, qkv_ptr, attn_ptr, lse_ptr, part_ptr, k_ptr, v_ptr, bt_ptr, cos_ptr, sin_ptr, seq_len,
                        stride_kl, stride_kb, stride_kt, stride_kh, stride_cos, qk_scale, num_splits,
                        cnt_ptr, wait_idx, target, signal_idx, tl.load(row + 6), tl.load(row + 7) * steps, seed,
-                       HQ, HKV, D, D_PAD, G, G_PAD, G_R, PAGE, BLOCK_N, S_PAD, CHUNK, DELAY, stamp, TIMELINE)
+                       HQ, HKV, D, D_PAD, G, G_PAD, G_R, PAGE, BLOCK_N, TILE, S_PAD, CHUNK, DELAY, stamp, TIMELINE)
         elif stage == O:
             _gemv_item(_weights(tab_ptr, layer, 1, embed_ptr), D_MODEL, HQ * D, tile, attn_ptr, attn_ptr, eps, x_ptr, x_ptr,
                        cnt_ptr, wait_idx, target, seed, BN_O, BK_O, False, True, False, DELAY, stamp, TIMELINE)
