@@ -24,11 +24,12 @@ from declab_kernels.persistent_step.triton import persistent_step_kernel
 
 __all__ = ["PersistentStep", "LayerWeights", "StepShape", "Tiles", "resident_programs", "schedule"]
 
-# Warps of every program: the attention tile (K and V of the current and the next 128-key tile at
-# D = 64, 64 KB) and the GEMV chunks (two 8 KB chunks in flight) spread over 256 threads.
+# Warps of every program: the attention tile (K and V of the current and the next 64-key tile at
+# D = 64, 32 KB) and the GEMV chunks (two 8 KB chunks in flight) spread over 256 threads.
 NUM_WARPS = 8
-# Weight elements of one GEMV chunk (BN rows x BK columns): 16 KB of bf16, two in flight a program.
-CHUNK_ELEMS = 8192
+# Weight elements of one GEMV chunk (BN rows x BK columns): 8 KB of bf16, two in flight a program (16 KB
+# chunks spilled 200 bytes a thread at MAX_REGISTERS against 96).
+CHUNK_ELEMS = 4096
 # Elements of one attention key tile (keys x D_pad): 64 keys at D = 64, K and V, this one and the next.
 ATTENTION_TILE_ELEMS = 4096
 # Programs an SM holds at most, whatever its registers and shared memory would allow.
