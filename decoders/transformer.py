@@ -22,7 +22,7 @@ import torch
 from declab_arch import llama
 from decoders.base import AutoregressiveDecoder, Memory, UsageError
 from decoders.kv_cache import PagedKVCache, kv_token_bytes, resolve_kv_dtype
-from declab_kernels import paged_attention, tuning
+from declab_kernels import paged_attention, persistent_step, tuning
 
 
 @dataclass
@@ -31,7 +31,7 @@ class TransformerCache:
     seqs: list[int]
     block_tables: torch.Tensor  # [B, max_blocks] int32
     workspace: dict | None  # decode partials, allocated once per state
-    persistent: object = None  # the persistent step over this cache (`step="persistent"`), else None
+    persistent: persistent_step.PersistentStep | None = None  # the step over this cache (`step="persistent"`)
 
 
 class TransformerDecoder(AutoregressiveDecoder):
@@ -69,6 +69,8 @@ class TransformerDecoder(AutoregressiveDecoder):
         return PagedKVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, block_size=self.page_size, dtype=self.kv_dtype, device=self.device, **size)
 
     def new_cache(self, prompt_lens: list[int], max_len: int) -> TransformerCache:
+        if self.step_kind == "persistent" and self.impl == "triton" and len(prompt_lens) != 1:
+            raise UsageError(f"step='persistent' decodes one sequence at a time, got a batch of {len(prompt_lens)}")
         kv = self.pool
         if kv is None:
             kv = self._new_kv(num_blocks=len(prompt_lens) * -(-max_len // self.page_size))
@@ -84,8 +86,6 @@ class TransformerDecoder(AutoregressiveDecoder):
         cache = TransformerCache(kv, seqs, kv.block_table(seqs), workspace)
         # A copy of this decoder on the reference path (the correctness gate's) runs the graphed step.
         if self.step_kind == "persistent" and self.impl == "triton":
-            if len(seqs) != 1:
-                raise UsageError(f"step='persistent' decodes one sequence at a time, got a batch of {len(seqs)}")
             cache.persistent = self.model.persistent_step(self.decode_batch(cache, None))
         return cache
 
