@@ -25,17 +25,18 @@ from declab_kernels.persistent_step.triton import persistent_step_kernel
 __all__ = ["PersistentStep", "LayerWeights", "StepShape", "Tiles", "resident_programs", "schedule"]
 
 # Warps of every program: the attention tile (K and V of the current and the next 64-key tile at
-# D = 64, 32 KB) and the GEMV chunks (two 8 KB chunks in flight) spread over 256 threads.
+# D = 64, 32 KB) and the GEMV chunks (three 8 KB chunks in flight) spread over 256 threads.
 NUM_WARPS = 8
-# Weight elements of one GEMV chunk (BN rows x BK columns): 8 KB of bf16, two in flight a program (16 KB
-# chunks spilled 200 bytes a thread at MAX_REGISTERS against 96).
+# Weight elements of one GEMV chunk (BN rows x BK columns): 8 KB of bf16, three in flight a program
+# (16 KB chunks, two in flight, spilled 200 bytes a thread at MAX_REGISTERS against 96; three 8 KB
+# chunks spill 104).
 CHUNK_ELEMS = 4096
 # Elements of one attention key tile (keys x D_pad): 64 keys at D = 64, K and V, this one and the next.
 ATTENTION_TILE_ELEMS = 4096
 # Programs an SM holds at most, whatever its registers and shared memory would allow.
 MAX_PROGRAMS_PER_SM = 2
 # Registers a thread may use (ptxas .maxnreg). Left free, ptxas took 222-247 whatever the tile sizes
-# (llama-1b, sm_90 offline compile), one 8-warp program an SM; at 128 it spills 96 bytes a thread and
+# (llama-1b, sm_90 offline compile), one 8-warp program an SM; at 128 it spills ~100 bytes a thread and
 # two programs fit an SM, twice the weight bytes in flight.
 MAX_REGISTERS = 128
 # 32-bit registers of one SM (every NVIDIA SM from Volta to Hopper).

@@ -2,7 +2,7 @@
 
 Grid (P,): program p runs work-list items p, p + P, ... in order (`schedule.py` builds the list and
 says what each stage computes). For each item a program
-1. loads the first weight chunk of its tile (GEMV stages) or the first K/V tile of its split (ATTN):
+1. loads the first two weight chunks of its tile (GEMV stages) or the first K/V tile of its split (ATTN):
    neither depends on this step's data, so these loads are in flight while it waits;
 2. waits until its counter holds `wait_count * (epoch + 1)` (an acquire atomic read in a loop);
 3. computes, reading other programs' outputs with `.cg` loads (from L2, never a stale L1 line);
@@ -95,9 +95,12 @@ def _gemv_item(w_ptr, N, K: tl.constexpr, tile, x_ptr, nw_ptr, eps, r_ptr, out_p
         n_mask = rows < N
     offs_k = tl.arange(0, BK)
     w_rows = w_ptr + rows[:, None].to(tl.int64) * K
-    # The first chunk is this step's own weights: loaded before the wait, in flight while it spins.
+    # The first two chunks are this step's own weights: loaded before the wait, in flight while it spins.
     w_next = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0,
                      eviction_policy="evict_first")
+    k_second = offs_k + BK
+    w_after = tl.load(w_rows + k_second[None, :], mask=n_mask[:, None] & (k_second < K)[None, :], other=0.0,
+                      eviction_policy="evict_first")
     _delay(seed, DELAY)
     _wait(cnt_ptr, wait_idx, target, stamp_ptr, TIMELINE)
     acc = tl.zeros((BN, BK), dtype=tl.float32)
@@ -105,10 +108,11 @@ def _gemv_item(w_ptr, N, K: tl.constexpr, tile, x_ptr, nw_ptr, eps, r_ptr, out_p
     for k0 in range(0, K, BK):
         k = k0 + offs_k
         w = w_next
-        # why: the next chunk's load goes out before this one's products, two chunks in flight
-        kn = k + BK
-        w_next = tl.load(w_rows + kn[None, :], mask=n_mask[:, None] & (kn < K)[None, :], other=0.0,
-                         eviction_policy="evict_first")
+        w_next = w_after
+        # why: the load two chunks ahead goes out before this chunk's products, three chunks in flight
+        kn = k + 2 * BK
+        w_after = tl.load(w_rows + kn[None, :], mask=n_mask[:, None] & (kn < K)[None, :], other=0.0,
+                          eviction_policy="evict_first")
         xt = tl.load(x_ptr + k, mask=k < K, other=0.0, cache_modifier=".cg").to(tl.float32)
         if NORM:
             ss += xt * xt
