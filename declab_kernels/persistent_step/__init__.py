@@ -33,6 +33,9 @@ NUM_WARPS = 8
 CHUNK_ELEMS = 4096
 # Elements of one attention key tile (keys x D_pad): 64 keys at D = 64, K and V, this one and the next.
 ATTENTION_TILE_ELEMS = 4096
+# float32 partials the attention merge loads at once ([G, splits, D_pad]; the paged decode kernel's
+# one-load bound): 64 registers a thread at 4 warps, 32 at 8.
+MERGE_ELEMS = 8192
 # Programs an SM holds at most, whatever its registers and shared memory would allow.
 MAX_PROGRAMS_PER_SM = 2
 # Registers a thread may use (ptxas .maxnreg). Left free, ptxas took 222-247 whatever the tile sizes
@@ -109,6 +112,7 @@ class PersistentStep:
             raise ValueError(f"persistent step: the workspace has {workspace.num_splits} splits, the shape {shape.num_splits}")
         if (delay_ns or timeline) and device.type != "cuda":
             raise ValueError("persistent step: delay_ns and timeline need a GPU (globaltimer)")
+        # The pointer table holds these tensors' addresses: kept alive with the step.
         self.layers = layers
         self.table = torch.tensor([[t.data_ptr() for t in layer.tensors()] for layer in layers], dtype=torch.int64, device=device)
         D = shape.head_dim
@@ -120,7 +124,7 @@ class PersistentStep:
             G=shape.group, G_PAD=max(16, g_r), G_R=g_r, PAGE=k_cache.shape[2],
             BLOCK_N=decode_config(D, workspace.variant).block_n, TILE=min(decode_config(D, workspace.variant).block_n, ATTENTION_TILE_ELEMS // d_pad),
             S_PAD=s_pad,
-            CHUNK=min(s_pad, max(1, 8192 // (g_r * d_pad))), EMBED_BLOCK=min(1024, _pow2(shape.d_model)),
+            CHUNK=min(s_pad, max(1, MERGE_ELEMS // (g_r * d_pad))), EMBED_BLOCK=min(1024, _pow2(shape.d_model)),
             DELAY=int(delay_ns), TIMELINE=bool(timeline),
         )
         self.args = dict(embed=embed, head=head, final_norm=final_norm, k_cache=k_cache, v_cache=v_cache, block_table=block_table,
