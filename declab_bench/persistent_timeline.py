@@ -8,7 +8,7 @@ wait is over and when it ends, with its SM), launched a few times, and the last 
 per stage: items, the span from the stage's first start to its last end, the summed wait (start to
 wait over: weight loads in flight, then spinning) and the summed work (wait over to end), and the
 median program's idle time at the end of the step. The step's span is the whole forward minus
-the launch. One JSON line per context is appended to --out as it finishes; a table is printed and
+the launch. `stalled` says whether a wait gave up (then the stamps show where). One JSON line per context is appended to --out as it finishes; a table is printed and
 the last stdout line is one JSON document.
 """
 
@@ -58,7 +58,7 @@ def run(args) -> int:
         for _ in range(LAUNCHES):
             step(state.next_tokens, state.positions)
         torch.cuda.synchronize(device)
-        record = {"kind": "persistent_timeline", "model": args.model, "ctx": ctx, "programs": step.programs,
+        record = {"kind": "persistent_timeline", "model": args.model, "ctx": ctx, "programs": step.programs, "stalled": step.stalled(),
                   "tiles": dataclasses.asdict(step.tiles), "num_splits": step.shape.num_splits,
                   **summarise(step.timeline(), step.programs), **environment(device)}
         dec.release(state)

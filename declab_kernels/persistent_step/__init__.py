@@ -136,6 +136,8 @@ class PersistentStep:
         self.logits = torch.empty(1, shape.vocab, dtype=dtype, device=device)
         self.epoch = torch.zeros(1, dtype=torch.int32, device=device)
         self.done = torch.zeros(1, dtype=torch.int32, device=device)
+        # Set by a wait that gave up (`stalled`).
+        self.stall = torch.zeros(1, dtype=torch.int32, device=device)
         self.counters = torch.zeros(schedule.Counters(shape.n_layers, shape.hkv).size, dtype=torch.int32, device=device)
         self.timeline_on = bool(timeline)
         self.programs = programs or self._programs()
@@ -184,13 +186,17 @@ class PersistentStep:
                 self.x, self.qkv, self.attn, self.act, a["lse"], a["partial"], self.logits,
                 k, a["v_cache"], a["block_table"], a["cos"], a["sin"],
                 k.stride(0), k.stride(1), k.stride(2), k.stride(3), a["cos"].stride(0),
-                a["eps"], a["qk_scale"], self.shape.num_splits, self.times)
+                a["eps"], a["qk_scale"], self.shape.num_splits, self.times, self.stall)
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Logits [1, V] of the token tokens [1] at positions [1]; its K/V row is written into the cache."""
         persistent_step_kernel[(self.programs,)](*self._launch_args(tokens, positions), num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS,
                                                  **self.consts)
         return self.logits
+
+    def stalled(self) -> bool:
+        """Whether a wait of any launch so far gave up (its logits are wrong); synchronises."""
+        return bool(self.stall.item())
 
     def timeline(self) -> list[dict]:
         """Per item of the last launch with `timeline=True`: stage, layer, tile, program, SM and its

@@ -22,6 +22,9 @@ as its unfused pair, q and k are rotated in float32 and rounded to their dtypes.
 Per-layer weights come through a pointer table [L, 6] int64 (qkv, o, gate/up, down, input norm,
 post-attention norm), so the model's tensors are used where they are, with no stacked copy.
 
+A wait gives up after MAX_POLLS polls (seconds: far beyond any step) and sets `stall_ptr`, so a
+broken dependency shows as a flag and wrong logits instead of a GPU that never returns.
+
 Constexpr debug aids (GPU only, off by default): DELAY > 0 makes every item spin a pseudo-random
 0..DELAY ns before its wait (the stress test for a missing dependency); TIMELINE writes
 globaltimer stamps per item (start, wait over, end) and the SM id into `time_ptr` [n_items, 4].
@@ -43,12 +46,18 @@ HEAD = tl.constexpr(schedule.HEAD)
 
 
 @triton.jit
-def _wait(cnt_ptr, idx, target, stamp_ptr, TIMELINE: tl.constexpr):
-    """Spin until counter `idx` holds at least `target` (idx < 0: no wait); TIMELINE: stamp when it does."""
+def _wait(cnt_ptr, idx, target, stamp_ptr, TIMELINE: tl.constexpr, stall_ptr, MAX_POLLS: tl.constexpr):
+    """Spin until counter `idx` holds at least `target` (idx < 0: no wait); TIMELINE: stamp when it does.
+    After MAX_POLLS polls (seconds) it gives up and sets the stall flag: a broken list or a program that
+    is not resident makes wrong logits and a flag the host can read, not a hung GPU."""
     if idx >= 0:
         seen = tl.atomic_add(cnt_ptr + idx, 0, sem="acquire")
-        while seen < target:
+        polls = 0
+        while (seen < target) & (polls < MAX_POLLS):
             seen = tl.atomic_add(cnt_ptr + idx, 0, sem="acquire")
+            polls += 1
+        if seen < target:
+            tl.atomic_or(stall_ptr, 1)
     if TIMELINE:
         tl.store(stamp_ptr, tl.extra.cuda.globaltimer())
 
@@ -81,7 +90,7 @@ def _weights(tab_ptr, layer, j, like_ptr):
 @triton.jit
 def _gemv_item(w_ptr, N, K: tl.constexpr, tile, x_ptr, nw_ptr, eps, r_ptr, out_ptr, cnt_ptr, wait_idx, target, seed,
                BN: tl.constexpr, BK: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr,
-               DELAY: tl.constexpr, stamp_ptr, TIMELINE: tl.constexpr):
+               DELAY: tl.constexpr, stamp_ptr, TIMELINE: tl.constexpr, stall_ptr, MAX_POLLS: tl.constexpr):
     """Tile `tile` of out = x @ W^T, W [N, K]: BN weight rows; NORM: x is rmsnorm'd with weight nw;
     RESIDUAL: out = r + product (r and out may be the same rows); SWIGLU: W is [gate; up] and the tile
     takes gate and up rows of the same BN / 2 outputs, out = silu(gate) * up."""
@@ -102,7 +111,7 @@ def _gemv_item(w_ptr, N, K: tl.constexpr, tile, x_ptr, nw_ptr, eps, r_ptr, out_p
     w_after = tl.load(w_rows + k_second[None, :], mask=n_mask[:, None] & (k_second < K)[None, :], other=0.0,
                       eviction_policy="evict_first")
     _delay(seed, DELAY)
-    _wait(cnt_ptr, wait_idx, target, stamp_ptr, TIMELINE)
+    _wait(cnt_ptr, wait_idx, target, stamp_ptr, TIMELINE, stall_ptr, MAX_POLLS)
     acc = tl.zeros((BN, BK), dtype=tl.float32)
     ss = tl.zeros((BK,), dtype=tl.float32)
     for k0 in range(0, K, BK):
@@ -142,7 +151,8 @@ def _attn_item(layer, tile, qkv_ptr, attn_ptr, lse_ptr, part_ptr, k_ptr, v_ptr, 
                cnt_ptr, wait_idx, target, signal_idx, ticket_idx, ticket_target, seed,
                HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, G: tl.constexpr,
                G_PAD: tl.constexpr, G_R: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-               TILE: tl.constexpr, S_PAD: tl.constexpr, CHUNK: tl.constexpr, DELAY: tl.constexpr, stamp_ptr, TIMELINE: tl.constexpr):
+               TILE: tl.constexpr, S_PAD: tl.constexpr, CHUNK: tl.constexpr, DELAY: tl.constexpr, stamp_ptr, TIMELINE: tl.constexpr,
+               stall_ptr, MAX_POLLS: tl.constexpr):
     """Split `tile % num_splits` of kv head `tile // num_splits`: RoPE on q (and, in the split holding
     the step's position, on k, written with v into the cache), the split's online softmax over its
     keys into a partial, then a ticket; the last ticket's taker merges the head's partials into attn.
@@ -174,7 +184,7 @@ def _attn_item(layer, tile, qkv_ptr, attn_ptr, lse_ptr, part_ptr, k_ptr, v_ptr, 
     k_t = tl.load(k_base + kv_off[:, None] + d[None, :], mask=kvmask, other=0.0)
     v_t = tl.load(v_base + kv_off[:, None] + d[None, :], mask=kvmask, other=0.0)
     _delay(seed, DELAY)
-    _wait(cnt_ptr, wait_idx, target, stamp_ptr, TIMELINE)
+    _wait(cnt_ptr, wait_idx, target, stamp_ptr, TIMELINE, stall_ptr, MAX_POLLS)
     lse_head = lse_ptr + hk * G * num_splits
     part_head = part_ptr + hk * G * num_splits * D_PAD
     if start < end:
@@ -268,14 +278,14 @@ def persistent_step_kernel(
     x_ptr, qkv_ptr, attn_ptr, act_ptr, lse_ptr, part_ptr, logits_ptr,
     k_ptr, v_ptr, bt_ptr, cos_ptr, sin_ptr,
     stride_kl, stride_kb, stride_kt, stride_kh, stride_cos,
-    eps, qk_scale, num_splits, time_ptr,
+    eps, qk_scale, num_splits, time_ptr, stall_ptr,
     D_MODEL: tl.constexpr, INTER: tl.constexpr, VOCAB: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
     D: tl.constexpr, D_PAD: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, G_R: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, TILE: tl.constexpr, S_PAD: tl.constexpr, CHUNK: tl.constexpr,
     BN_QKV: tl.constexpr, BK_QKV: tl.constexpr, BN_O: tl.constexpr, BK_O: tl.constexpr,
     BN_GU: tl.constexpr, BK_GU: tl.constexpr, BN_DOWN: tl.constexpr, BK_DOWN: tl.constexpr,
     BN_HEAD: tl.constexpr, BK_HEAD: tl.constexpr, EMBED_BLOCK: tl.constexpr,
-    DELAY: tl.constexpr = 0, TIMELINE: tl.constexpr = False,
+    DELAY: tl.constexpr = 0, TIMELINE: tl.constexpr = False, MAX_POLLS: tl.constexpr = 1 << 22,
 ):
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
@@ -305,28 +315,28 @@ def persistent_step_kernel(
             _signal(cnt_ptr, signal_idx)
         elif stage == QKV:
             _gemv_item(_weights(tab_ptr, layer, 0, embed_ptr), N_QKV, D_MODEL, tile, x_ptr, _weights(tab_ptr, layer, 4, embed_ptr),
-                       eps, x_ptr, qkv_ptr, cnt_ptr, wait_idx, target, seed, BN_QKV, BK_QKV, True, False, False, DELAY, stamp, TIMELINE)
+                       eps, x_ptr, qkv_ptr, cnt_ptr, wait_idx, target, seed, BN_QKV, BK_QKV, True, False, False, DELAY, stamp, TIMELINE, stall_ptr, MAX_POLLS)
             _signal(cnt_ptr, signal_idx)
         elif stage == ATTN:
             _attn_item(layer, tile, qkv_ptr, attn_ptr, lse_ptr, part_ptr, k_ptr, v_ptr, bt_ptr, cos_ptr, sin_ptr, seq_len,
                        stride_kl, stride_kb, stride_kt, stride_kh, stride_cos, qk_scale, num_splits,
                        cnt_ptr, wait_idx, target, signal_idx, tl.load(row + 6), tl.load(row + 7) * steps, seed,
-                       HQ, HKV, D, D_PAD, G, G_PAD, G_R, PAGE, BLOCK_N, TILE, S_PAD, CHUNK, DELAY, stamp, TIMELINE)
+                       HQ, HKV, D, D_PAD, G, G_PAD, G_R, PAGE, BLOCK_N, TILE, S_PAD, CHUNK, DELAY, stamp, TIMELINE, stall_ptr, MAX_POLLS)
         elif stage == O:
             _gemv_item(_weights(tab_ptr, layer, 1, embed_ptr), D_MODEL, HQ * D, tile, attn_ptr, attn_ptr, eps, x_ptr, x_ptr,
-                       cnt_ptr, wait_idx, target, seed, BN_O, BK_O, False, True, False, DELAY, stamp, TIMELINE)
+                       cnt_ptr, wait_idx, target, seed, BN_O, BK_O, False, True, False, DELAY, stamp, TIMELINE, stall_ptr, MAX_POLLS)
             _signal(cnt_ptr, signal_idx)
         elif stage == GU:
             _gemv_item(_weights(tab_ptr, layer, 2, embed_ptr), 2 * INTER, D_MODEL, tile, x_ptr, _weights(tab_ptr, layer, 5, embed_ptr),
-                       eps, x_ptr, act_ptr, cnt_ptr, wait_idx, target, seed, BN_GU, BK_GU, True, False, True, DELAY, stamp, TIMELINE)
+                       eps, x_ptr, act_ptr, cnt_ptr, wait_idx, target, seed, BN_GU, BK_GU, True, False, True, DELAY, stamp, TIMELINE, stall_ptr, MAX_POLLS)
             _signal(cnt_ptr, signal_idx)
         elif stage == DOWN:
             _gemv_item(_weights(tab_ptr, layer, 3, embed_ptr), D_MODEL, INTER, tile, act_ptr, act_ptr, eps, x_ptr, x_ptr,
-                       cnt_ptr, wait_idx, target, seed, BN_DOWN, BK_DOWN, False, True, False, DELAY, stamp, TIMELINE)
+                       cnt_ptr, wait_idx, target, seed, BN_DOWN, BK_DOWN, False, True, False, DELAY, stamp, TIMELINE, stall_ptr, MAX_POLLS)
             _signal(cnt_ptr, signal_idx)
         elif stage == HEAD:
             _gemv_item(head_ptr, VOCAB, D_MODEL, tile, x_ptr, final_norm_ptr, eps, x_ptr, logits_ptr,
-                       cnt_ptr, wait_idx, target, seed, BN_HEAD, BK_HEAD, True, False, False, DELAY, stamp, TIMELINE)
+                       cnt_ptr, wait_idx, target, seed, BN_HEAD, BK_HEAD, True, False, False, DELAY, stamp, TIMELINE, stall_ptr, MAX_POLLS)
         if TIMELINE:
             tl.store(time_ptr + i * 4 + 2, tl.extra.cuda.globaltimer())
             tl.store(time_ptr + i * 4 + 3, tl.extra.cuda.smid().to(tl.int64))

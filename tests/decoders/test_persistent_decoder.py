@@ -135,11 +135,13 @@ def test_gpu_many_replays_with_random_delays():
     runs = []
     for delay_ns in (0, 20_000):
         state = dec.prefill(prompt, max_new_tokens=300)
-        state.cache.persistent.consts["DELAY"] = delay_ns
+        step = state.cache.persistent
+        step.consts["DELAY"] = delay_ns
         logits = []
         while not dec.finished(state):
             logits.append(dec.step(state).logits.clone())
         dec.release(state)
+        assert not step.stalled()
         runs.append(torch.stack(logits))
     assert torch.equal(runs[0], runs[1])
 
@@ -151,6 +153,7 @@ def test_gpu_timeline_orders_every_item():
     step = dec.model.persistent_step(dec.decode_batch(state.cache, None), timeline=True)
     step(state.next_tokens, state.positions)
     rows = step.timeline()
+    assert not step.stalled()
     assert len(rows) == len(step.items)
     assert all(0 <= r["start_ns"] <= r["ready_ns"] <= r["end_ns"] for r in rows)
     # No head tile is ready before every down tile was (each down tile signals after its ready stamp).
