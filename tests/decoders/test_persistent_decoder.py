@@ -176,3 +176,18 @@ def test_compare_refuses_what_the_persistent_step_does_not_run(extra, says, tmp_
     code = compare.main(argv + extra)
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and says in err[-1] and not (tmp_path / "out.jsonl").exists()
+
+
+@pytest.mark.interpreter
+def test_a_wait_that_cannot_be_met_sets_the_stall_flag():
+    dec = decoders.load("llama-tiny", device="cpu", impl="triton", step="persistent")
+    state = dec.prefill([[5, 6, 7]], max_new_tokens=3)
+    step = state.cache.persistent
+    step.consts["MAX_POLLS"] = 3
+    with torch.inference_mode():
+        step(state.next_tokens, state.positions)
+        assert not step.stalled()
+        # The last head tile now waits for one down tile more than there are.
+        step.work[-1, schedule.FIELDS.index("wait_count")] += 1
+        step(state.next_tokens, state.positions)
+    assert step.stalled()
