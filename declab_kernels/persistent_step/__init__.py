@@ -195,7 +195,8 @@ class PersistentStep:
         return self.logits
 
     def stalled(self) -> bool:
-        """Whether a wait of any launch so far gave up (its logits are wrong); synchronises."""
+        """Whether a wait of any launch so far gave up; synchronises. The flag stays set and every later
+        wait gives up at once, so that launch's logits and all later ones are wrong (and quick)."""
         return bool(self.stall.item())
 
     def timeline(self) -> list[dict]:

@@ -48,15 +48,18 @@ HEAD = tl.constexpr(schedule.HEAD)
 @triton.jit
 def _wait(cnt_ptr, idx, target, stamp_ptr, TIMELINE: tl.constexpr, stall_ptr, MAX_POLLS: tl.constexpr):
     """Spin until counter `idx` holds at least `target` (idx < 0: no wait); TIMELINE: stamp when it does.
-    After MAX_POLLS polls (seconds) it gives up and sets the stall flag: a broken list or a program that
-    is not resident makes wrong logits and a flag the host can read, not a hung GPU."""
+    After MAX_POLLS polls (seconds) it gives up and sets the stall flag, and every wait gives up at once
+    while the flag is set: a broken list or a program that is not resident makes wrong logits and a
+    flag the host can read, not a hung GPU."""
     if idx >= 0:
         seen = tl.atomic_add(cnt_ptr + idx, 0, sem="acquire")
+        stalled = tl.load(stall_ptr, volatile=True)
         polls = 0
-        while (seen < target) & (polls < MAX_POLLS):
+        while (seen < target) & (polls < MAX_POLLS) & (stalled == 0):
             seen = tl.atomic_add(cnt_ptr + idx, 0, sem="acquire")
+            stalled = tl.load(stall_ptr, volatile=True)
             polls += 1
-        if seen < target:
+        if (seen < target) & (stalled == 0):
             tl.atomic_or(stall_ptr, 1)
     if TIMELINE:
         tl.store(stamp_ptr, tl.extra.cuda.globaltimer())
