@@ -35,7 +35,7 @@ from torch import nn
 
 from declab_arch import quant_linear
 from declab_arch.checkpoint import CheckpointError, assign_weights, check_fields, config_from_dict, load_weights, parse_config, read_json
-from declab_kernels import gemv, paged_attention, rmsnorm, tuning
+from declab_kernels import gemv, paged_attention, persistent_step, rmsnorm, tuning
 from declab_kernels import rotary as rotary_kernels
 from declab_kernels.gemv import fusions
 
@@ -388,6 +388,26 @@ class Llama(nn.Module):
         else:
             logits = gemv.linear(h, self.head_weight, impl=impl)
         return (logits, x) if return_hidden else logits
+
+    def persistent_step(self, batch: PagedBatch, *, programs: int | None = None, delay_ns: int = 0,
+                        timeline: bool = False) -> persistent_step.PersistentStep:
+        """The whole decode forward of one sequence as one kernel (`declab_kernels.persistent_step`) over
+        the cache, block table (row 0) and decode workspace of `batch`, on this model's weights in place."""
+        c = self.config
+        if c.attention_bias:
+            raise ValueError("the persistent step has no q/k/v biases")
+        ws = batch.workspace
+        layers = [persistent_step.LayerWeights(qkv=b.self_attn.qkv_weight, o=b.self_attn.o_proj.weight, gate_up=b.mlp.gate_up_weight,
+                                               down=b.mlp.down_proj.weight, input_norm=b.input_layernorm.weight,
+                                               post_norm=b.post_attention_layernorm.weight) for b in self.model.layers]
+        shape = persistent_step.StepShape(d_model=c.hidden_size, inter=c.intermediate_size, vocab=c.vocab_size, n_layers=c.num_hidden_layers,
+                                          hq=c.num_attention_heads, hkv=c.num_key_value_heads, head_dim=c.head_dim,
+                                          num_splits=ws.num_splits)
+        cos, sin = self.rotary.tables()
+        return persistent_step.PersistentStep(
+            layers, embed=self.model.embed_tokens.weight, head=self.head_weight, final_norm=self.model.norm.weight, eps=c.rms_norm_eps,
+            shape=shape, k_cache=batch.k_cache, v_cache=batch.v_cache, block_table=batch.block_tables[0], cos=cos, sin=sin,
+            workspace=ws, scale=self.model.layers[0].self_attn.scale, programs=programs, delay_ns=delay_ns, timeline=timeline)
 
     def init_random(self, seed: int = 0):
         """Random weights with the usual 0.02-std normal init (norms at 1), deterministic in `seed`."""

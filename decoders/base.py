@@ -107,6 +107,9 @@ class Decoder(ABC):
     state_kind: str = ""
     # Linear layers (name suffixes) that quantisation leaves dense, holding their dequantised values.
     quant_dense: tuple = ()
+    # The decode step's kind, as records name it: "graphed" (a kernel per operation, replayed as a CUDA
+    # graph on a GPU) unless a family offers another (the transformer's `step="persistent"`).
+    step_kind: str = "graphed"
 
     def __init__(self, model, config, *, device, dtype, impl, source, tokenizer=None, max_context=None, cuda_graphs=None,
                  quant=None):
@@ -183,6 +186,7 @@ class Decoder(ABC):
             "impl": self.impl,
             "dtype": str(self.dtype).removeprefix("torch."),
             "cuda_graphs": self.cuda_graphs,
+            "step": self.step_kind,
             "quant": self.quant_record(),
             "config": config,
         }

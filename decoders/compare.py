@@ -7,6 +7,7 @@
     python -m decoders.compare --models llama-1b --peers hf,gpt-fast --gpt-fast GPT_FAST_CHECKOUT
     python -m decoders.compare --models llama-1b --ctx 128k --kv-dtype bf16,fp8
     python -m decoders.compare --models llama-1b,llama-8b --ctx 4k --quant none,int8,int4-rtn
+    python -m decoders.compare --models llama-1b --ctx 4k,32k,128k --step graphed,persistent
 
 With `--peers`, the libraries a user would run instead (`decoders.peers`) run after each model's own
 points on the same shapes, contexts and batches, each in its own row (`hf-eager:llama-1b`, ...); a peer
@@ -20,6 +21,10 @@ With `--quant`, every model is measured once per weight quantisation (`none`: it
 int4-rtn quantised on the fly, see `decoders.load`); the records carry `quant` (name, method, bits,
 group size; null for dense weights), the gate compares the quantised kernels with the quantised
 reference path, and the roofline and MBU count the packed weight bytes.
+With `--step`, every transformer point is measured once per decode step: `graphed` (a kernel per
+operation, replayed as a CUDA graph; the default) and `persistent` (the whole forward in one kernel,
+`declab_kernels.persistent_step`: Triton, batch 1, dense weights, the model's KV dtype, one process;
+anything else with it is refused before anything runs); every record carries `step`.
 
 Each finished point is appended to `--out` as one JSON object (an interrupted sweep keeps what it
 wrote); a point that does not fit in memory is recorded as skipped and the sweep goes on, and with
@@ -190,6 +195,40 @@ def parse_quants(text: str) -> list[str | None]:
     return [None if n == "none" else n for n in names]
 
 
+def parse_steps(args, models, batches, kv_dtypes, quants, spec, device) -> list[str]:
+    """'graphed,persistent' -> ['graphed', 'persistent'], checked against everything the sweep would
+    combine the persistent step with (`decoders.transformer.check_persistent` says what it runs on)."""
+    import decoders
+    from declab_kernels import resolve_impl
+    from decoders.transformer import STEPS
+
+    known = f"(known: {', '.join(STEPS)})"
+    names = comma_names(args.step, "--step", f"step {known}")
+    for name in names:
+        if name not in STEPS:
+            raise ArgError(f"--step: unknown step {name!r} {known}")
+    if "persistent" not in names:
+        return names
+    for model in models:
+        family, config = decoders.model_config(model)
+        if family != "transformer":
+            raise ArgError(f"--step persistent: {model} ({family}) has no persistent step yet (transformer models only)")
+        if config.attention_bias:
+            raise ArgError(f"--step persistent: {model} has q/k/v biases, which the persistent step does not")
+    refusals = [
+        (max(batches) > 1, f"batch 1 only, and --batch has {max(batches)}"),
+        (resolve_impl(args.impl, device) != "triton", "a Triton kernel, and --impl resolves to ref here"),
+        (kv_dtypes != [None], "the model's KV dtype only (drop --kv-dtype)"),
+        (quants != [None], "dense weights only (drop --quant)"),
+        (spec is not None, "plain decoding only (drop --spec)"),
+        (args.tp > 1, "one process only (drop --tp)"),
+    ]
+    for refused, why in refusals:
+        if refused:
+            raise ArgError(f"--step persistent: {why}")
+    return names
+
+
 def quant_name(record: dict) -> str | None:
     """The quant name a record's `quant` entry gives (None: dense weights)."""
     return (record.get("quant") or {}).get("name")
@@ -218,6 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma list of KV cache dtypes swept for attention families: fp8, bf16, ... (default: the model's dtype)")
     p.add_argument("--quant", default=None,
                    help="comma list of weight quantisations swept for every model: none, int8, int4-rtn, int4-rtn-gN (default: none)")
+    p.add_argument("--step", default=None,
+                   help="comma list of decode steps swept for transformer models: graphed, persistent (default: graphed)")
     p.add_argument("--iterations", default="4", help="Mask-Predict: comma list of refinement passes T")
     p.add_argument("--block", type=int, default=None, help="Mask-Predict: semi-autoregressive block length")
     p.add_argument("--peers", default=None, help="comma list of peers run on the same points: hf, gpt-fast, mamba_ssm, fla")
@@ -236,10 +277,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def plan_points(models, ctxs, batches, iterations, peer_names=(), device=None, own=True, kv_dtypes=(None,), quants=(None,)):
-    """(model, family, T, kv_dtype, quant, batch, ctx, peer) in sweep order; T only for Mask-Predict models,
+def plan_points(models, ctxs, batches, iterations, peer_names=(), device=None, own=True, kv_dtypes=(None,), quants=(None,),
+                steps=(None,)):
+    """(model, family, T, kv_dtype, quant, step, batch, ctx, peer) in sweep order; T only for Mask-Predict models,
     kv_dtype (one point per entry of `kv_dtypes`) only for the families with a KV cache, quant one
-    point per entry of `quants` (None: the model's own weights). After a
+    point per entry of `quants` (None: the model's own weights), step one per entry of `steps` for the
+    families that take the option (None: the default step). After a
     model's own points (peer None; left out when not `own`) come its peers' points (a `peers.Peer`),
     each peer's contexts in a row; a peer that cannot run the model is one point (a `peers.Absent`,
     batch and ctx None)."""
@@ -252,17 +295,18 @@ def plan_points(models, ctxs, batches, iterations, peer_names=(), device=None, o
         for it in (iterations if "iterations" in takes else [None]) if own else []:
             for kv in kv_dtypes if "kv_dtype" in takes else [None]:
                 for q in quants:
-                    for batch in batches:
-                        for ctx in ctxs:
-                            yield model, family, it, kv, q, batch, ctx, None
+                    for step in steps if "step" in takes else [None]:
+                        for batch in batches:
+                            for ctx in ctxs:
+                                yield model, family, it, kv, q, step, batch, ctx, None
         for name in peer_names:
             for peer in peers.plan(name, model, family, device):
                 if isinstance(peer, peers.Absent):
-                    yield model, family, None, None, None, None, None, peer
+                    yield model, family, None, None, None, None, None, None, peer
                     continue
                 for batch in batches:
                     for ctx in ctxs:
-                        yield model, family, None, None, None, batch, ctx, peer
+                        yield model, family, None, None, None, None, batch, ctx, peer
 
 
 def first_line(error: BaseException) -> str:
@@ -272,12 +316,12 @@ def first_line(error: BaseException) -> str:
 
 def format_table(records: list[dict]) -> str:
     cols = [
-        ("model", "{}"), ("T", "{}"), ("kv", "{}"), ("quant", "{}"), ("batch", "{}"), ("ctx", "{}"), ("status", "{}"), ("ttft ms", "{:.1f}"),
+        ("model", "{}"), ("T", "{}"), ("kv", "{}"), ("quant", "{}"), ("step", "{}"), ("batch", "{}"), ("ctx", "{}"), ("status", "{}"), ("ttft ms", "{:.1f}"),
         ("p50 ms", "{:.2f}"), ("p99 ms", "{:.2f}"), ("tok/s/seq", "{:.1f}"), ("tok/s", "{:.1f}"),
         ("prefill tok/s", "{:.0f}"), ("MBU", "{:.2f}"), ("MBU nom", "{:.2f}"), ("decay", "{:.2f}"), ("spread", "{:.0%}"),
         ("max batch", "{}"),
     ]
-    keys = ["model", "iterations", "kv_dtype", "quant", "batch", "ctx", "status", "ttft_ms", "step_ms_p50", "step_ms_p99", "decode_tok_s_per_seq",
+    keys = ["model", "iterations", "kv_dtype", "quant", "step", "batch", "ctx", "status", "ttft_ms", "step_ms_p50", "step_ms_p99", "decode_tok_s_per_seq",
             "decode_tok_s", "prefill_tok_s", "mbu", "mbu_nominal", "decay", "spread", "max_batch_fits"]
     rows = [[name for name, _ in cols]]
     for r in records:
@@ -297,7 +341,7 @@ def cpu_note(records: list[dict], threads: int) -> str:
 
 def summary(records: list[dict], where: str) -> dict:
     """The last stdout line: where the full records are, and each point's status and headline figures."""
-    keep = ("model", "peer", "iterations", "kv_dtype", "quant", "batch", "ctx", "status", "decode_tok_s_per_seq", "step_ms_p50", "ttft_ms", "mbu",
+    keep = ("model", "peer", "iterations", "kv_dtype", "quant", "step", "batch", "ctx", "status", "decode_tok_s_per_seq", "step_ms_p50", "ttft_ms", "mbu",
             "mbu_nominal", "decay", "spread", "max_batch_fits")
     # Four significant digits: a headline, not the record.
     records = [{**r, "quant": quant_name(r)} for r in records]
@@ -350,11 +394,11 @@ def fits(dec, batch, ctx, new_tokens):
 
 def add_decay(records: list[dict]) -> None:
     """Each record's decode tok/s over that of the first (smallest-context) record of its model,
-    iterations, KV cache dtype, weight quantisation and batch, in sweep order."""
+    iterations, KV cache dtype, weight quantisation, decode step and batch, in sweep order."""
     base = {}
     for record in records:
         if record.get("decode_tok_s_per_seq"):
-            key = (record["model"], record.get("iterations"), record.get("kv_dtype"), quant_name(record), record["batch"])
+            key = (record["model"], record.get("iterations"), record.get("kv_dtype"), quant_name(record), record.get("step"), record["batch"])
             first = base.setdefault(key, record["decode_tok_s_per_seq"])
             record["decay"] = record["decode_tok_s_per_seq"] / first
 
@@ -424,12 +468,12 @@ def measure_point(args, point, loaded, peer_models, device, spec, tp, ctxs, ceil
     import decoders
     from decoders import harness, peers
 
-    model, family, it, kv, q, batch, ctx, peer = point
+    model, family, it, kv, q, step, batch, ctx, peer = point
     if isinstance(peer, peers.Absent):
         record = {"iterations": None, **peers.describe(peer, None, model, family), **env, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
         record.update(status=peer.status, reason=peer.reason, ctx=None, batch=None)
         return record
-    key = (model, it, kv, q)
+    key = (model, it, kv, q, step)
     if key not in loaded:
         loaded.clear()
         release_peers(peer_models, device)
@@ -439,6 +483,8 @@ def measure_point(args, point, loaded, peer_models, device, spec, tp, ctxs, ceil
         options = {"page_size": args.page_size} if "page_size" in takes else {}
         if kv is not None:
             options["kv_dtype"] = kv
+        if step is not None:
+            options["step"] = step
         if "iterations" in takes:
             options.update(iterations=it, block_length=args.block)
         try:
@@ -518,6 +564,7 @@ def run(args) -> int:
     except ValueError as e:
         raise ArgError(f"--impl: {e}") from None
     spec = parse_spec(args.spec, targets=models, peers=peer_names) if args.spec else None
+    steps = parse_steps(args, models, batches, kv_dtypes, quants, spec, device) if args.step is not None else [None]
     spread = check_distributed(args, models, peer_names, spec, here)
     out = check_output_file(args.out, "--out")
     # Spread: each rank appends its own records as they finish; rank 0 writes them all to --out at the end.
@@ -538,7 +585,7 @@ def run(args) -> int:
 
     group = distributed.setup(device, here) if here.launched else None
     plan = list(plan_points(models, ctxs, batches, iterations, peer_names, device, own=not args.peers_only, kv_dtypes=kv_dtypes,
-                            quants=quants))
+                            quants=quants, steps=steps))
     mine = distributed.share(len(plan), here) if spread else range(len(plan))
     tp = group if args.tp > 1 else None
     threads = harness.pin_cpu_threads() if device.type == "cpu" else None
@@ -555,7 +602,7 @@ def run(args) -> int:
     loaded, peer_models = {}, {}
     try:
         for index in mine:
-            model, family, it, _, _, batch, ctx, peer = plan[index]
+            model, family, it, _, _, _, batch, ctx, peer = plan[index]
             try:
                 record = measure_point(args, plan[index], loaded, peer_models, device, spec, tp, ctxs, ceiling, env,
                                        f"{len(records)} finished point(s) kept in {sink.where}")

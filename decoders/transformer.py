@@ -8,6 +8,11 @@ computes its slots on the device from the block table and never returns to the h
 
 `kv_dtype="fp8"` stores the pages in e4m3 with one exponent per row (`decoders.kv_cache`): about
 half the bytes per position, counted as such by `memory`.
+
+`step="persistent"` decodes with the persistent step (`declab_kernels.persistent_step`): the whole
+forward of a step as one Triton kernel, batch 1, beside the default `"graphed"` step (a kernel per
+operation, replayed as a CUDA graph). It takes the same paged cache and decode workspace; a batch,
+kernel implementation, KV cache dtype or model it does not cover is refused at load or prefill.
 """
 
 from dataclasses import dataclass
@@ -15,9 +20,9 @@ from dataclasses import dataclass
 import torch
 
 from declab_arch import llama
-from decoders.base import AutoregressiveDecoder, Memory
+from decoders.base import AutoregressiveDecoder, Memory, UsageError
 from decoders.kv_cache import PagedKVCache, kv_token_bytes, resolve_kv_dtype
-from declab_kernels import paged_attention, tuning
+from declab_kernels import paged_attention, persistent_step, tuning
 
 
 @dataclass
@@ -26,6 +31,7 @@ class TransformerCache:
     seqs: list[int]
     block_tables: torch.Tensor  # [B, max_blocks] int32
     workspace: dict | None  # decode partials, allocated once per state
+    persistent: persistent_step.PersistentStep | None = None  # the step over this cache (`step="persistent"`)
 
 
 class TransformerDecoder(AutoregressiveDecoder):
@@ -35,10 +41,15 @@ class TransformerDecoder(AutoregressiveDecoder):
     state_kind = "kv"
 
     def __init__(self, model, config, *, page_size: int = 16, num_blocks: int | None = None, kv_memory_bytes: int | None = None, prefill_chunk: int | None = None,
-                 kv_dtype=None, **kwargs):
+                 kv_dtype=None, step: str = "graphed", **kwargs):
         super().__init__(model, config, max_context=config.max_position_embeddings, **kwargs)
         # None: the cache stores the model's dtype (see `kv_dtype`).
         self._kv_dtype = resolve_kv_dtype(kv_dtype, self.dtype, self.device, self.impl)
+        if step not in STEPS:
+            raise UsageError(f"unknown step {step!r} (known: {', '.join(STEPS)})")
+        self.step_kind = step
+        if step == "persistent":
+            check_persistent(self)
         self.page_size = page_size
         self.prefill_chunk = prefill_chunk
         self.pool = None
@@ -58,6 +69,8 @@ class TransformerDecoder(AutoregressiveDecoder):
         return PagedKVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, block_size=self.page_size, dtype=self.kv_dtype, device=self.device, **size)
 
     def new_cache(self, prompt_lens: list[int], max_len: int) -> TransformerCache:
+        if self.step_kind == "persistent" and self.impl == "triton" and len(prompt_lens) != 1:
+            raise UsageError(f"step='persistent' decodes one sequence at a time, got a batch of {len(prompt_lens)}")
         kv = self.pool
         if kv is None:
             kv = self._new_kv(num_blocks=len(prompt_lens) * -(-max_len // self.page_size))
@@ -70,7 +83,11 @@ class TransformerDecoder(AutoregressiveDecoder):
                 len(seqs), self.config.num_attention_heads, self.config.num_key_value_heads, self.config.head_dim, max_len, self.device,
                 variant=tuning.attention_variant(len(seqs)),
             )
-        return TransformerCache(kv, seqs, kv.block_table(seqs), workspace)
+        cache = TransformerCache(kv, seqs, kv.block_table(seqs), workspace)
+        # A copy of this decoder on the reference path (the correctness gate's) runs the graphed step.
+        if self.step_kind == "persistent" and self.impl == "triton":
+            cache.persistent = self.model.persistent_step(self.decode_batch(cache, None))
+        return cache
 
     def release(self, state) -> None:
         for s in state.cache.seqs:
@@ -123,22 +140,31 @@ class TransformerDecoder(AutoregressiveDecoder):
                 last_logits[row] = logit
         return torch.stack(last_logits)
 
-    def decode_forward(self, cache: TransformerCache, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def decode_batch(self, cache: TransformerCache, positions: torch.Tensor | None) -> llama.PagedBatch:
+        """The PagedBatch of a decode step at `positions` (None: no seq_lens, for the persistent step, which
+        reads the positions itself)."""
+        seq_lens = None
+        if positions is not None:
+            # One kernel (the add writes int32) where `(positions + 1).to(torch.int32)` launched two.
+            seq_lens = torch.add(positions, 1, out=torch.empty_like(positions, dtype=torch.int32))
         # The decode attention finds the new row's page itself (slot_mapping None).
-        batch = llama.PagedBatch(
+        return llama.PagedBatch(
             k_cache=cache.kv.k,
             v_cache=cache.kv.v,
             k_scale=cache.kv.k_scale,
             v_scale=cache.kv.v_scale,
             block_tables=cache.block_tables,
-            # One kernel (the add writes int32) where `(positions + 1).to(torch.int32)` launched two.
-            seq_lens=torch.add(positions, 1, out=torch.empty_like(positions, dtype=torch.int32)),
+            seq_lens=seq_lens,
             slot_mapping=None,
             decode=True,
             impl=self.impl,
             workspace=cache.workspace,
         )
-        return self.model.forward_paged(tokens, positions, batch)
+
+    def decode_forward(self, cache: TransformerCache, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if cache.persistent is not None and self.impl == "triton":
+            return cache.persistent(tokens, positions)
+        return self.model.forward_paged(tokens, positions, self.decode_batch(cache, positions))
 
     def memory(self, batch: int, ctx: int, *, new_tokens: int = 1) -> Memory:
         c = self.config
@@ -154,3 +180,22 @@ class TransformerDecoder(AutoregressiveDecoder):
             step_read_bytes=weights_read + batch * ctx * kv_per_token,
             step_write_bytes=batch * kv_per_token,
         )
+
+
+STEPS = ("graphed", "persistent")
+
+
+def check_persistent(dec: TransformerDecoder) -> None:
+    """Raise UsageError where `step="persistent"` does not run: it is one Triton kernel over a cache in
+    the model's dtype, dense weights, no q/k/v biases, one process."""
+    why = None
+    if dec.impl != "triton":
+        why = f"it is a Triton kernel, and impl is {dec.impl!r}"
+    elif dec._kv_dtype is not None and dec._kv_dtype != dec.dtype:
+        why = f"its cache is the model's dtype, and kv_dtype is {str(dec._kv_dtype).removeprefix('torch.')}"
+    elif dec.quant is not None:
+        why = f"its weights are dense, and these are {dec.quant.name}"
+    elif dec.config.attention_bias:
+        why = "it has no q/k/v biases, and this model has them"
+    if why:
+        raise UsageError(f"step='persistent' does not run here: {why}")

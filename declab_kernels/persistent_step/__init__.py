@@ -1,0 +1,211 @@
+"""The persistent decode step: a whole batch-1 llama forward in one launch (README.md).
+
+    step = PersistentStep(weights, cache, shape=StepShape(...), ...)
+    logits = step(tokens, positions)     # tokens [1], positions [1] on the device; logits [1, V]
+
+`PersistentStep` holds what the launch needs, made once per model and KV cache: the work list
+(`schedule.work_list`), the int32 counters, the epoch, the activation buffers and the per-layer
+pointer table. A call launches one kernel (`triton.persistent_step_kernel`) and allocates nothing,
+so it is capturable in a CUDA graph. Triton only: on the CPU it runs under the interpreter, where
+programs run one after another, so there P is 1 (the whole list in one program, in topological
+order); on a GPU P is the SM count times the programs that fit on an SM together (every program
+must be resident at once: a program spins on counters that other programs advance).
+"""
+
+from dataclasses import dataclass
+
+import torch
+from triton import next_power_of_2
+
+from declab_kernels.paged_attention.triton import decode_config
+from declab_kernels.persistent_step import schedule
+from declab_kernels.persistent_step.schedule import StepShape, Tiles
+from declab_kernels.persistent_step.triton import persistent_step_kernel
+
+__all__ = ["PersistentStep", "LayerWeights", "StepShape", "Tiles", "resident_programs", "schedule"]
+
+# Warps of every program: the attention tile (K and V of the current and the next 64-key tile at
+# D = 64, 32 KB) and the GEMV chunks (three 8 KB chunks in flight) spread over 256 threads.
+NUM_WARPS = 8
+# Weight elements of one GEMV chunk (BN rows x BK columns): 8 KB of bf16, three in flight a program
+# (16 KB chunks, two in flight, spilled 200 bytes a thread at MAX_REGISTERS against 96; three 8 KB
+# chunks spill 104).
+CHUNK_ELEMS = 4096
+# Elements of one attention key tile (keys x D_pad): 64 keys at D = 64, K and V, this one and the next.
+ATTENTION_TILE_ELEMS = 4096
+# float32 partials the attention merge loads at once ([G, splits, D_pad]; the paged decode kernel's
+# one-load bound): 64 registers a thread at 4 warps, 32 at 8.
+MERGE_ELEMS = 8192
+# Programs an SM holds at most, whatever its registers and shared memory would allow.
+MAX_PROGRAMS_PER_SM = 2
+# Registers a thread may use (ptxas .maxnreg). Left free, ptxas took 222-247 whatever the tile sizes
+# (llama-1b, sm_90 offline compile), one 8-warp program an SM; at 128 it spills ~100 bytes a thread and
+# two programs fit an SM, twice the weight bytes in flight.
+MAX_REGISTERS = 128
+# 32-bit registers of one SM (every NVIDIA SM from Volta to Hopper).
+REGISTERS_PER_SM = 65536
+
+
+@dataclass
+class LayerWeights:
+    """One layer's tensors, used in place (their addresses go into the pointer table)."""
+
+    qkv: torch.Tensor  # [(Hq + 2 Hkv) D, d]
+    o: torch.Tensor  # [d, Hq D]
+    gate_up: torch.Tensor  # [2 I, d]: gate rows, then up rows
+    down: torch.Tensor  # [d, I]
+    input_norm: torch.Tensor  # [d]
+    post_norm: torch.Tensor  # [d]
+
+    def tensors(self):
+        return (self.qkv, self.o, self.gate_up, self.down, self.input_norm, self.post_norm)
+
+
+def resident_programs(n_regs: int, shared: int, num_warps: int, device: torch.device) -> int:
+    """Programs of a kernel with `n_regs` registers a thread and `shared` bytes of shared memory that one
+    SM holds at once (registers allocated per warp in units of 256; 1 KB of shared memory reserved a
+    program), capped at MAX_PROGRAMS_PER_SM."""
+    props = torch.cuda.get_device_properties(device)
+    per_warp = -(-max(n_regs, 1) * 32 // 256) * 256
+    by_regs = REGISTERS_PER_SM // per_warp // num_warps
+    by_threads = props.max_threads_per_multi_processor // (32 * num_warps)
+    by_shared = props.shared_memory_per_multiprocessor // (shared + 1024)
+    return min(by_regs, by_threads, by_shared, MAX_PROGRAMS_PER_SM)
+
+
+def _pow2(n: int) -> int:
+    return next_power_of_2(max(1, n))
+
+
+def _chunk(rows: int, k: int) -> int:
+    """BK for tiles of `rows` weight rows over depth k."""
+    return max(16, min(CHUNK_ELEMS // rows, _pow2(k)))
+
+
+class PersistentStep:
+    """The persistent step of one llama model over one paged KV cache, batch 1.
+
+    `k_cache`, `v_cache` [L, num_blocks, page, Hkv, D] (one dtype with the weights); `block_table`
+    [max_blocks] int32, the sequence's pages; `cos`, `sin` [P, D/2] float32; `workspace` the paged
+    decode attention's (`declab_kernels.paged_attention.decode_workspace`): its split count, its
+    variant's key tile and its partials (batch row 0) serve the step's attention, which so cuts the keys
+    as the graphed step's kernel does. `programs`: P (default: as the module
+    docstring says); `delay_ns`, `timeline`: the kernel's debug constexprs (GPU only).
+    """
+
+    def __init__(self, layers: list[LayerWeights], *, embed, head, final_norm, eps: float, shape: StepShape, k_cache, v_cache,
+                 block_table, cos, sin, workspace, scale: float, programs: int | None = None,
+                 delay_ns: int = 0, timeline: bool = False):
+        device = embed.device
+        self.device = device
+        self.shape = shape
+        dtype = embed.dtype
+        tensors = [t for layer in layers for t in layer.tensors()] + [head, final_norm]
+        for t in tensors + [k_cache, v_cache]:
+            if t.dtype != dtype or t.device != device or not t.is_contiguous():
+                raise ValueError(f"persistent step: every weight and the KV cache must be contiguous {dtype} on {device}, got {t.dtype} {tuple(t.shape)}")
+            if t.data_ptr() % 16:
+                raise ValueError("persistent step: weights must be 16-byte aligned")
+        if k_cache.stride() != v_cache.stride():
+            raise ValueError("persistent step: the K and V caches must share one layout")
+        if workspace.num_splits != shape.num_splits:
+            raise ValueError(f"persistent step: the workspace has {workspace.num_splits} splits, the shape {shape.num_splits}")
+        if (delay_ns or timeline) and device.type != "cuda":
+            raise ValueError("persistent step: delay_ns and timeline need a GPU (globaltimer)")
+        # The pointer table holds these tensors' addresses: kept alive with the step.
+        self.layers = layers
+        self.table = torch.tensor([[t.data_ptr() for t in layer.tensors()] for layer in layers], dtype=torch.int64, device=device)
+        D = shape.head_dim
+        d_pad = max(16, _pow2(D))
+        g_r = _pow2(shape.group)
+        s_pad = _pow2(shape.num_splits)
+        self.consts = dict(
+            D_MODEL=shape.d_model, INTER=shape.inter, VOCAB=shape.vocab, HQ=shape.hq, HKV=shape.hkv, D=D, D_PAD=d_pad,
+            G=shape.group, G_PAD=max(16, g_r), G_R=g_r, PAGE=k_cache.shape[2],
+            BLOCK_N=decode_config(D, workspace.variant).block_n, TILE=min(decode_config(D, workspace.variant).block_n, ATTENTION_TILE_ELEMS // d_pad),
+            S_PAD=s_pad,
+            CHUNK=min(s_pad, max(1, MERGE_ELEMS // (g_r * d_pad))), EMBED_BLOCK=min(1024, _pow2(shape.d_model)),
+            DELAY=int(delay_ns), TIMELINE=bool(timeline),
+        )
+        self.args = dict(embed=embed, head=head, final_norm=final_norm, k_cache=k_cache, v_cache=v_cache, block_table=block_table,
+                         cos=cos, sin=sin, lse=workspace.lse[0], partial=workspace.partial[0], eps=float(eps), qk_scale=float(scale) * 1.4426950408889634)
+        self.x = torch.zeros(shape.d_model, dtype=dtype, device=device)
+        self.qkv = torch.zeros(shape.n_qkv, dtype=dtype, device=device)
+        self.attn = torch.zeros(shape.hq * D, dtype=dtype, device=device)
+        self.act = torch.zeros(shape.inter, dtype=dtype, device=device)
+        self.logits = torch.empty(1, shape.vocab, dtype=dtype, device=device)
+        self.epoch = torch.zeros(1, dtype=torch.int32, device=device)
+        self.done = torch.zeros(1, dtype=torch.int32, device=device)
+        # Set by a wait that gave up (`stalled`).
+        self.stall = torch.zeros(1, dtype=torch.int32, device=device)
+        self.counters = torch.zeros(schedule.Counters(shape.n_layers, shape.hkv).size, dtype=torch.int32, device=device)
+        self.timeline_on = bool(timeline)
+        self.programs = programs or self._programs()
+        self._plan(self.programs)
+
+    def _plan(self, programs: int) -> None:
+        """Tiles, work list and timeline buffer for P = programs."""
+        shape = self.shape
+        self.tiles = t = schedule.choose_tiles(shape, programs)
+        self.items = schedule.work_list(shape, t)
+        self.work = torch.tensor([it.row() for it in self.items], dtype=torch.int32, device=self.device)
+        self.times = torch.zeros(len(self.items) if self.timeline_on else 1, 4, dtype=torch.int64, device=self.device)
+        self.consts.update(BN_QKV=t.qkv, BK_QKV=_chunk(t.qkv, shape.d_model), BN_O=t.o, BK_O=_chunk(t.o, shape.hq * shape.head_dim),
+                           BN_GU=t.gu, BK_GU=_chunk(t.gu, shape.d_model), BN_DOWN=t.down, BK_DOWN=_chunk(t.down, shape.inter),
+                           BN_HEAD=t.head, BK_HEAD=_chunk(t.head, shape.d_model))
+
+    def _programs(self) -> int:
+        if self.device.type != "cuda":
+            # The interpreter runs programs one after another: a second one would never see the
+            # first's counters move.
+            return 1
+        # The tiles depend on P and the registers on the tiles: compile for a P, read what fits, and
+        # settle on a P whose own compiled kernel fits it (a P too large would hang, not fail).
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        programs = sms * MAX_PROGRAMS_PER_SM
+        for _ in range(MAX_PROGRAMS_PER_SM):
+            self._plan(programs)
+            probe = torch.zeros(1, dtype=torch.int64, device=self.device)
+            compiled = persistent_step_kernel.warmup(*self._launch_args(probe, probe), grid=(1,), num_warps=NUM_WARPS,
+                                                      maxnreg=MAX_REGISTERS, **self.consts)
+            compiled._init_handles()
+            resident = resident_programs(compiled.n_regs, compiled.metadata.shared, NUM_WARPS, self.device)
+            if sms * resident >= programs:
+                return programs
+            if resident < 1:
+                break
+            programs = sms * resident
+        raise RuntimeError(f"persistent step: {programs // sms} program(s) of {compiled.n_regs} registers a thread and "
+                           f"{compiled.metadata.shared} B of shared memory do not fit on an SM")
+
+    def _launch_args(self, tokens, positions):
+        a = self.args
+        k = a["k_cache"]
+        return (self.work, self.work.shape[0], self.counters, self.epoch, self.done, self.table,
+                a["embed"], a["head"], a["final_norm"], tokens, positions,
+                self.x, self.qkv, self.attn, self.act, a["lse"], a["partial"], self.logits,
+                k, a["v_cache"], a["block_table"], a["cos"], a["sin"],
+                k.stride(0), k.stride(1), k.stride(2), k.stride(3), a["cos"].stride(0),
+                a["eps"], a["qk_scale"], self.shape.num_splits, self.times, self.stall)
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Logits [1, V] of the token tokens [1] at positions [1]; its K/V row is written into the cache."""
+        persistent_step_kernel[(self.programs,)](*self._launch_args(tokens, positions), num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS,
+                                                 **self.consts)
+        return self.logits
+
+    def stalled(self) -> bool:
+        """Whether a wait of any launch so far gave up; synchronises. The flag stays set and every later
+        wait gives up at once, so that launch's logits and all later ones are wrong (and quick)."""
+        return bool(self.stall.item())
+
+    def timeline(self) -> list[dict]:
+        """Per item of the last launch with `timeline=True`: stage, layer, tile, program, SM and its
+        start, wait-over and end times in ns from the step's first start."""
+        if self.times.shape[0] != len(self.items):
+            raise ValueError("persistent step: built without timeline=True")
+        t = self.times.cpu().tolist()
+        t0 = min(r[0] for r in t)
+        return [{"stage": schedule.STAGE_NAMES[it.stage], "layer": it.layer, "tile": it.tile, "program": i % self.programs,
+                 "sm": r[3], "start_ns": r[0] - t0, "ready_ns": r[1] - t0, "end_ns": r[2] - t0}
+                for i, (it, r) in enumerate(zip(self.items, t))]
