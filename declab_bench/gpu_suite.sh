@@ -4,7 +4,7 @@
 # output in OUT_DIR/suite.log (few files: the machine's transfer back counts them).
 #
 #   declab_bench/gpu_suite.sh OUT_DIR tests fused profile gemv kernels wkv7 compare-triton compare-8b compare-batch peers ablation quant-quality compare-ref
-#   declab_bench/gpu_suite.sh OUT_DIR gpu-tests version-ab quant-gemv kv-fp8   (GPU_TESTS: the test files; AB_BEFORE: the baseline tree)
+#   declab_bench/gpu_suite.sh OUT_DIR gpu-tests version-ab quant-gemv compare-quant kv-fp8 persistent   (GPU_TESTS: the test files; AB_BEFORE: the baseline tree)
 #
 # Triton's compiled kernels and the GEMV picks can outlive a machine: the stage save-cache packs the
 # cache into OUT_DIR/triton-cache-part-* (15 MB pieces), the picks are in OUT_DIR/gemv_choices.jsonl,
@@ -100,6 +100,16 @@ for s in "$@"; do
     quant-gemv) stage quant_gemv 170 python3 -m declab_bench.quant_gemv --out "$out/quant_gemv.jsonl" ;;
     kv-fp8) stage kv_fp8 "${FP8_LIMIT:-200}" python3 -m decoders.compare --no-progress --impl triton --models "${FP8_MODEL:-llama-1b}" \
         --ctx "${FP8_CTX:-128k}" --batch 1 --kv-dtype bf16,fp8 --out "$out/compare_kv_fp8.jsonl" ;;
+    # The persistent decode step (issue 35): its GPU tests, then against the graphed step, then its timeline.
+    persistent)
+      stage tests_persistent "${PERSIST_TEST_LIMIT:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short -rf \
+        tests/decoders/test_persistent_decoder.py tests/kernels/test_persistent_step.py tests/bench/test_persistent_timeline.py
+      stage compare_persistent "${PERSIST_LIMIT:-300}" python3 -m decoders.compare --no-progress --impl triton --models "${PERSIST_MODELS:-llama-1b}" \
+        --ctx "${PERSIST_CTX:-4k,32k,128k}" --batch 1 --step graphed,persistent --point-timeout 300 --out "$out/persistent.jsonl"
+      stage persistent_timeline 120 python3 -m declab_bench.persistent_timeline --model llama-1b --ctx 4k,32k --out "$out/persistent_timeline.jsonl" ;;
+    # Quantised decoding against bf16 in one run (issue 31): llama-1b and llama-8b at 4k, batch 1.
+    compare-quant) stage compare_quant "${QUANT_LIMIT:-300}" python3 -m decoders.compare --no-progress --impl triton --models "${QUANT_MODELS:-llama-1b,llama-8b}" \
+        --ctx 4k --batch 1 --quant none,int8,int4-rtn --out "$out/compare_quant.jsonl" ;;
     save-cache) tar -cz -C "$TRITON_CACHE_DIR" . | split -b 15m - "$out/triton-cache-part-" && ls -la "$out"/triton-cache-part-* ;;
     *) echo "unknown stage $s" ;;
   esac
