@@ -59,12 +59,12 @@ for s in "$@"; do
       done ;;
     compare64) stage compare64 110 python3 -m decoders.compare --no-progress --impl triton --models llama-1b,mamba2-1.3b,rwkv7-1.5b \
         --ctx 1k --batch 64 --new-tokens 256 --out "$out/compare_b64.jsonl" ;;
-    sb8b) stage sb8b 160 python3 -m decoders.serve_bench --models llama-8b --prompt-len 1024 --output-len 256 --rate 8,16,32,inf \
+    sb8b) stage sb8b "${SB8B_LIMIT:-160}" python3 -m decoders.serve_bench --models llama-8b --prompt-len 1024 --output-len 256 --rate 8,16,32,inf \
         --duration 10 --slo ttft=500ms,itl=50ms --no-progress --out "$work/serve_bench.jsonl" ;;
     bursty) stage bursty 160 python3 -m decoders.serve_bench --models llama-1b,mamba2-1.3b,rwkv7-1.5b --prompt-len 1024 --output-len 256 \
         --rate "${BURSTY_RATE:-12}" --arrivals poisson,bursty --burst-period 5 --duration 10 --slo ttft=500ms,itl=50ms --no-progress --out "$work/serve_bench.jsonl" ;;
     b256) for m in mamba2-1.3b rwkv7-1.5b llama-1b; do
-        stage "b256_$m" 90 python3 -m decoders.engine --model "$m" --batch 256 --ctx 4096 --new-tokens 64 --out "$out/engine.jsonl"
+        stage "b256_$m" "${B256_LIMIT:-150}" python3 -m decoders.engine --model "$m" --batch 256 --ctx 4096 --new-tokens "${B256_NEW:-256}" --out "$out/engine.jsonl"
       done ;;
     http) stage http 130 bash -c http_stage ;;
     spec) stage spec 300 python3 -m eval.spec_study --corpus "${CORPUS:-.corpus}" --out "$out/spec.jsonl" --work "$work/spec" \
