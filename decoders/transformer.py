@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from declab_arch import llama
-from decoders.base import AutoregressiveDecoder, Memory, UsageError
+from decoders.base import STEPS, AutoregressiveDecoder, Memory, UsageError
 from decoders.kv_cache import PagedKVCache, kv_token_bytes, resolve_kv_dtype
 from declab_kernels import paged_attention, persistent_step, tuning
 
@@ -180,9 +180,6 @@ class TransformerDecoder(AutoregressiveDecoder):
             step_read_bytes=weights_read + batch * ctx * kv_per_token,
             step_write_bytes=batch * kv_per_token,
         )
-
-
-STEPS = ("graphed", "persistent")
 
 
 def check_persistent(dec: TransformerDecoder) -> None:
