@@ -90,8 +90,13 @@ class Mamba2Decoder(RecurrentDecoder):
             lens=[0] * B,
         )
         if persistent:
-            cache.persistent = self.model.persistent_step(cache.conv, cache.ssm)
+            cache.persistent = self.persistent_step(cache)
         return cache
+
+    def persistent_step(self, cache: Mamba2Cache, **debug) -> persistent_step.Mamba2PersistentStep:
+        """A persistent step over `cache`'s states (`Mamba2LM.persistent_step`; `debug`: its programs,
+        tiles, delay_ns, timeline)."""
+        return self.model.persistent_step(cache.conv, cache.ssm, **debug)
 
     def prefill_forward(self, cache: Mamba2Cache, prompts: list[list[int]]) -> torch.Tensor:
         """Consume prompts (row i of the cache continues with prompts[i]); logits [B, V] of each last token."""

@@ -86,8 +86,12 @@ class TransformerDecoder(AutoregressiveDecoder):
         cache = TransformerCache(kv, seqs, kv.block_table(seqs), workspace)
         # A copy of this decoder on the reference path (the correctness gate's) runs the graphed step.
         if self.step_kind == "persistent" and self.impl == "triton":
-            cache.persistent = self.model.persistent_step(self.decode_batch(cache, None))
+            cache.persistent = self.persistent_step(cache)
         return cache
+
+    def persistent_step(self, cache: TransformerCache, **debug) -> persistent_step.PersistentStep:
+        """A persistent step over `cache` (`Llama.persistent_step`; `debug`: its programs, delay_ns, timeline)."""
+        return self.model.persistent_step(self.decode_batch(cache, None), **debug)
 
     def release(self, state) -> None:
         for s in state.cache.seqs:

@@ -167,7 +167,7 @@ def test_gpu_many_replays_with_random_delays():
 def test_gpu_timeline_orders_every_item():
     dec = decoders.load("mamba2-1.3b", device="cuda", step="persistent")
     state = dec.prefill([[1, 2, 3]], max_new_tokens=4)
-    step = dec.model.persistent_step(state.cache.conv, state.cache.ssm, timeline=True)
+    step = dec.persistent_step(state.cache, timeline=True)
     step(state.next_tokens, state.positions)
     rows = step.timeline()
     assert not step.stalled()
@@ -176,3 +176,23 @@ def test_gpu_timeline_orders_every_item():
     # No out_proj tile of a layer is ready before every SSM tile of it was.
     last_ssm = max(r["ready_ns"] for r in rows if r["stage"] == "ssm" and r["layer"] == 0)
     assert min(r["ready_ns"] for r in rows if r["stage"] == "out" and r["layer"] == 0) >= last_ssm
+
+
+def test_compare_takes_the_step_for_mamba2_models():
+    from decoders import compare
+
+    args = compare.build_parser().parse_args(["--models", "llama-tiny,mamba2-tiny", "--step", "graphed,persistent", "--impl", "triton"])
+    steps = compare.parse_steps(args, ["llama-tiny", "mamba2-tiny"], [1], [None], [None], None, torch.device("cpu"))
+    assert steps == ["graphed", "persistent"]
+    points = list(compare.plan_points(["mamba2-tiny", "rwkv7-tiny"], [64], [1], [None], steps=steps))
+    assert [p[5] for p in points] == ["graphed", "persistent", None]
+
+
+@pytest.mark.parametrize("model", ["rwkv7-tiny", "maskpredict-tiny"])
+def test_compare_refuses_the_step_for_other_families(model, tmp_path, capsys):
+    from decoders import compare
+
+    code = compare.main(["--no-progress", "--models", f"mamba2-tiny,{model}", "--ctx", "64", "--step", "persistent",
+                         "--device", "cpu", "--impl", "triton", "--out", str(tmp_path / "out.jsonl")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "has no persistent step yet" in err[0] and not (tmp_path / "out.jsonl").exists()
