@@ -10,7 +10,8 @@ head: it loads its state tile, its conv rings, the conv weights and the head's c
 wait (none is written by this step's other items), then the in-projection's outputs with `.cg`.
 
 Arithmetic follows the graphed step (`declab_arch.mamba2.Mixer.step` with the gate in the step): the
-residual r is float32; the pre-norms scale the products by 1/rms after the K loop; the SSM tile rounds
+residual r is float32; the pre-norms round r * weight to the model dtype (the h the graphed out_proj
+stores) and scale the products by 1/rms after the K loop; the SSM tile rounds
 g = y silu(z) to the model dtype, keeps its sum of g^2 and stores g * norm weight; out_proj scales its
 products by the row's 1/rms from those sums and adds them, rounded to the weight dtype, to r.
 
@@ -148,7 +149,7 @@ def mamba2_step_kernel(
         elif stage == IN:
             _gemv_item(_weights(tab_ptr, layer, 0, embed_ptr, WIDTH), N_IN, D_MODEL, tile, r_ptr, _weights(tab_ptr, layer, 7, embed_ptr, WIDTH),
                        eps, r_ptr, zx_ptr, cnt_ptr, wait_idx, target, seed, BN_IN, BK_IN, True, False, False, DELAY, stamp, TIMELINE,
-                       stall_ptr, MAX_POLLS)
+                       stall_ptr, MAX_POLLS, ROUND_NORMED=True)
             _signal(cnt_ptr, signal_idx)
         elif stage == SSM:
             _ssm_item(layer, tile, tab_ptr, embed_ptr, r_ptr, zx_ptr, y_ptr, ss_ptr, conv_ptr, ssm_ptr, positions_ptr,
@@ -163,7 +164,8 @@ def mamba2_step_kernel(
             _signal(cnt_ptr, signal_idx)
         elif stage == HEAD:
             _gemv_item(head_ptr, VOCAB, D_MODEL, tile, r_ptr, final_norm_ptr, eps, r_ptr, logits_ptr,
-                       cnt_ptr, wait_idx, target, seed, BN_HEAD, BK_HEAD, True, False, False, DELAY, stamp, TIMELINE, stall_ptr, MAX_POLLS)
+                       cnt_ptr, wait_idx, target, seed, BN_HEAD, BK_HEAD, True, False, False, DELAY, stamp, TIMELINE, stall_ptr, MAX_POLLS,
+                       ROUND_NORMED=True)
         if TIMELINE:
             tl.store(time_ptr + i * 4 + 2, tl.extra.cuda.globaltimer())
             tl.store(time_ptr + i * 4 + 3, tl.extra.cuda.smid().to(tl.int64))
