@@ -18,7 +18,8 @@ Stages, per layer l (Hkv kv heads, S key splits):
     DOWN  l, t       rows t of x += act @ Wdown^T         waits gu[l]                  signals down[l]
     HEAD  t          rows t of rmsnorm(x) @ Whead^T       waits down[L-1]
 Every buffer (x, qkv, attn, act, the split partials) is reused by every layer; `simulate` checks that
-no layer's write lands before the previous layer's reads of it are done.
+no layer's write lands before the previous layer's reads of it are done. `Model` and `run` take any
+family's list with its items' reads and writes (`schedule_mamba2` builds the Mamba-2 one).
 """
 
 import random

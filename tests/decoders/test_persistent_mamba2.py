@@ -55,7 +55,7 @@ def test_persistent_equals_graphed_small_config():
 
 @pytest.mark.interpreter
 def test_two_tiles_a_head_equal_the_graphed_step():
-    """The small config cut into 8-row tiles (two a head of 12 rows, the second half empty) and small
+    """The small config cut into 8-row tiles (two a head of 12 rows, the second one half empty) and small
     GEMV tiles, driven on copies of the graphed decoder's states for three steps."""
     dec = Mamba2Decoder.from_preset(SMALL, "small", device="cpu", dtype=torch.float32, impl="triton")
     state = dec.prefill([[7, 8, 9]], max_new_tokens=4)
@@ -64,6 +64,9 @@ def test_two_tiles_a_head_equal_the_graphed_step():
     with torch.inference_mode():
         step = dec.model.persistent_step(conv, ssm, tiles=tiles)
         assert schedule_mamba2.stage_tiles(step.shape, tiles)[schedule.SSM] == 2 * dec.config.nheads
+        # Every element of the step's buffers is written before it is read: NaN left anywhere shows.
+        for buffer in (step.zx, step.y, step.ss, step.logits):
+            buffer.fill_(float("nan"))
         tokens, positions = state.next_tokens.clone(), state.positions.clone()
         for _ in range(3):
             theirs = dec.model.step(tokens, state.cache.conv, state.cache.ssm, "triton", positions=positions)
