@@ -49,8 +49,6 @@ class PersistentLaunch:
     `stall`, `timeline_on`, and defines `_plan(programs)` (tiles, work list `items`, `work`, `times`)
     and `_launch_args(tokens, positions)`; then calls `_programs()` once its buffers exist."""
 
-    kernel = None
-
     def _programs(self) -> int:
         if self.device.type != "cuda":
             # The interpreter runs programs one after another: a second one would never see the
