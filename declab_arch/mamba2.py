@@ -45,7 +45,7 @@ from torch import nn
 
 from declab_arch.checkpoint import CheckpointError, assign_weights, check_fields, config_from_dict, load_weights, parse_config, read_json
 from declab_arch.llama import RMSNorm
-from declab_kernels import gemv, mamba2_norm, ssd, tuning
+from declab_kernels import gemv, mamba2_norm, persistent_step, ssd, tuning
 from declab_kernels.gemv import fusions
 
 # Largest chunk of the reference SSD scan (impl="ref", the training path; the Triton path uses the config's
@@ -368,6 +368,24 @@ class Mamba2LM(nn.Module):
             out = block.mixer.step(h, conv[i], ssm[i], impl, positions=positions, state_ready=state_ready)
             h, r = mamba2_norm.add_rmsnorm(out, r, norms[i + 1].weight, norms[i + 1].eps, impl=impl)
         return gemv.linear(h, self.head_weight(), impl=impl)
+
+    def persistent_step(self, conv, ssm, *, programs: int | None = None, tiles=None, delay_ns: int = 0,
+                        timeline: bool = False) -> persistent_step.Mamba2PersistentStep:
+        """The whole decode forward of one sequence as one kernel (`declab_kernels.persistent_step`) over the
+        states conv [L, 1, conv_dim, W] and ssm [L, 1, H, P, N], on this model's weights in place."""
+        c = self.config
+        if c.ngroups != 1 or c.bias:
+            raise ValueError("the persistent step has one norm group and no projection biases")
+        layers = [persistent_step.Mamba2LayerWeights(
+            in_proj=b.mixer.in_proj.weight, out_proj=b.mixer.out_proj.weight, conv_weight=b.mixer.conv1d.weight.squeeze(1),
+            conv_bias=b.mixer.conv1d.bias, dt_bias=b.mixer.dt_bias, A=b.mixer.decay_rates(), D=b.mixer.D, norm=b.norm.weight,
+            gated_norm=b.mixer.norm.weight) for b in self.backbone.layers]
+        shape = persistent_step.Mamba2Shape(d_model=c.d_model, n_layers=c.n_layer, vocab=c.vocab_size, nheads=c.nheads, headdim=c.headdim,
+                                            d_state=c.d_state, ngroups=c.ngroups, d_conv=c.d_conv)
+        return persistent_step.Mamba2PersistentStep(
+            layers, embed=self.backbone.embeddings.weight, head=self.head_weight(), final_norm=self.backbone.norm_f.weight,
+            eps=c.norm_eps, shape=shape, conv=conv, ssm=ssm, dt_limit=c.dt_limit, programs=programs, tiles=tiles, delay_ns=delay_ns,
+            timeline=timeline)
 
     def init_random(self, seed: int = 0):
         """Random weights as mamba-ssm initialises them (A in [1, 16], dt in [1e-3, 0.1]), deterministic in `seed`."""

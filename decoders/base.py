@@ -28,6 +28,11 @@ from declab_arch.checkpoint import load_tokenizer, read_json
 from decoders.sampling import GREEDY, Sampling, sample
 
 
+# The decode steps a family may offer (`step=`): "graphed" (every family) and "persistent" (the whole
+# forward as one kernel, `declab_kernels.persistent_step`: the transformer and Mamba-2, batch 1).
+STEPS = ("graphed", "persistent")
+
+
 class UsageError(ValueError):
     """Input the lab refuses (context over the limit, bad option); the message is one line."""
 
@@ -108,7 +113,7 @@ class Decoder(ABC):
     # Linear layers (name suffixes) that quantisation leaves dense, holding their dequantised values.
     quant_dense: tuple = ()
     # The decode step's kind, as records name it: "graphed" (a kernel per operation, replayed as a CUDA
-    # graph on a GPU) unless a family offers another (the transformer's `step="persistent"`).
+    # graph on a GPU) unless a family offers another (`step="persistent"`: the transformer's, Mamba-2's).
     step_kind: str = "graphed"
 
     def __init__(self, model, config, *, device, dtype, impl, source, tokenizer=None, max_context=None, cuda_graphs=None,

@@ -11,6 +11,11 @@ A decode step reads and rewrites both in place (one `mamba2_decode_step` per lay
 temporaries and never reading a value back to the host, so it can be captured in a CUDA graph. On the
 Triton path it is 5 launches per layer plus 2 (see `declab_arch.mamba2.Mamba2LM.step`).
 
+`step="persistent"` decodes with the persistent step (`declab_kernels.persistent_step`): the whole
+forward of a step as one Triton kernel over the same state buffers, batch 1, beside the default
+`"graphed"` step. A batch, kernel implementation or model it does not cover is refused at load or
+prefill (`check_persistent`).
+
 Prefill consumes each prompt in chunks of `prefill_chunk` tokens, each chunk starting from the state
 the previous one left (conv window and SSM state), so a 128k prompt costs memory linear in the chunk,
 not the prompt, and only the last position's logits are computed. Prompts of different lengths are
@@ -26,7 +31,8 @@ from dataclasses import dataclass
 import torch
 
 from declab_arch import mamba2
-from decoders.base import Memory, RecurrentDecoder
+from declab_kernels import persistent_step
+from decoders.base import STEPS, Memory, RecurrentDecoder, UsageError
 
 # Parameters kept in float32 whatever the model dtype: A = -exp(A_log) and softplus(dt + dt_bias)
 # set the decay, whose rounding compounds over thousands of steps; they are 3 * H numbers per layer.
@@ -40,6 +46,7 @@ class Mamba2Cache:
     # tokens each row has consumed through prefill_forward; decode steps, which take their positions
     # from the caller, leave it as it is (a prefill after decode steps needs it set to the lengths)
     lens: list[int]
+    persistent: persistent_step.Mamba2PersistentStep | None = None  # the step over these states (`step="persistent"`)
 
 
 class Mamba2Decoder(RecurrentDecoder):
@@ -49,9 +56,11 @@ class Mamba2Decoder(RecurrentDecoder):
     state_kind = "recurrent"
     state_fields = {"conv": 1, "ssm": 1}
 
-    def __init__(self, model, config, *, prefill_chunk: int = 8192, **kwargs):
+    def __init__(self, model, config, *, prefill_chunk: int = 8192, step: str = "graphed", **kwargs):
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        if step not in STEPS:
+            raise UsageError(f"unknown step {step!r} (known: {', '.join(STEPS)})")
         keep = {n: p.detach().float().clone() for n, p in model.named_parameters() if n.rsplit(".", 1)[-1] in FP32_PARAMS}
         super().__init__(model, config, **kwargs)
         with torch.no_grad():
@@ -59,6 +68,9 @@ class Mamba2Decoder(RecurrentDecoder):
                 if name in keep:
                     p.data = keep[name].to(self.device)
         self.prefill_chunk = prefill_chunk
+        self.step_kind = step
+        if step == "persistent":
+            check_persistent(self)
 
     @torch.inference_mode()
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -68,11 +80,23 @@ class Mamba2Decoder(RecurrentDecoder):
 
     def new_cache(self, prompt_lens: list[int], max_len: int) -> Mamba2Cache:
         c, B = self.config, len(prompt_lens)
-        return Mamba2Cache(
+        # A copy of this decoder on the reference path (the correctness gate's) runs the graphed step.
+        persistent = self.step_kind == "persistent" and self.impl == "triton"
+        if persistent and B != 1:
+            raise UsageError(f"step='persistent' decodes one sequence at a time, got a batch of {B}")
+        cache = Mamba2Cache(
             conv=torch.zeros(c.n_layer, B, c.conv_dim, c.d_conv, device=self.device, dtype=self.dtype),
             ssm=torch.zeros(c.n_layer, B, c.nheads, c.headdim, c.d_state, device=self.device, dtype=torch.float32),
             lens=[0] * B,
         )
+        if persistent:
+            cache.persistent = self.persistent_step(cache)
+        return cache
+
+    def persistent_step(self, cache: Mamba2Cache, **debug) -> persistent_step.Mamba2PersistentStep:
+        """A persistent step over `cache`'s states (`Mamba2LM.persistent_step`; `debug`: its programs,
+        tiles, delay_ns, timeline)."""
+        return self.model.persistent_step(cache.conv, cache.ssm, **debug)
 
     def prefill_forward(self, cache: Mamba2Cache, prompts: list[list[int]]) -> torch.Tensor:
         """Consume prompts (row i of the cache continues with prompts[i]); logits [B, V] of each last token."""
@@ -92,6 +116,8 @@ class Mamba2Decoder(RecurrentDecoder):
         return torch.stack(last)
 
     def decode_forward(self, cache: Mamba2Cache, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if cache.persistent is not None and self.impl == "triton":
+            return cache.persistent(tokens, positions)
         # Every step ends with sampling kernels launched without PDL, so the states are ready at the next step.
         return self.model.step(tokens, cache.conv, cache.ssm, self.impl, positions=positions, state_ready=True)
 
@@ -124,3 +150,19 @@ class Mamba2Decoder(RecurrentDecoder):
         embed = self.model.backbone.embeddings.weight
         weights_read = weights - (0 if c.tie_embeddings else embed.numel() * embed.element_size())
         return Memory(weight_bytes=weights, state_bytes=state, step_read_bytes=weights_read + state, step_write_bytes=written)
+
+
+def check_persistent(dec: Mamba2Decoder) -> None:
+    """Raise UsageError where `step="persistent"` does not run: it is one Triton kernel over dense weights,
+    one norm group and no projection biases."""
+    why = None
+    if dec.impl != "triton":
+        why = f"it is a Triton kernel, and impl is {dec.impl!r}"
+    elif dec.quant is not None:
+        why = f"its weights are dense, and these are {dec.quant.name}"
+    elif dec.config.ngroups != 1:
+        why = f"its gated norm is one group, and this model has {dec.config.ngroups}"
+    elif dec.config.bias:
+        why = "it has no projection biases, and this model has them"
+    if why:
+        raise UsageError(f"step='persistent' does not run here: {why}")

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from declab_arch import llama
-from decoders.base import AutoregressiveDecoder, Memory, UsageError
+from decoders.base import STEPS, AutoregressiveDecoder, Memory, UsageError
 from decoders.kv_cache import PagedKVCache, kv_token_bytes, resolve_kv_dtype
 from declab_kernels import paged_attention, persistent_step, tuning
 
@@ -86,8 +86,12 @@ class TransformerDecoder(AutoregressiveDecoder):
         cache = TransformerCache(kv, seqs, kv.block_table(seqs), workspace)
         # A copy of this decoder on the reference path (the correctness gate's) runs the graphed step.
         if self.step_kind == "persistent" and self.impl == "triton":
-            cache.persistent = self.model.persistent_step(self.decode_batch(cache, None))
+            cache.persistent = self.persistent_step(cache)
         return cache
+
+    def persistent_step(self, cache: TransformerCache, **debug) -> persistent_step.PersistentStep:
+        """A persistent step over `cache` (`Llama.persistent_step`; `debug`: its programs, delay_ns, timeline)."""
+        return self.model.persistent_step(self.decode_batch(cache, None), **debug)
 
     def release(self, state) -> None:
         for s in state.cache.seqs:
@@ -180,9 +184,6 @@ class TransformerDecoder(AutoregressiveDecoder):
             step_read_bytes=weights_read + batch * ctx * kv_per_token,
             step_write_bytes=batch * kv_per_token,
         )
-
-
-STEPS = ("graphed", "persistent")
 
 
 def check_persistent(dec: TransformerDecoder) -> None:

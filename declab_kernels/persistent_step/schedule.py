@@ -18,14 +18,17 @@ Stages, per layer l (Hkv kv heads, S key splits):
     DOWN  l, t       rows t of x += act @ Wdown^T         waits gu[l]                  signals down[l]
     HEAD  t          rows t of rmsnorm(x) @ Whead^T       waits down[L-1]
 Every buffer (x, qkv, attn, act, the split partials) is reused by every layer; `simulate` checks that
-no layer's write lands before the previous layer's reads of it are done.
+no layer's write lands before the previous layer's reads of it are done. `Model` and `run` take any
+family's list with its items' reads and writes (`schedule_mamba2` builds the Mamba-2 one).
 """
 
 import random
 from dataclasses import dataclass
 
-EMBED, QKV, ATTN, O, GU, DOWN, HEAD = range(7)
-STAGE_NAMES = ("embed", "qkv", "attn", "o", "gu", "down", "head")
+# One numbering for every family's stages (EMBED and HEAD are shared; IN, SSM and OUT are the Mamba-2
+# step's, `schedule_mamba2`), so a work list row and a timeline name mean the same in every kernel.
+EMBED, QKV, ATTN, O, GU, DOWN, HEAD, IN, SSM, OUT = range(10)
+STAGE_NAMES = ("embed", "qkv", "attn", "o", "gu", "down", "head", "in", "ssm", "out")
 # One row of the int32 work list.
 FIELDS = ("stage", "layer", "tile", "wait", "wait_count", "signal", "ticket", "ticket_count")
 # Rows of a GEMV tile the schedule may choose (powers of two; SwiGLU tiles hold half as many outputs).
@@ -205,17 +208,20 @@ def merge_data(shape: StepShape, item: Item) -> tuple[list, list]:
 class Model:
     """P virtual programs executing a work list over versioned data, one event at a time.
 
-    An item is two events: `begin` (its wait is satisfied: its reads are checked and held) and `end`
-    (its writes land, its counter and ticket advance; the last ticket taker's merge runs then, as one
-    more read-and-write). A read of a value that does not yet hold the version it needs, and a write to
-    a value another program is still reading, raise ScheduleError; so does a state where no program
-    can move while items remain (a deadlock).
+    `data(item)` gives an item's (reads, writes) as ((buffer, index), version) pairs; `merge(item)` those
+    of the merge the last taker of an item's ticket runs (None: no item takes tickets). An item is two
+    events: `begin` (its wait is satisfied: its reads are checked and held) and `end` (its writes land,
+    its counter and ticket advance; the last ticket taker's merge runs then, as one more read-and-write).
+    A read of a value that does not yet hold the version it needs, and a write to a value another
+    program is still reading, raise ScheduleError; so does a state where no program can move while
+    items remain (a deadlock).
     """
 
-    def __init__(self, shape: StepShape, tiles: Tiles, items: list[Item], programs: int):
-        self.shape, self.tiles, self.items, self.programs = shape, tiles, items, programs
+    def __init__(self, items: list[Item], programs: int, n_counters: int, data, merge=None):
+        self.items, self.programs = items, programs
+        self.data_of, self.merge_of = data, merge
         self.data: dict = {}
-        self.counters = [0] * Counters(shape.n_layers, shape.hkv).size
+        self.counters = [0] * n_counters
         self.reading: dict = {}
         self.epoch = 0
 
@@ -252,14 +258,14 @@ class Model:
             p = rng.choice(movable)
             if begun[p] is None:
                 item = self.items[queues[p].pop(0)]
-                reads, _ = item_data(self.shape, self.tiles, item)
+                reads, _ = self.data_of(item)
                 self.check_reads(item, reads)
                 for key, _ in reads:
                     self.reading.setdefault(key, set()).add(p)
                 begun[p] = item
                 continue
             item = begun[p]
-            reads, writes = item_data(self.shape, self.tiles, item)
+            reads, writes = self.data_of(item)
             for key, _ in reads:
                 self.reading[key].discard(p)
             self.write(item, writes, p)
@@ -268,18 +274,26 @@ class Model:
                 self.counters[item.ticket] += 1
                 if self.counters[item.ticket] < item.ticket_count * (epoch + 1):
                     continue
-                m_reads, m_writes = merge_data(self.shape, item)
+                m_reads, m_writes = self.merge_of(item)
                 self.check_reads(item, m_reads, "merges")
                 self.write(item, m_writes, p)
             if item.signal >= 0:
                 self.counters[item.signal] += 1
 
 
-def simulate(shape: StepShape, tiles: Tiles, items: list[Item], programs: int, *, seed: int, steps: int = 2) -> None:
-    """Run `steps` consecutive steps of the work list on `programs` virtual programs in the
-    interleaving `seed` draws; raise ScheduleError on any hazard or deadlock."""
-    model = Model(shape, tiles, items, programs)
+def run(model: Model, outputs: list, *, seed: int, steps: int) -> None:
+    """Run `steps` consecutive steps of a model's work list in the interleaving `seed` draws, checking
+    after each that `outputs` ((buffer, index), version) hold that step's values; raise ScheduleError on
+    any hazard or deadlock."""
     rng = random.Random(seed)
     for epoch in range(steps):
         model.run_step(epoch, rng)
-        model.check_reads("the step's output", [(("logits", r), 0) for r in range(shape.vocab)])
+        model.check_reads("the step's output", outputs)
+
+
+def simulate(shape: StepShape, tiles: Tiles, items: list[Item], programs: int, *, seed: int, steps: int = 2) -> None:
+    """Run `steps` consecutive steps of the llama work list on `programs` virtual programs in the
+    interleaving `seed` draws; raise ScheduleError on any hazard or deadlock."""
+    model = Model(items, programs, Counters(shape.n_layers, shape.hkv).size, lambda it: item_data(shape, tiles, it),
+                  lambda it: merge_data(shape, it))
+    run(model, [(("logits", r), 0) for r in range(shape.vocab)], seed=seed, steps=steps)

@@ -84,19 +84,34 @@ def _delay(seed, DELAY: tl.constexpr):
 
 
 @triton.jit
-def _weights(tab_ptr, layer, j, like_ptr):
-    """Pointer j of layer `layer`'s row of the pointer table, typed as `like_ptr` (16-byte aligned)."""
-    p = tl.load(tab_ptr + layer * 6 + j).to(tl.pointer_type(like_ptr.dtype.element_ty))
+def _weights(tab_ptr, layer, j, like_ptr, WIDTH: tl.constexpr = 6):
+    """Pointer j of layer `layer`'s row of the pointer table (WIDTH pointers a layer), typed as
+    `like_ptr` (16-byte aligned)."""
+    p = tl.load(tab_ptr + layer * WIDTH + j).to(tl.pointer_type(like_ptr.dtype.element_ty))
     return tl.multiple_of(p, 16)
+
+
+@triton.jit
+def _embed_item(embed_ptr, tokens_ptr, x_ptr, D_MODEL: tl.constexpr, EMBED_BLOCK: tl.constexpr):
+    """x = embed[token], converted to x's dtype."""
+    token = tl.load(tokens_ptr).to(tl.int64)
+    for c0 in tl.static_range(0, D_MODEL, EMBED_BLOCK):
+        c = c0 + tl.arange(0, EMBED_BLOCK)
+        tl.store(x_ptr + c, tl.load(embed_ptr + token * D_MODEL + c, mask=c < D_MODEL), mask=c < D_MODEL)
 
 
 @triton.jit
 def _gemv_item(w_ptr, N, K: tl.constexpr, tile, x_ptr, nw_ptr, eps, r_ptr, out_ptr, cnt_ptr, wait_idx, target, seed,
                BN: tl.constexpr, BK: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr,
-               DELAY: tl.constexpr, stamp_ptr, TIMELINE: tl.constexpr, stall_ptr, MAX_POLLS: tl.constexpr):
+               DELAY: tl.constexpr, stamp_ptr, TIMELINE: tl.constexpr, stall_ptr, MAX_POLLS: tl.constexpr,
+               ss_ptr=None, SS_N: tl.constexpr = 0, SS_PAD: tl.constexpr = 1, ROUND_NORMED: tl.constexpr = False):
     """Tile `tile` of out = x @ W^T, W [N, K]: BN weight rows; NORM: x is rmsnorm'd with weight nw;
     RESIDUAL: out = r + product (r and out may be the same rows); SWIGLU: W is [gate; up] and the tile
-    takes gate and up rows of the same BN / 2 outputs, out = silu(gate) * up."""
+    takes gate and up rows of the same BN / 2 outputs, out = silu(gate) * up. SS_N > 0: x is g * norm
+    weight of a norm whose statistics earlier items wrote, ss [SS_N] float32 partial sums of g^2, and
+    the products are scaled by rsqrt(sum(ss) / K + eps) (`declab_kernels.gemv.fusions.RMSScale`).
+    ROUND_NORMED (with NORM): x * nw is rounded to the weight dtype before its products, as a graphed
+    step that stores h = x * nw for a GEMV with `RMSScale` rounds it."""
     r = tl.arange(0, BN)
     if SWIGLU:
         j = tile * (BN // 2) + r // 2
@@ -129,10 +144,16 @@ def _gemv_item(w_ptr, N, K: tl.constexpr, tile, x_ptr, nw_ptr, eps, r_ptr, out_p
         if NORM:
             ss += xt * xt
             xt = xt * tl.load(nw_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+            if ROUND_NORMED:
+                xt = xt.to(w_ptr.dtype.element_ty).to(tl.float32)
         acc += w.to(tl.float32) * xt[None, :]
     res = tl.sum(acc, axis=1)
     if NORM:
         res = res * tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
+    if SS_N > 0:
+        s_i = tl.arange(0, SS_PAD)
+        parts = tl.load(ss_ptr + s_i, mask=s_i < SS_N, other=0.0, cache_modifier=".cg")
+        res = res * tl.rsqrt(tl.sum(parts, axis=0) / K + eps)
     dt = out_ptr.dtype.element_ty
     if SWIGLU:
         gate, up = tl.split(tl.reshape(res, (BN // 2, 2)))
@@ -309,10 +330,7 @@ def persistent_step_kernel(
         if TIMELINE:
             tl.store(time_ptr + i * 4, tl.extra.cuda.globaltimer())
         if stage == EMBED:
-            token = tl.load(tokens_ptr).to(tl.int64)
-            for c0 in tl.static_range(0, D_MODEL, EMBED_BLOCK):
-                c = c0 + tl.arange(0, EMBED_BLOCK)
-                tl.store(x_ptr + c, tl.load(embed_ptr + token * D_MODEL + c, mask=c < D_MODEL), mask=c < D_MODEL)
+            _embed_item(embed_ptr, tokens_ptr, x_ptr, D_MODEL, EMBED_BLOCK)
             if TIMELINE:
                 tl.store(stamp, tl.extra.cuda.globaltimer())
             _signal(cnt_ptr, signal_idx)

@@ -1,0 +1,96 @@
+"""What every family's persistent step shares on the host: how many programs fit at once, the GEMV
+chunk, the launch, the stall flag and the timeline (`PersistentLaunch`)."""
+
+import torch
+from triton import next_power_of_2
+
+from declab_kernels.persistent_step import schedule
+
+# Warps of every program: the attention tile (K and V of the current and the next 64-key tile at
+# D = 64, 32 KB) and the GEMV chunks (three 8 KB chunks in flight) spread over 256 threads.
+NUM_WARPS = 8
+# Weight elements of one GEMV chunk (BN rows x BK columns): 8 KB of bf16, three in flight a program
+# (16 KB chunks, two in flight, spilled 200 bytes a thread at MAX_REGISTERS against 96; three 8 KB
+# chunks spill 104).
+CHUNK_ELEMS = 4096
+# Programs an SM holds at most, whatever its registers and shared memory would allow.
+MAX_PROGRAMS_PER_SM = 2
+# Registers a thread may use (ptxas .maxnreg). Left free, ptxas took 222-247 whatever the tile sizes
+# (llama-1b, sm_90 offline compile), one 8-warp program an SM; at 128 it spills ~100 bytes a thread and
+# two programs fit an SM, twice the weight bytes in flight.
+MAX_REGISTERS = 128
+# 32-bit registers of one SM (every NVIDIA SM from Volta to Hopper).
+REGISTERS_PER_SM = 65536
+
+
+def resident_programs(n_regs: int, shared: int, num_warps: int, device: torch.device) -> int:
+    """Programs of a kernel with `n_regs` registers a thread and `shared` bytes of shared memory that one
+    SM holds at once (registers allocated per warp in units of 256; 1 KB of shared memory reserved a
+    program), capped at MAX_PROGRAMS_PER_SM."""
+    props = torch.cuda.get_device_properties(device)
+    per_warp = -(-max(n_regs, 1) * 32 // 256) * 256
+    by_regs = REGISTERS_PER_SM // per_warp // num_warps
+    by_threads = props.max_threads_per_multi_processor // (32 * num_warps)
+    by_shared = props.shared_memory_per_multiprocessor // (shared + 1024)
+    return min(by_regs, by_threads, by_shared, MAX_PROGRAMS_PER_SM)
+
+
+def _pow2(n: int) -> int:
+    return next_power_of_2(max(1, n))
+
+
+def _chunk(rows: int, k: int) -> int:
+    """BK for tiles of `rows` weight rows over depth k."""
+    return max(16, min(CHUNK_ELEMS // rows, _pow2(k)))
+
+
+class PersistentLaunch:
+    """The launch of a persistent step. A subclass sets `kernel`, `device`, `consts` (the constexprs),
+    `stall`, `timeline_on`, and defines `_plan(programs)` (tiles, work list `items`, `work`, `times`)
+    and `_launch_args(tokens, positions)`; then calls `_programs()` once its buffers exist."""
+
+    def _programs(self) -> int:
+        if self.device.type != "cuda":
+            # The interpreter runs programs one after another: a second one would never see the
+            # first's counters move.
+            return 1
+        # The tiles depend on P and the registers on the tiles: compile for a P, read what fits, and
+        # settle on a P whose own compiled kernel fits it (a P too large would hang, not fail).
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        programs = sms * MAX_PROGRAMS_PER_SM
+        for _ in range(MAX_PROGRAMS_PER_SM):
+            self._plan(programs)
+            probe = torch.zeros(1, dtype=torch.int64, device=self.device)
+            compiled = self.kernel.warmup(*self._launch_args(probe, probe), grid=(1,), num_warps=NUM_WARPS,
+                                          maxnreg=MAX_REGISTERS, **self.consts)
+            compiled._init_handles()
+            resident = resident_programs(compiled.n_regs, compiled.metadata.shared, NUM_WARPS, self.device)
+            if sms * resident >= programs:
+                return programs
+            if resident < 1:
+                break
+            programs = sms * resident
+        raise RuntimeError(f"persistent step: {programs // sms} program(s) of {compiled.n_regs} registers a thread and "
+                           f"{compiled.metadata.shared} B of shared memory do not fit on an SM")
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Logits [1, V] of the token tokens [1] at positions [1]; the model's cache or states updated in place."""
+        self.kernel[(self.programs,)](*self._launch_args(tokens, positions), num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS,
+                                      **self.consts)
+        return self.logits
+
+    def stalled(self) -> bool:
+        """Whether a wait of any launch so far gave up; synchronises. The flag stays set and every later
+        wait gives up at once, so that launch's logits and all later ones are wrong (and quick)."""
+        return bool(self.stall.item())
+
+    def timeline(self) -> list[dict]:
+        """Per item of the last launch with `timeline=True`: stage, layer, tile, program, SM and its
+        start, wait-over and end times in ns from the step's first start."""
+        if self.times.shape[0] != len(self.items):
+            raise ValueError("persistent step: built without timeline=True")
+        t = self.times.cpu().tolist()
+        t0 = min(r[0] for r in t)
+        return [{"stage": schedule.STAGE_NAMES[it.stage], "layer": it.layer, "tile": it.tile, "program": i % self.programs,
+                 "sm": r[3], "start_ns": r[0] - t0, "ready_ns": r[1] - t0, "end_ns": r[2] - t0}
+                for i, (it, r) in enumerate(zip(self.items, t))]
