@@ -92,6 +92,17 @@ def _weights(tab_ptr, layer, j, like_ptr, WIDTH: tl.constexpr = 6):
 
 
 @triton.jit
+def _item(row, i, epoch, n_items, time_ptr, TIMELINE: tl.constexpr):
+    """Work item i's fields (its row of the list: stage, layer, tile, wait counter, wait target per
+    step, signal counter), the target scaled to this step (epoch + 1 steps so far), its delay seed and
+    the timeline slot of its wait's end; the item's start stamped when TIMELINE."""
+    if TIMELINE:
+        tl.store(time_ptr + i * 4, tl.extra.cuda.globaltimer())
+    target = tl.load(row + 4) * (epoch + 1)
+    return tl.load(row), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3), target, tl.load(row + 5), i + epoch * n_items, time_ptr + i * 4 + 1
+
+
+@triton.jit
 def _embed_item(embed_ptr, tokens_ptr, x_ptr, D_MODEL: tl.constexpr, EMBED_BLOCK: tl.constexpr):
     """x = embed[token], converted to x's dtype."""
     token = tl.load(tokens_ptr).to(tl.int64)
@@ -319,16 +330,7 @@ def persistent_step_kernel(
     N_QKV: tl.constexpr = (HQ + 2 * HKV) * D
     for i in range(pid, n_items, n_prog):
         row = items_ptr + i * 8
-        stage = tl.load(row)
-        layer = tl.load(row + 1)
-        tile = tl.load(row + 2)
-        wait_idx = tl.load(row + 3)
-        target = tl.load(row + 4) * steps
-        signal_idx = tl.load(row + 5)
-        seed = i + epoch * n_items
-        stamp = time_ptr + i * 4 + 1
-        if TIMELINE:
-            tl.store(time_ptr + i * 4, tl.extra.cuda.globaltimer())
+        stage, layer, tile, wait_idx, target, signal_idx, seed, stamp = _item(row, i, epoch, n_items, time_ptr, TIMELINE)
         if stage == EMBED:
             _embed_item(embed_ptr, tokens_ptr, x_ptr, D_MODEL, EMBED_BLOCK)
             if TIMELINE:

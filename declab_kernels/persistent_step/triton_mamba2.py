@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from declab_kernels.persistent_step import schedule
-from declab_kernels.persistent_step.triton import _delay, _embed_item, _gemv_item, _signal, _wait, _weights
+from declab_kernels.persistent_step.triton import _delay, _embed_item, _gemv_item, _item, _signal, _wait, _weights
 from declab_kernels.ssd.triton import _conv_token, _conv_window, _softplus
 
 EMBED = tl.constexpr(schedule.EMBED)
@@ -131,16 +131,7 @@ def mamba2_step_kernel(
     N_IN: tl.constexpr = 2 * D_INNER + 2 * G * N + H
     for i in range(pid, n_items, n_prog):
         row = items_ptr + i * 8
-        stage = tl.load(row)
-        layer = tl.load(row + 1)
-        tile = tl.load(row + 2)
-        wait_idx = tl.load(row + 3)
-        target = tl.load(row + 4) * steps
-        signal_idx = tl.load(row + 5)
-        seed = i + epoch * n_items
-        stamp = time_ptr + i * 4 + 1
-        if TIMELINE:
-            tl.store(time_ptr + i * 4, tl.extra.cuda.globaltimer())
+        stage, layer, tile, wait_idx, target, signal_idx, seed, stamp = _item(row, i, epoch, n_items, time_ptr, TIMELINE)
         if stage == EMBED:
             _embed_item(embed_ptr, tokens_ptr, r_ptr, D_MODEL, EMBED_BLOCK)
             if TIMELINE:
