@@ -523,11 +523,9 @@ def preset_config(values: dict, source: str) -> LlamaConfig:
     return config_from_dict(LlamaConfig, values, source)
 
 
-# Tensor parallel (`declab_arch.tensor_parallel`): q/k/v rows by head (Hq / n query and Hkv / n KV heads,
-# so the paged cache holds the rank's KV heads) and o_proj's columns; gate/up rows and down's columns by
-# the MLP width; the embedding and head rows by the vocabulary; the norms replicated.
-
-
+# Tensor parallel (`declab_arch.tensor_parallel`): query and KV heads split over the ranks (q/k/v rows, o_proj
+# columns; the paged cache holds the rank's KV heads), the MLP width (gate/up rows, down columns) and the
+# vocabulary; the norms replicated.
 def tp_config(config: LlamaConfig, n: int) -> LlamaConfig:
     names = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
     return replace(config, **tensor_parallel.divided(config, n, *names))
@@ -541,11 +539,9 @@ def tp_plan(config: LlamaConfig, n: int) -> dict:
         "model.embed_tokens.weight": split(c.vocab_size, n),
         "lm_head.weight": split(c.vocab_size, n),
         attn + "q_proj.*": split(q, n),
-        attn + "k_proj.*": split(kv, n),
-        attn + "v_proj.*": split(kv, n),
+        **{attn + name: split(kv, n) for name in ("k_proj.*", "v_proj.*")},
         attn + "o_proj.weight": split(q, n, dim=1),
-        mlp + "gate_proj.weight": split(inner, n),
-        mlp + "up_proj.weight": split(inner, n),
+        **{mlp + name: split(inner, n) for name in ("gate_proj.weight", "up_proj.weight")},
         mlp + "down_proj.weight": split(inner, n, dim=1),
     }
 

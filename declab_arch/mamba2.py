@@ -568,18 +568,14 @@ def save(model: Mamba2LM, folder: Path) -> None:
     save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"))
 
 
-# Tensor parallel (`declab_arch.tensor_parallel`): heads split over the ranks, z, x and dt of in_proj, the
-# conv channels, A_log / D / dt_bias, the gated norm and out_proj's columns; the embedding and head rows by
-# the vocabulary; the norms outside the mixer replicated. B and C are shared by the H / G heads of a group:
-# with G >= n a rank holds G / n whole groups and everything about a group is local; with G < n
-# (mamba2-1.3b has G = 1) each rank's heads fall in one group, whose B/C rows every rank of that group
-# holds a copy of, and whose gated norm spans n / G ranks (`GroupedRMSNormGated`).
-
-
+# Tensor parallel (`declab_arch.tensor_parallel`): heads split over the ranks (z, x and dt rows of in_proj,
+# conv channels, A_log / D / dt_bias, the gated norm, out_proj columns) and the vocabulary; the norms
+# outside the mixer replicated. B and C, shared by the H / G heads of a group, go by group when G >= n;
+# with G < n (mamba2-1.3b has G = 1) the ranks of a group each hold its B/C rows, and its gated norm spans
+# them (`GroupedRMSNormGated`).
 @dataclass
 class Mamba2Shard(Mamba2Config):
-    """A rank's mixer sizes: d_inner / tp channels (so nheads / tp heads) and `ngroups` the rank's own
-    B/C groups (max(1, G / tp))."""
+    """A rank's mixer sizes: d_inner / tp channels (nheads / tp heads), its own B/C groups max(1, G / tp)."""
 
     tp: int = 1
 
@@ -595,10 +591,8 @@ class GroupedRMSNormGated(nn.Module):
 
     def __init__(self, norm: RMSNormGated, group_size: int, slot: int, slots: int, group):
         super().__init__()
-        self.weight = norm.weight
-        self.eps = norm.eps
+        self.weight, self.eps, self.tp = norm.weight, norm.eps, group
         self.group_size, self.slot, self.slots = group_size, slot, slots
-        self.tp = group
 
     def forward(self, y, z):
         h = F.silu(z.float()) * y
@@ -625,9 +619,7 @@ def tp_plan(config: Mamba2Config, n: int) -> dict:
         # in_proj's rows are z, x, B, C, dt; conv1d's channels x, B, C
         mixer + "in_proj.*": tensor_parallel.Split(0, ((d, n), (d, n), (bc, groups), (bc, groups), (heads, n))),
         mixer + "conv1d.*": tensor_parallel.Split(0, ((d, n), (bc, groups), (bc, groups))),
-        mixer + "dt_bias": split(heads, n),
-        mixer + "A_log": split(heads, n),
-        mixer + "D": split(heads, n),
+        **{mixer + name: split(heads, n) for name in ("dt_bias", "A_log", "D")},
         mixer + "norm.weight": split(d, n),
         mixer + "out_proj.weight": split(d, n, dim=1),
         mixer + "out_proj.bias": tensor_parallel.FIRST_RANK,

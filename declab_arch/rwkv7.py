@@ -555,16 +555,13 @@ def preset_config(values: dict, source: str) -> RWKV7Config:
     return config_from_dict(RWKV7Config, values, source)
 
 
-# Tensor parallel (`declab_arch.tensor_parallel`): heads split over the ranks, r/k/v rows and o_proj's
-# columns, the LoRA up-projections (rows) and their biases, k_k, k_a, r_k and the per-head group norm;
-# ffn.key rows and ffn.value's columns by the FFN width; the embedding and head rows by the vocabulary;
-# the token-shift mixes, LoRA down-projections and layer norms replicated.
 
-
+# Tensor parallel (`declab_arch.tensor_parallel`): heads split over the ranks (r/k/v and LoRA up rows, o_proj
+# columns, k_k, k_a, r_k, the group norm), the FFN width (key rows, value columns) and the vocabulary; the
+# token-shift mixes, LoRA down-projections and layer norms replicated.
 @dataclass
 class RWKV7Shard(RWKV7Config):
-    """A rank's sizes: num_heads / tp heads (hidden_size, the residual width, stays whole);
-    intermediate_size and vocab_size are the rank's share."""
+    """A rank's sizes: num_heads / tp heads (hidden_size, the residual width, whole), FFN width and vocabulary."""
 
     tp: int = 1
 
@@ -579,26 +576,20 @@ def tp_config(config: RWKV7Config, n: int) -> RWKV7Shard:
 
 
 def tp_plan(config: RWKV7Config, n: int) -> dict:
-    C, split, attn = config.hidden_size, tensor_parallel.split, "model.layers.*.attn."
+    C, inner, split, attn = config.hidden_size, config.intermediate_size, tensor_parallel.split, "model.layers.*.attn."
+    by_head = ("r_proj.weight", "k_proj.weight", "v_proj.weight", "*_lora.lora.2.*", "k_k", "k_a", "g_norm.*")
     return {
         "model.embeddings.weight": split(config.vocab_size, n),
         "lm_head.weight": split(config.vocab_size, n),
-        attn + "r_proj.weight": split(C, n),
-        attn + "k_proj.weight": split(C, n),
-        attn + "v_proj.weight": split(C, n),
-        attn + "o_proj.weight": split(C, n, dim=1),
-        attn + "*_lora.lora.2.*": split(C, n),
-        attn + "k_k": split(C, n),
-        attn + "k_a": split(C, n),
+        **{attn + name: split(C, n) for name in by_head},
         attn + "r_k": split(config.num_heads, n),
-        attn + "g_norm.*": split(C, n),
-        "model.layers.*.ffn.key.weight": split(config.intermediate_size, n),
-        "model.layers.*.ffn.value.weight": split(config.intermediate_size, n, dim=1),
+        attn + "o_proj.weight": split(C, n, dim=1),
+        "model.layers.*.ffn.key.weight": split(inner, n),
+        "model.layers.*.ffn.value.weight": split(inner, n, dim=1),
     }
 
 
 def tp_adopt(model: RWKV7, config: RWKV7Config, local: RWKV7Shard, group) -> None:
     for block in model.model.layers:
-        attn = block.attn
-        attn.n_heads = local.num_heads
-        attn.g_norm.num_groups, attn.g_norm.num_channels = local.num_heads, local.num_heads * local.head_dim
+        block.attn.n_heads = local.num_heads
+        block.attn.g_norm.num_groups, block.attn.g_norm.num_channels = local.num_heads, local.num_heads * local.head_dim

@@ -1,28 +1,21 @@
-"""Tensor parallelism: a rank's share of a model and the collectives its forward calls, the machinery
-every family's sharding plan runs on.
+"""Tensor parallelism: the family-independent machinery that cuts a model into a rank's share, and the
+collectives its forward calls.
 
-A family with a plan declares it in its `declab_arch` module (the module that defines its config class):
+A family's `declab_arch` module (the one that defines its config class) declares its plan:
+`tp_config(config, n)`, the config of a rank's share of n (ValueError in one line, `divided`, when the
+config does not split); `tp_plan(config, n)`, {parameter name pattern (fnmatch): Split or FIRST_RANK},
+a parameter no pattern matches replicated; `tp_adopt(model, config, local, group)`, the rank's module
+sizes (heads) and any collective the plan does not imply. A family without them is refused.
 
-- `tp_config(config, n)`: the config of one rank's share of n ranks, the sizes its tensors and state
-  buffers have; ValueError (one line) when the config does not split over n (`divided`);
-- `tp_plan(config, n)`: {parameter name pattern (fnmatch): Split or FIRST_RANK}; a parameter no pattern
-  matches is replicated;
-- `tp_adopt(model, config, local, group)`: the rank's module sizes (heads, ...) and any collective the
-  plan does not imply.
-
-`shard(model, family, config, group)` cuts the full model (built or loaded as on one process) down in
-place: every tensor of the plan becomes this rank's slice (`take`), and the plan places the collectives:
-
-- a linear whose weight is cut along its input features (dim 1) is row-parallel: `RowParallelLinear`
-  all-reduces its partial products (its bias, FIRST_RANK, is added by rank 0 alone);
-- an embedding whose table is cut is vocabulary-parallel: `VocabParallelEmbedding`, where a token outside
-  the rank's rows looks up zeros and the all-reduce sums the one rank that holds it;
-- a linear cut along its output features (column-parallel) needs none: each rank computes its own heads
-  or channels. The head is one (the embedding table when tied): each rank computes the logits of its
-  rows of the vocabulary and the decoder gathers them (`Group.gather`).
-
-The fused Triton paths, which read the weights directly rather than calling the modules, call the same
-`Group.reduce`: every module whose class declares a `tp` attribute (None on one process) gets the group.
+`shard` cuts the full model (built or loaded as on one process) in place: every tensor of the plan
+becomes the rank's slice (`take`), and the plan places the collectives. A linear cut along its input
+features (dim 1) is row-parallel (`RowParallelLinear` all-reduces its partial products; its bias,
+FIRST_RANK, is added by rank 0 alone); a cut embedding table is vocabulary-parallel
+(`VocabParallelEmbedding`: a token outside the rank's rows looks up zeros, the all-reduce sums the one
+rank that holds it); a column-parallel linear (cut along its output features) needs none: each rank
+computes its heads or channels, the head its rows of the vocabulary, gathered by the decoder
+(`Group.gather`). The fused Triton paths reach `Group.reduce` through `tp`: every module whose class
+declares a `tp` attribute (None on one process) gets the group.
 """
 
 import fnmatch
@@ -98,8 +91,7 @@ def take(t: torch.Tensor, spec, rank: int, size: int) -> torch.Tensor:
 
 
 def divided(config, size: int, *names: str) -> dict:
-    """{name: config.name / size} for sizes the ranks share; ValueError naming the first that `size`
-    does not divide."""
+    """{name: config.name / size} for sizes the ranks share; ValueError naming one `size` does not divide."""
     for name in names:
         if getattr(config, name) % size:
             raise ValueError(f"{name} {getattr(config, name)} is not divisible by tp {size}")
@@ -111,27 +103,24 @@ def has_plan(arch) -> bool:
     return hasattr(arch, "tp_plan")
 
 
-def arch_of(family: str, config):
-    """The `declab_arch` module of `family` that defines `config`'s class."""
+def planner(family: str, config):
+    """The `declab_arch` module that defines `config`'s class, checked to be `family`'s and to have a plan."""
     arch = sys.modules[type(config).__module__]
     if getattr(arch, "FAMILY", None) != family:
         raise ValueError(f"a {type(config).__name__} is not a config of the {family} family")
+    if not has_plan(arch):
+        raise ValueError(f"the {family} family has no tensor-parallel plan")
     return arch
 
 
 def check(family: str, config, size: int):
-    """The config of a rank's share of `size`; ValueError (one line) unless the family has a plan and
-    `config` splits over `size` ranks."""
-    arch = arch_of(family, config)
-    if not has_plan(arch):
-        raise ValueError(f"the {family} family has no tensor-parallel plan")
-    return arch.tp_config(config, size)
+    """The config of a rank's share of `size` ranks; ValueError (one line) unless `config` splits so."""
+    return planner(family, config).tp_config(config, size)
 
 
 def plan(family: str, config, size: int) -> dict:
-    """The family's plan for a model of `config` over `size` ranks (`tp_plan`); ValueError as `check`."""
-    check(family, config, size)
-    return arch_of(family, config).tp_plan(config, size)
+    """The family's plan for a model of `config` over `size` ranks (`tp_plan`)."""
+    return planner(family, config).tp_plan(config, size)
 
 
 def spec_of(rules: dict, name: str):
@@ -172,12 +161,10 @@ class VocabParallelEmbedding(nn.Module):
 
 
 def shard(model: nn.Module, family: str, config, group: Group):
-    """Cut the full `model` (of `config`, on the CPU) down to rank `group.rank`'s share, in place.
-    Returns (model, the rank's config). Raises ValueError when the family has no plan or the config
-    does not split."""
-    local = check(family, config, group.size)
-    arch = arch_of(family, config)
-    rules = arch.tp_plan(config, group.size)
+    """Cut the full `model` (of `config`, on the CPU) down to rank `group.rank`'s share, in place:
+    (model, the rank's config). ValueError when the family has no plan or the config does not split."""
+    arch = planner(family, config)
+    local, rules = arch.tp_config(config, group.size), arch.tp_plan(config, group.size)
     with torch.no_grad():
         for name, p in model.named_parameters():
             spec = spec_of(rules, name)

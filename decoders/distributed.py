@@ -37,6 +37,7 @@ import torch
 
 from declab_arch import tensor_parallel
 from declab_arch.tensor_parallel import Group
+from decoders import FAMILIES, family_class
 from decoders.base import UsageError
 from decoders.records import append_jsonl
 
@@ -108,8 +109,6 @@ def teardown() -> None:
 def check_splits(family: str, config, tp: int, name: str) -> None:
     """UsageError naming the model unless its family has a sharding plan (`declab_arch.tensor_parallel`)
     and its config splits over `tp` ranks."""
-    from decoders import FAMILIES, family_class
-
     if not tensor_parallel.has_plan(family_class(family).arch):
         planned = [f for f in FAMILIES if tensor_parallel.has_plan(family_class(f).arch)]
         raise UsageError(f"{name}: tensor parallel runs the {', '.join(planned)} families, not {family}")
