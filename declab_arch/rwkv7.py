@@ -555,7 +555,6 @@ def preset_config(values: dict, source: str) -> RWKV7Config:
     return config_from_dict(RWKV7Config, values, source)
 
 
-
 # Tensor parallel (`declab_arch.tensor_parallel`): heads split over the ranks (r/k/v and LoRA up rows, o_proj
 # columns, k_k, k_a, r_k, the group norm), the FFN width (key rows, value columns) and the vocabulary; the
 # token-shift mixes, LoRA down-projections and layer norms replicated.
