@@ -26,14 +26,14 @@ The blocks are reused unchanged (with `causal=False`) by the Mask-Predict family
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from declab_arch import quant_linear
+from declab_arch import quant_linear, tensor_parallel
 from declab_arch.checkpoint import CheckpointError, assign_weights, check_fields, config_from_dict, load_weights, parse_config, read_json
 from declab_kernels import gemv, paged_attention, persistent_step, rmsnorm, tuning
 from declab_kernels import rotary as rotary_kernels
@@ -521,3 +521,34 @@ def build(config: LlamaConfig, tensors: dict | None, source: str, *, causal: boo
 
 def preset_config(values: dict, source: str) -> LlamaConfig:
     return config_from_dict(LlamaConfig, values, source)
+
+
+# Tensor parallel (`declab_arch.tensor_parallel`): query and KV heads split over the ranks (q/k/v rows, o_proj
+# columns; the paged cache holds the rank's KV heads), the MLP width (gate/up rows, down columns) and the
+# vocabulary; the norms replicated.
+def tp_config(config: LlamaConfig, n: int) -> LlamaConfig:
+    names = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
+    return replace(config, **tensor_parallel.divided(config, n, *names))
+
+
+def tp_plan(config: LlamaConfig, n: int) -> dict:
+    c, split = config, tensor_parallel.split
+    q, kv, inner = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.intermediate_size
+    attn, mlp = "model.layers.*.self_attn.", "model.layers.*.mlp."
+    return {
+        "model.embed_tokens.weight": split(c.vocab_size, n),
+        "lm_head.weight": split(c.vocab_size, n),
+        attn + "q_proj.*": split(q, n),
+        **{attn + name: split(kv, n) for name in ("k_proj.*", "v_proj.*")},
+        attn + "o_proj.weight": split(q, n, dim=1),
+        **{mlp + name: split(inner, n) for name in ("gate_proj.weight", "up_proj.weight")},
+        mlp + "down_proj.weight": split(inner, n, dim=1),
+    }
+
+
+def tp_adopt(model: Llama, config: LlamaConfig, local: LlamaConfig, group) -> None:
+    for block in model.model.layers:
+        block.self_attn.n_heads, block.self_attn.n_kv = local.num_attention_heads, local.num_key_value_heads
+        # The fused q/k/v and gate/up weights are rebuilt from the rank's slices of each part.
+        block.self_attn.fuse()
+        block.mlp.fuse()

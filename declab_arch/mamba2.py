@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from declab_arch import tensor_parallel
 from declab_arch.checkpoint import CheckpointError, assign_weights, check_fields, config_from_dict, load_weights, parse_config, read_json
 from declab_arch.llama import RMSNorm
 from declab_kernels import gemv, mamba2_norm, persistent_step, ssd, tuning
@@ -565,3 +566,69 @@ def save(model: Mamba2LM, folder: Path) -> None:
     values = {"declab_family": FAMILY, **asdict(model.config)}
     (folder / "config.json").write_text(json.dumps(values, indent=2) + "\n")
     save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"))
+
+
+# Tensor parallel (`declab_arch.tensor_parallel`): heads split over the ranks (z, x and dt rows of in_proj,
+# conv channels, A_log / D / dt_bias, the gated norm, out_proj columns) and the vocabulary; the norms
+# outside the mixer replicated. B and C, shared by the H / G heads of a group, go by group when G >= n;
+# with G < n (mamba2-1.3b has G = 1) the ranks of a group each hold its B/C rows, and its gated norm spans
+# them (`GroupedRMSNormGated`).
+@dataclass
+class Mamba2Shard(Mamba2Config):
+    """A rank's mixer sizes: d_inner / tp channels (nheads / tp heads), its own B/C groups max(1, G / tp)."""
+
+    tp: int = 1
+
+    @property
+    def d_inner(self) -> int:
+        return self.expand * self.d_model // self.tp
+
+
+class GroupedRMSNormGated(nn.Module):
+    """rmsnorm(y * silu(z)) where this rank's channels are part of one norm group of `group_size`
+    channels spread over several ranks: each rank writes its partial sum of squares in its group's slot
+    of a [..., slots] vector, the all-reduce completes every group's sum."""
+
+    def __init__(self, norm: RMSNormGated, group_size: int, slot: int, slots: int, group):
+        super().__init__()
+        self.weight, self.eps, self.tp = norm.weight, norm.eps, group
+        self.group_size, self.slot, self.slots = group_size, slot, slots
+
+    def forward(self, y, z):
+        h = F.silu(z.float()) * y
+        sumsq = h.pow(2).sum(-1, keepdim=True)  # [..., 1] this rank's channels
+        total = self.tp.reduce(F.pad(sumsq, (self.slot, self.slots - self.slot - 1)))  # [..., slots]
+        h = h * torch.rsqrt(total[..., self.slot : self.slot + 1] / self.group_size + self.eps)
+        return self.weight * h.to(y.dtype)
+
+
+def tp_config(config: Mamba2Config, n: int) -> Mamba2Shard:
+    g = config.ngroups
+    if g % n and n % g:
+        raise ValueError(f"ngroups {g} and tp {n}: one must divide the other (B/C are split by group or replicated)")
+    tensor_parallel.divided(config, n, "nheads")
+    return Mamba2Shard(**{**asdict(config), "ngroups": max(1, g // n), **tensor_parallel.divided(config, n, "vocab_size")}, tp=n)
+
+
+def tp_plan(config: Mamba2Config, n: int) -> dict:
+    d, bc, heads, groups = config.d_inner, config.ngroups * config.d_state, config.nheads, min(config.ngroups, n)
+    split, mixer = tensor_parallel.split, "backbone.layers.*.mixer."
+    return {
+        "backbone.embeddings.weight": split(config.vocab_size, n),
+        "lm_head.weight": split(config.vocab_size, n),
+        # in_proj's rows are z, x, B, C, dt; conv1d's channels x, B, C
+        mixer + "in_proj.*": tensor_parallel.Split(0, ((d, n), (d, n), (bc, groups), (bc, groups), (heads, n))),
+        mixer + "conv1d.*": tensor_parallel.Split(0, ((d, n), (bc, groups), (bc, groups))),
+        **{mixer + name: split(heads, n) for name in ("dt_bias", "A_log", "D")},
+        mixer + "norm.weight": split(d, n),
+        mixer + "out_proj.weight": split(d, n, dim=1),
+        mixer + "out_proj.bias": tensor_parallel.FIRST_RANK,
+    }
+
+
+def tp_adopt(model: Mamba2LM, config: Mamba2Config, local: Mamba2Shard, group) -> None:
+    g, n = config.ngroups, group.size
+    for block in model.backbone.layers:
+        block.mixer.config = local
+        if g < n:
+            block.mixer.norm = GroupedRMSNormGated(block.mixer.norm, config.d_inner // g, group.rank * g // n, g, group)

@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from declab_arch import quant_linear
+from declab_arch import quant_linear, tensor_parallel
 from declab_arch.checkpoint import CheckpointError, assign_weights, check_fields, config_from_dict, load_weights, parse_config, read_json
 from declab_kernels import gemv
 from declab_kernels.gemv import fusions
@@ -553,3 +553,42 @@ def build(config: RWKV7Config, tensors: dict | None, source: str, *, seed: int =
 
 def preset_config(values: dict, source: str) -> RWKV7Config:
     return config_from_dict(RWKV7Config, values, source)
+
+
+# Tensor parallel (`declab_arch.tensor_parallel`): heads split over the ranks (r/k/v and LoRA up rows, o_proj
+# columns, k_k, k_a, r_k, the group norm), the FFN width (key rows, value columns) and the vocabulary; the
+# token-shift mixes, LoRA down-projections and layer norms replicated.
+@dataclass
+class RWKV7Shard(RWKV7Config):
+    """A rank's sizes: num_heads / tp heads (hidden_size, the residual width, whole), FFN width and vocabulary."""
+
+    tp: int = 1
+
+    @property
+    def num_heads(self) -> int:
+        return self.hidden_size // self.head_dim // self.tp
+
+
+def tp_config(config: RWKV7Config, n: int) -> RWKV7Shard:
+    tensor_parallel.divided(config, n, "num_heads")
+    return RWKV7Shard(**{**asdict(config), **tensor_parallel.divided(config, n, "intermediate_size", "vocab_size")}, tp=n)
+
+
+def tp_plan(config: RWKV7Config, n: int) -> dict:
+    C, inner, split, attn = config.hidden_size, config.intermediate_size, tensor_parallel.split, "model.layers.*.attn."
+    by_head = ("r_proj.weight", "k_proj.weight", "v_proj.weight", "*_lora.lora.2.*", "k_k", "k_a", "g_norm.*")
+    return {
+        "model.embeddings.weight": split(config.vocab_size, n),
+        "lm_head.weight": split(config.vocab_size, n),
+        **{attn + name: split(C, n) for name in by_head},
+        attn + "r_k": split(config.num_heads, n),
+        attn + "o_proj.weight": split(C, n, dim=1),
+        "model.layers.*.ffn.key.weight": split(inner, n),
+        "model.layers.*.ffn.value.weight": split(inner, n, dim=1),
+    }
+
+
+def tp_adopt(model: RWKV7, config: RWKV7Config, local: RWKV7Shard, group) -> None:
+    for block in model.model.layers:
+        block.attn.n_heads = local.num_heads
+        block.attn.g_norm.num_groups, block.attn.g_norm.num_channels = local.num_heads, local.num_heads * local.head_dim

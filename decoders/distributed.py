@@ -8,10 +8,10 @@ their environment; `setup` joins them in one torch.distributed process group (NC
 on `cuda:LOCAL_RANK`; gloo on the CPU).
 
 Tensor parallel (`--tp N`, N = the number of processes): every rank builds the same full model (random
-weights from the same seed, or the checkpoint), keeps its share (`declab_arch.tensor_parallel.shard`),
-and runs every call in lockstep with the others; `load` gives that decoder, whose logits are gathered
-over the vocabulary so that sampling, on every rank, sees the whole distribution and picks the same
-token. Only rank 0 prints and writes results.
+weights from the same seed, or the checkpoint), keeps its share (`declab_arch.tensor_parallel.shard`, by
+the plan its family's `declab_arch` module declares) and runs every call in lockstep with the others;
+`load` gives that decoder, whose logits are gathered over the vocabulary so that sampling, on every
+rank, sees the whole distribution and picks the same token. Only rank 0 prints and writes results.
 
 Spreading (`--spread`, or WORLD_SIZE > 1 with --tp 1): the sweep's points are dealt out to the ranks
 (`share`), each rank measures its own on its own GPU, and rank 0 collects every rank's records
@@ -37,6 +37,7 @@ import torch
 
 from declab_arch import tensor_parallel
 from declab_arch.tensor_parallel import Group
+from decoders import FAMILIES, family_class
 from decoders.base import UsageError
 from decoders.records import append_jsonl
 
@@ -106,7 +107,11 @@ def teardown() -> None:
 
 
 def check_splits(family: str, config, tp: int, name: str) -> None:
-    """UsageError naming the model unless its config splits over `tp` ranks."""
+    """UsageError naming the model unless its family has a sharding plan (`declab_arch.tensor_parallel`)
+    and its config splits over `tp` ranks."""
+    if not tensor_parallel.has_plan(family_class(family).arch):
+        planned = [f for f in FAMILIES if tensor_parallel.has_plan(family_class(f).arch)]
+        raise UsageError(f"{name}: tensor parallel runs the {', '.join(planned)} families, not {family}")
     try:
         tensor_parallel.check(family, config, tp)
     except ValueError as e:
@@ -121,6 +126,7 @@ class TensorParallel:
     forwards (and `logits`) return the rank's vocabulary slice, gathered here into the whole."""
 
     def __init__(self, model, config, *, tp_group: Group, **kwargs):
+        check_splits(self.family, config, tp_group.size, kwargs.get("source", self.family))
         self.full_config = config
         self.tp = tp_group
         model, local = tensor_parallel.shard(model, self.family, config, tp_group)
