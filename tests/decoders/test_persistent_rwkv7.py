@@ -55,6 +55,22 @@ def test_persistent_equals_graphed_small_config():
 
 
 @pytest.mark.interpreter
+def test_float16_rounds_where_the_graphed_step_rounds():
+    """float32 cannot show where a step rounds to the model dtype; float16 can (the interpreter rounds
+    float16 to nearest as a GPU does, but truncates bfloat16). The first step's logits and states are
+    the graphed step's bit for bit; later ones within float16 rounding (summation order inside a tile
+    differs, so an output may land one ulp apart and carry on)."""
+    decs = pair("rwkv7-tiny", dtype=torch.float16)
+    states = [d.prefill([[5, 6, 7, 9, 11, 13, 2]], max_new_tokens=5) for d in decs]
+    ours, theirs = (d.step(s).logits for d, s in zip(decs, states))
+    assert torch.equal(ours, theirs)
+    assert torch.equal(states[0].cache.shift, states[1].cache.shift) and torch.equal(states[0].cache.wkv, states[1].cache.wkv)
+    for _ in range(3):
+        ours, theirs = (d.step(s).logits for d, s in zip(decs, states))
+        assert harness.relative_rms(ours.float(), theirs.float()) < 5e-3
+
+
+@pytest.mark.interpreter
 def test_small_tiles_equal_the_graphed_step():
     """rwkv7-tiny cut into small GEMV tiles (4-row SEL tiles: several a LoRA block), driven on copies of
     the graphed decoder's states for three steps, every step buffer NaN-filled first."""
