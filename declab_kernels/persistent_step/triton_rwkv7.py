@@ -99,7 +99,7 @@ def _mix_item(layer, h, tab_ptr, like_ptr, y_ptr, vf_ptr, mo_ptr, wkv_ptr, g_eps
     layer_v = tl.zeros([BD], dtype=tl.int32) + layer
     v_res = m & (layer_v > 0)
     # 1. What no item of this step writes, loaded before the wait: the head's state [BD (K), BD (V)],
-    #    the biases, k_k, k_a, r_k, the group norm's weight and bias.
+    #    the biases, k_k, k_a, r_k, the group norm's weight and bias, the first chunk of its up rows.
     st = wkv_ptr + (layer * H + h).to(tl.int64) * D * D + d[:, None] * D + d[None, :]
     s_mask = m[:, None] & m[None, :]
     S = tl.load(st, mask=s_mask, other=0.0)
@@ -111,29 +111,36 @@ def _mix_item(layer, h, tab_ptr, like_ptr, y_ptr, vf_ptr, mo_ptr, wkv_ptr, g_eps
     rk = tl.load(_weights(tab_ptr, layer, 8, like_ptr, WIDTH) + c, mask=m, other=0.0).to(tl.float32)
     gnw = tl.load(_weights(tab_ptr, layer, 9, like_ptr, WIDTH) + c, mask=m, other=0.0).to(tl.float32)
     gnb = tl.load(_weights(tab_ptr, layer, 10, like_ptr, WIDTH) + c, mask=m, other=0.0).to(tl.float32)
-    up = _weights(tab_ptr, layer, 2, like_ptr, WIDTH)
-    _delay(seed, DELAY)
-    _wait(cnt_ptr, wait_idx, target, stamp_ptr, TIMELINE, stall_ptr, MAX_POLLS)
-    # 2. The LoRA up-projections of the head's channels: up [C, R] times the block-diagonal activations,
-    #    as one sum per LoRA over its own columns (v for layers > 0, then w, a, g).
+    # The LoRA columns of the packed up-projection: (v for layers > 0), w, a, g.
     o_w = tl.where(has_v, RV, 0)
     o_a = o_w + RW
     o_g = o_a + RA
     R = o_g + RG
+    up_rows = _weights(tab_ptr, layer, 2, like_ptr, WIDTH) + c[:, None].to(tl.int64) * R
+    offs_r = tl.arange(0, BR)
+    # The head's first [BD, BR] chunk of up rows, a weight: in flight while the item waits.
+    wt_next = tl.load(up_rows + offs_r[None, :], mask=m[:, None] & (offs_r < R)[None, :], other=0.0)
+    _delay(seed, DELAY)
+    _wait(cnt_ptr, wait_idx, target, stamp_ptr, TIMELINE, stall_ptr, MAX_POLLS)
+    # 2. The LoRA up-projections of the head's channels: up [C, R] times the block-diagonal activations,
+    #    as one sum per LoRA over its own columns.
     acc_v = tl.zeros([BD], dtype=tl.float32)
     acc_w = tl.zeros([BD], dtype=tl.float32)
     acc_a = tl.zeros([BD], dtype=tl.float32)
     acc_g = tl.zeros([BD], dtype=tl.float32)
     for r0 in range(0, R, BR):
-        cols = r0 + tl.arange(0, BR)
+        cols = r0 + offs_r
         cm = cols < R
+        wt = wt_next.to(tl.float32)
+        # why: the next chunk's load goes out before this chunk's products
+        nxt = cols + BR
+        wt_next = tl.load(up_rows + nxt[None, :], mask=m[:, None] & (nxt < R)[None, :], other=0.0)
         lo = tl.load(y_ptr + 3 * C + cols, mask=cm, other=0.0, cache_modifier=".cg").to(tl.float32)
         is_w = (cols >= o_w) & (cols < o_a)
         is_g = cols >= o_g
         # why: tanh(y) = 2 sigmoid(2y) - 1, as `lora_hidden` computes it
         act = tl.where(is_w, 2.0 * tl.sigmoid(2.0 * lo) - 1.0, tl.where(is_g, tl.sigmoid(lo), lo))
         act = act.to(dt).to(tl.float32)
-        wt = tl.load(up + c[:, None].to(tl.int64) * R + cols[None, :], mask=m[:, None] & cm[None, :], other=0.0).to(tl.float32)
         prod = wt * act[None, :]
         acc_v += tl.sum(tl.where((cols < o_w)[None, :], prod, 0.0), axis=1)
         acc_w += tl.sum(tl.where(is_w[None, :], prod, 0.0), axis=1)
