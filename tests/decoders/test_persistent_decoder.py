@@ -177,7 +177,6 @@ def test_gpu_timeline_orders_every_item():
 
 
 @pytest.mark.parametrize("extra, says", [
-    (["--models", "rwkv7-tiny"], "has no persistent step yet"),
     (["--models", "maskpredict-tiny"], "has no persistent step yet"),
     (["--batch", "1,2"], "batch 1 only"),
     (["--impl", "ref"], "Triton kernel"),
