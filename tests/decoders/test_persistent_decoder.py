@@ -106,7 +106,7 @@ def test_refused_at_load(kwargs, says):
 
 def test_other_families_refuse_the_option():
     with pytest.raises(decoders.UsageError, match="step"):
-        decoders.load("rwkv7-tiny", device="cpu", impl="ref", step="persistent")
+        decoders.load("maskpredict-tiny", device="cpu", impl="ref", step="persistent")
 
 
 @pytest.mark.interpreter
