@@ -54,7 +54,7 @@ from torch import nn
 
 from declab_arch import quant_linear, tensor_parallel
 from declab_arch.checkpoint import CheckpointError, assign_weights, check_fields, config_from_dict, load_weights, parse_config, read_json
-from declab_kernels import gemv
+from declab_kernels import gemv, persistent_step
 from declab_kernels.gemv import fusions
 from declab_kernels.rwkv7_fused import add_norm_shift, gate_output, lora_hidden, time_mix_inputs
 from declab_kernels.wkv7 import wkv7_chunk, wkv7_chunk_factored, wkv7_step
@@ -423,6 +423,33 @@ class RWKV7(nn.Module):
         h = add_norm_shift(x, delta, n.weight, n.bias, eps=n.eps, impl=impl)
         w = self.model.embeddings.weight if self.config.tie_word_embeddings else self.lm_head.weight
         return gemv.linear(h, w, impl=impl)
+
+    def persistent_step(self, shift, wkv, *, programs: int | None = None, tiles=None, delay_ns: int = 0,
+                        timeline: bool = False) -> persistent_step.RWKV7PersistentStep:
+        """The whole decode forward of one sequence as one kernel (`declab_kernels.persistent_step`) over the
+        states shift [L, 2, 1, C] and wkv [L, 1, H, D, D], on this model's packed weights in place (dense only)."""
+        c = self.config
+        layers = []
+        for i, block in enumerate(self.model.layers):
+            a, pack = block.attn, block.attn.packed()
+            if not isinstance(pack.down, torch.Tensor):
+                raise ValueError("the persistent step runs on dense weights")
+            layers.append(persistent_step.RWKV7LayerWeights(
+                mix=pack.mix, down=pack.down, up=pack.up, bias_w=a.w_lora.lora[2].bias, bias_a=a.a_lora.lora[2].bias,
+                bias_v=a.v_lora.lora[2].bias if i else None, k_k=a.k_k, k_a=a.k_a, r_k=a.r_k, g_norm_w=a.g_norm.weight,
+                g_norm_b=a.g_norm.bias, o_proj=a.o_proj.weight, attn_norm_w=block.attn_norm.weight, attn_norm_b=block.attn_norm.bias,
+                ffn_norm_w=block.ffn_norm.weight, ffn_norm_b=block.ffn_norm.bias, ffn_mix=block.ffn.x_k, key=block.ffn.key.weight,
+                value=block.ffn.value.weight))
+        pre = getattr(self.model.layers[0], "pre_norm", None)
+        shape = persistent_step.RWKV7Shape(d_model=c.hidden_size, n_layers=c.num_hidden_layers, vocab=c.vocab_size, head_dim=c.head_dim,
+                                           inter=c.intermediate_size, rank_v=c.v_low_rank_dim, rank_w=c.decay_low_rank_dim,
+                                           rank_a=c.a_low_rank_dim, rank_g=c.gate_low_rank_dim)
+        head = self.model.embeddings.weight if c.tie_word_embeddings else self.lm_head.weight
+        n = self.model.norm
+        return persistent_step.RWKV7PersistentStep(
+            layers, embed=self.model.embeddings.weight, head=head, final_norm=(n.weight, n.bias),
+            pre_norm=None if pre is None else (pre.weight, pre.bias), eps=c.norm_eps, g_eps=self.model.layers[0].attn.g_norm.eps,
+            shape=shape, shift=shift, wkv=wkv, programs=programs, tiles=tiles, delay_ns=delay_ns, timeline=timeline)
 
     def init_random(self, seed: int = 0):
         """Random weights in the ranges a trained RWKV-7 has, deterministic in `seed`.

@@ -100,13 +100,14 @@ for s in "$@"; do
     quant-gemv) stage quant_gemv 170 python3 -m declab_bench.quant_gemv --out "$out/quant_gemv.jsonl" ;;
     kv-fp8) stage kv_fp8 "${FP8_LIMIT:-200}" python3 -m decoders.compare --no-progress --impl triton --models "${FP8_MODEL:-llama-1b}" \
         --ctx "${FP8_CTX:-128k}" --batch 1 --kv-dtype bf16,fp8 --out "$out/compare_kv_fp8.jsonl" ;;
-    # The persistent decode step (issue 35, llama and Mamba-2): its GPU tests, then against the graphed step, then its timeline.
+    # The persistent decode step (issue 35, llama, Mamba-2 and RWKV-7): its GPU tests, then against the graphed step, then its timeline.
     persistent)
       stage tests_persistent "${PERSIST_TEST_LIMIT:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short -rf \
-        tests/decoders/test_persistent_decoder.py tests/decoders/test_persistent_mamba2.py tests/kernels/test_persistent_step.py tests/bench/test_persistent_timeline.py
-      stage compare_persistent "${PERSIST_LIMIT:-300}" python3 -m decoders.compare --no-progress --impl triton --models "${PERSIST_MODELS:-llama-1b,mamba2-1.3b}" \
+        tests/decoders/test_persistent_decoder.py tests/decoders/test_persistent_mamba2.py tests/decoders/test_persistent_rwkv7.py \
+        tests/kernels/test_persistent_step.py tests/bench/test_persistent_timeline.py
+      stage compare_persistent "${PERSIST_LIMIT:-300}" python3 -m decoders.compare --no-progress --impl triton --models "${PERSIST_MODELS:-llama-1b,mamba2-1.3b,rwkv7-1.5b}" \
         --ctx "${PERSIST_CTX:-4k,32k,128k}" --batch 1 --step graphed,persistent --point-timeout 300 --out "$out/persistent.jsonl"
-      for m in llama-1b mamba2-1.3b; do
+      for m in llama-1b mamba2-1.3b rwkv7-1.5b; do
         stage "persistent_timeline_$m" 120 python3 -m declab_bench.persistent_timeline --model "$m" --ctx 4k --out "$out/persistent_timeline.jsonl"
       done ;;
     # Quantised decoding against bf16 in one run (issue 31): llama-1b and llama-8b at 4k, batch 1.

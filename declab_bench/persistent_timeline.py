@@ -2,9 +2,10 @@
 
     python -m declab_bench.persistent_timeline --out OUT.jsonl [--model llama-1b] [--ctx 4k,32k,128k]
     python -m declab_bench.persistent_timeline --out OUT.jsonl --model mamba2-1.3b --ctx 4k
+    python -m declab_bench.persistent_timeline --out OUT.jsonl --model rwkv7-1.5b --ctx 4k
 
 For each context: a prompt of ctx - 1 random tokens is prefilled, the step is built a second time
-over the same cache (a transformer's pages, a Mamba-2 model's states) with `timeline=True` (every item stamps `%globaltimer` as it starts, when its
+over the same cache (a transformer's pages, a Mamba-2 or RWKV-7 model's states) with `timeline=True` (every item stamps `%globaltimer` as it starts, when its
 wait is over and when it ends, with its SM), launched a few times, and the last launch is summarised
 per stage: items, the span from the stage's first start to its last end, the summed wait (start to
 wait over: weight loads in flight, then spinning) and the summed work (wait over to end), and the
@@ -55,8 +56,8 @@ def run(args) -> int:
         prompt = torch.randint(0, dec.vocab_size, (1, ctx - 1), generator=g)
         state = dec.prefill(prompt, max_new_tokens=LAUNCHES + 1)
         step = dec.persistent_step(state.cache, timeline=True)
-        # The positions do not advance: every launch writes the same K/V row (a Mamba-2 model's states
-        # move on, at the same cost); the last launch is the one read.
+        # The positions do not advance: every launch writes the same K/V row (a Mamba-2 or RWKV-7 model's
+        # states move on, at the same cost); the last launch is the one read.
         for _ in range(LAUNCHES):
             step(state.next_tokens, state.positions)
         torch.cuda.synchronize(device)
@@ -76,7 +77,7 @@ def run(args) -> int:
 
 def build_parser():
     p = Parser(prog="python -m declab_bench.persistent_timeline", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="llama-1b", help="a llama or Mamba-2 preset or checkpoint folder (default llama-1b)")
+    p.add_argument("--model", default="llama-1b", help="a llama, Mamba-2 or RWKV-7 preset or checkpoint folder (default llama-1b)")
     p.add_argument("--ctx", default="4k,32k,128k", help="contexts (default 4k,32k,128k)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="JSON lines file, appended context by context")

@@ -29,7 +29,7 @@ from decoders.sampling import GREEDY, Sampling, sample
 
 
 # The decode steps a family may offer (`step=`): "graphed" (every family) and "persistent" (the whole
-# forward as one kernel, `declab_kernels.persistent_step`: the transformer and Mamba-2, batch 1).
+# forward as one kernel, `declab_kernels.persistent_step`: the transformer, Mamba-2 and RWKV-7, batch 1).
 STEPS = ("graphed", "persistent")
 
 
@@ -113,7 +113,7 @@ class Decoder(ABC):
     # Linear layers (name suffixes) that quantisation leaves dense, holding their dequantised values.
     quant_dense: tuple = ()
     # The decode step's kind, as records name it: "graphed" (a kernel per operation, replayed as a CUDA
-    # graph on a GPU) unless a family offers another (`step="persistent"`: the transformer's, Mamba-2's).
+    # graph on a GPU) unless a family offers another (`step="persistent"`: the transformer's, Mamba-2's, RWKV-7's).
     step_kind: str = "graphed"
 
     def __init__(self, model, config, *, device, dtype, impl, source, tokenizer=None, max_context=None, cuda_graphs=None,

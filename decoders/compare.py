@@ -21,10 +21,10 @@ With `--quant`, every model is measured once per weight quantisation (`none`: it
 int4-rtn quantised on the fly, see `decoders.load`); the records carry `quant` (name, method, bits,
 group size; null for dense weights), the gate compares the quantised kernels with the quantised
 reference path, and the roofline and MBU count the packed weight bytes.
-With `--step`, every transformer and Mamba-2 point is measured once per decode step: `graphed` (a
+With `--step`, every transformer, Mamba-2 and RWKV-7 point is measured once per decode step: `graphed` (a
 kernel per operation, replayed as a CUDA graph; the default) and `persistent` (the whole forward in one
 kernel, `declab_kernels.persistent_step`: Triton, batch 1, dense weights, the model's KV dtype, one
-process; RWKV-7 and Mask-Predict models and anything else it does not run are refused before anything
+process; Mask-Predict models and anything else it does not run are refused before anything
 runs); every record carries `step`.
 
 Each finished point is appended to `--out` as one JSON object (an interrupted sweep keeps what it
@@ -198,7 +198,7 @@ def parse_quants(text: str) -> list[str | None]:
 
 def parse_steps(args, models, batches, kv_dtypes, quants, spec, device) -> list[str]:
     """'graphed,persistent' -> ['graphed', 'persistent'], checked against everything the sweep would
-    combine the persistent step with (`check_persistent` in `decoders.transformer` and `decoders.mamba2` says
+    combine the persistent step with (`check_persistent` in `decoders.transformer`, `decoders.mamba2` and `decoders.rwkv7` says
     what it runs on)."""
     import decoders
     from declab_kernels import resolve_impl
@@ -213,13 +213,19 @@ def parse_steps(args, models, batches, kv_dtypes, quants, spec, device) -> list[
         return names
     for model in models:
         family, config = decoders.model_config(model)
-        if family not in ("transformer", "mamba2"):
-            raise ArgError(f"--step persistent: {model} ({family}) has no persistent step yet (transformer and mamba2 models only)")
+        if family not in ("transformer", "mamba2", "rwkv7"):
+            raise ArgError(f"--step persistent: {model} ({family}) has no persistent step yet (transformer, mamba2 and rwkv7 models only)")
         if family == "transformer" and config.attention_bias:
             raise ArgError(f"--step persistent: {model} has q/k/v biases, which the persistent step does not")
         if family == "mamba2" and (config.ngroups != 1 or config.bias):
             raise ArgError(f"--step persistent: {model} has {config.ngroups} norm groups or projection biases; the persistent "
                            "step has one group and no biases")
+        if family == "rwkv7":
+            from declab_kernels.persistent_step.schedule import TILE_ROWS
+
+            sizes = (config.hidden_size, config.v_low_rank_dim, config.decay_low_rank_dim, config.a_low_rank_dim, config.gate_low_rank_dim)
+            if any(n % TILE_ROWS[0] for n in sizes):
+                raise ArgError(f"--step persistent: {model}'s hidden size and LoRA ranks {sizes} are not all multiples of {TILE_ROWS[0]}")
     refusals = [
         (max(batches) > 1, f"batch 1 only, and --batch has {max(batches)}"),
         (resolve_impl(args.impl, device) != "triton", "a Triton kernel, and --impl resolves to ref here"),
@@ -263,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quant", default=None,
                    help="comma list of weight quantisations swept for every model: none, int8, int4-rtn, int4-rtn-gN (default: none)")
     p.add_argument("--step", default=None,
-                   help="comma list of decode steps swept for transformer and Mamba-2 models: graphed, persistent (default: graphed)")
+                   help="comma list of decode steps swept for transformer, Mamba-2 and RWKV-7 models: graphed, persistent (default: graphed)")
     p.add_argument("--iterations", default="4", help="Mask-Predict: comma list of refinement passes T")
     p.add_argument("--block", type=int, default=None, help="Mask-Predict: semi-autoregressive block length")
     p.add_argument("--peers", default=None, help="comma list of peers run on the same points: hf, gpt-fast, mamba_ssm, fla")

@@ -13,6 +13,11 @@ norm kernels, the WKV-7 step kernel; on impl="triton" 12 launches per layer, see
 `declab_kernels/rwkv7_fused`): no allocation beyond temporaries, no host synchronisation, capturable in a
 CUDA graph. The first step packs each layer's projection weights (the parameters become views of
 the packed matrices), so it runs before capture, as the first step always does.
+
+`step="persistent"` decodes with the persistent step (`declab_kernels.persistent_step`): the whole
+forward of a step as one Triton kernel over the same state buffers, batch 1, beside the default
+`"graphed"` step. A batch, kernel implementation or model it does not cover is refused at load or
+prefill (`check_persistent`).
 """
 
 import logging
@@ -23,7 +28,9 @@ import torch
 
 from declab_arch import rwkv7
 from declab_arch.checkpoint import load_tokenizer
-from decoders.base import Memory, RecurrentDecoder, UsageError
+from declab_kernels import persistent_step
+from declab_kernels.persistent_step.schedule import TILE_ROWS
+from decoders.base import STEPS, Memory, RecurrentDecoder, UsageError
 
 log = logging.getLogger("declab.decoders.rwkv7")
 
@@ -32,8 +39,10 @@ log = logging.getLogger("declab.decoders.rwkv7")
 class RWKV7Cache:
     shift: torch.Tensor  # [L, 2, B, C] model dtype: last input of time mixing (0) and channel mixing (1)
     wkv: torch.Tensor  # [L, B, H, K, V] float32
+    persistent: persistent_step.RWKV7PersistentStep | None = None  # the step over these states (`step="persistent"`)
 
     def clone(self) -> "RWKV7Cache":
+        """A copy of the states (a persistent step is bound to the buffers it was built on: the copy has none)."""
         return RWKV7Cache(self.shift.clone(), self.wkv.clone())
 
 
@@ -47,12 +56,17 @@ class RWKV7Decoder(RecurrentDecoder):
     # groups cannot share: quantised, they keep dense weights of their dequantised values.
     quant_dense = ("lora.2.weight",)
 
-    def __init__(self, model, config, *, prefill_chunk: int = 8192, **kwargs):
+    def __init__(self, model, config, *, prefill_chunk: int = 8192, step: str = "graphed", **kwargs):
+        if step not in STEPS:
+            raise UsageError(f"unknown step {step!r} (known: {', '.join(STEPS)})")
         # RWKV has no position limit: the state is the same size at any context.
         super().__init__(model, config, max_context=None, **kwargs)
         if prefill_chunk < 1:
             raise UsageError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.prefill_chunk = prefill_chunk
+        self.step_kind = step
+        if step == "persistent":
+            check_persistent(self)
 
     @classmethod
     def load_tokenizer(cls, folder: Path):
@@ -71,8 +85,20 @@ class RWKV7Decoder(RecurrentDecoder):
         return self.model(tokens, impl=self.impl)
 
     def new_cache(self, prompt_lens: list[int], max_len: int) -> RWKV7Cache:
+        # A copy of this decoder on the reference path (the correctness gate's) runs the graphed step.
+        persistent = self.step_kind == "persistent" and self.impl == "triton"
+        if persistent and len(prompt_lens) != 1:
+            raise UsageError(f"step='persistent' decodes one sequence at a time, got a batch of {len(prompt_lens)}")
         shift, wkv = self.model.new_state(len(prompt_lens), device=self.device, dtype=self.dtype)
-        return RWKV7Cache(shift, wkv)
+        cache = RWKV7Cache(shift, wkv)
+        if persistent:
+            cache.persistent = self.persistent_step(cache)
+        return cache
+
+    def persistent_step(self, cache: RWKV7Cache, **debug) -> persistent_step.RWKV7PersistentStep:
+        """A persistent step over `cache`'s states (`RWKV7.persistent_step`; `debug`: its programs, tiles,
+        delay_ns, timeline)."""
+        return self.model.persistent_step(cache.shift, cache.wkv, **debug)
 
     def prefill_forward(self, cache: RWKV7Cache, prompts: list[list[int]]) -> torch.Tensor:
         """Consume the prompts into the cache from the state it holds; logits [B, V] of each last token."""
@@ -99,6 +125,8 @@ class RWKV7Decoder(RecurrentDecoder):
         return torch.stack(last_logits)
 
     def decode_forward(self, cache: RWKV7Cache, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if cache.persistent is not None and self.impl == "triton":
+            return cache.persistent(tokens, positions)
         return self.model.forward_step(tokens, cache.shift, cache.wkv, impl=self.impl)
 
     def chunk_forward(self, cache: RWKV7Cache, tokens: torch.Tensor, positions: list[int], lengths: list[int], *,
@@ -130,3 +158,20 @@ class RWKV7Decoder(RecurrentDecoder):
         weights_read = weights - (0 if self.config.tie_word_embeddings else embed.numel() * embed.element_size())
         state = batch * self.state_bytes_per_sequence()
         return Memory(weight_bytes=weights, state_bytes=state, step_read_bytes=weights_read + state, step_write_bytes=state)
+
+
+def check_persistent(dec: RWKV7Decoder) -> None:
+    """Raise UsageError where `step="persistent"` does not run: it is one Triton kernel over dense weights on
+    one process, its row-select tiles need C and every LoRA rank a multiple of the smallest tile."""
+    c = dec.config
+    why = None
+    if dec.impl != "triton":
+        why = f"it is a Triton kernel, and impl is {dec.impl!r}"
+    elif dec.quant is not None:
+        why = f"its weights are dense, and these are {dec.quant.name}"
+    elif dec.model.tp is not None:
+        why = "it runs on one process, and this model is split by tensor parallelism"
+    elif any(n % TILE_ROWS[0] for n in (c.hidden_size, c.v_low_rank_dim, c.decay_low_rank_dim, c.a_low_rank_dim, c.gate_low_rank_dim)):
+        why = f"hidden size and LoRA ranks must be multiples of {TILE_ROWS[0]}"
+    if why:
+        raise UsageError(f"step='persistent' does not run here: {why}")

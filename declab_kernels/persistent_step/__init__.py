@@ -1,9 +1,10 @@
-"""The persistent decode step: a whole batch-1 forward in one launch, llama or Mamba-2 (README.md).
+"""The persistent decode step: a whole batch-1 forward in one launch, llama, Mamba-2 or RWKV-7 (README.md).
 
     step = PersistentStep(weights, cache, shape=StepShape(...), ...)
     logits = step(tokens, positions)     # tokens [1], positions [1] on the device; logits [1, V]
 
-`Mamba2PersistentStep` (`mamba2.py`) is the same for a Mamba-2 model over its recurrent states.
+`Mamba2PersistentStep` (`mamba2.py`) and `RWKV7PersistentStep` (`rwkv7.py`) are the same for a Mamba-2
+and an RWKV-7 model over their recurrent states.
 `PersistentStep` holds what the launch needs, made once per model and KV cache: the work list
 (`schedule.work_list`), the int32 counters, the epoch, the activation buffers and the per-layer
 pointer table. A call launches one kernel (`triton.persistent_step_kernel`) and allocates nothing,
@@ -18,15 +19,18 @@ from dataclasses import dataclass
 import torch
 
 from declab_kernels.paged_attention.triton import decode_config
-from declab_kernels.persistent_step import schedule, schedule_mamba2
+from declab_kernels.persistent_step import schedule, schedule_mamba2, schedule_rwkv7
 from declab_kernels.persistent_step.launch import PersistentLaunch, _chunk, _pow2, resident_programs
 from declab_kernels.persistent_step.mamba2 import Mamba2LayerWeights, Mamba2PersistentStep
+from declab_kernels.persistent_step.rwkv7 import RWKV7LayerWeights, RWKV7PersistentStep
 from declab_kernels.persistent_step.schedule import StepShape, Tiles
 from declab_kernels.persistent_step.schedule_mamba2 import Mamba2Shape
+from declab_kernels.persistent_step.schedule_rwkv7 import RWKV7Shape
 from declab_kernels.persistent_step.triton import persistent_step_kernel
 
 __all__ = ["PersistentStep", "LayerWeights", "StepShape", "Tiles", "Mamba2PersistentStep", "Mamba2LayerWeights", "Mamba2Shape",
-           "resident_programs", "schedule", "schedule_mamba2"]
+           "RWKV7PersistentStep", "RWKV7LayerWeights", "RWKV7Shape", "resident_programs", "schedule", "schedule_mamba2",
+           "schedule_rwkv7"]
 
 # Elements of one attention key tile (keys x D_pad): 64 keys at D = 64, K and V, this one and the next.
 ATTENTION_TILE_ELEMS = 4096

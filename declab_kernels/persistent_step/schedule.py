@@ -25,10 +25,12 @@ family's list with its items' reads and writes (`schedule_mamba2` builds the Mam
 import random
 from dataclasses import dataclass
 
-# One numbering for every family's stages (EMBED and HEAD are shared; IN, SSM and OUT are the Mamba-2
-# step's, `schedule_mamba2`), so a work list row and a timeline name mean the same in every kernel.
-EMBED, QKV, ATTN, O, GU, DOWN, HEAD, IN, SSM, OUT = range(10)
-STAGE_NAMES = ("embed", "qkv", "attn", "o", "gu", "down", "head", "in", "ssm", "out")
+# One numbering for every family's stages (EMBED, O and HEAD are shared; IN, SSM and OUT are the Mamba-2
+# step's, `schedule_mamba2`; TNORM to FNORM the RWKV-7 step's, `schedule_rwkv7`), so a work list row
+# and a timeline name mean the same in every kernel.
+EMBED, QKV, ATTN, O, GU, DOWN, HEAD, IN, SSM, OUT, TNORM, SEL, MIX, CNORM, KEY, VAL, FNORM = range(17)
+STAGE_NAMES = ("embed", "qkv", "attn", "o", "gu", "down", "head", "in", "ssm", "out", "tnorm", "sel", "mix", "cnorm", "key", "val",
+               "fnorm")
 # One row of the int32 work list.
 FIELDS = ("stage", "layer", "tile", "wait", "wait_count", "signal", "ticket", "ticket_count")
 # Rows of a GEMV tile the schedule may choose (powers of two; SwiGLU tiles hold half as many outputs).

@@ -115,14 +115,16 @@ def _embed_item(embed_ptr, tokens_ptr, x_ptr, D_MODEL: tl.constexpr, EMBED_BLOCK
 def _gemv_item(w_ptr, N, K: tl.constexpr, tile, x_ptr, nw_ptr, eps, r_ptr, out_ptr, cnt_ptr, wait_idx, target, seed,
                BN: tl.constexpr, BK: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr,
                DELAY: tl.constexpr, stamp_ptr, TIMELINE: tl.constexpr, stall_ptr, MAX_POLLS: tl.constexpr,
-               ss_ptr=None, SS_N: tl.constexpr = 0, SS_PAD: tl.constexpr = 1, ROUND_NORMED: tl.constexpr = False):
+               ss_ptr=None, SS_N: tl.constexpr = 0, SS_PAD: tl.constexpr = 1, ROUND_NORMED: tl.constexpr = False,
+               SQRELU: tl.constexpr = False):
     """Tile `tile` of out = x @ W^T, W [N, K]: BN weight rows; NORM: x is rmsnorm'd with weight nw;
     RESIDUAL: out = r + product (r and out may be the same rows); SWIGLU: W is [gate; up] and the tile
     takes gate and up rows of the same BN / 2 outputs, out = silu(gate) * up. SS_N > 0: x is g * norm
     weight of a norm whose statistics earlier items wrote, ss [SS_N] float32 partial sums of g^2, and
     the products are scaled by rsqrt(sum(ss) / K + eps) (`declab_kernels.gemv.fusions.RMSScale`).
     ROUND_NORMED (with NORM): x * nw is rounded to the weight dtype before its products, as a graphed
-    step that stores h = x * nw for a GEMV with `RMSScale` rounds it."""
+    step that stores h = x * nw for a GEMV with `RMSScale` rounds it. SQRELU: x is relu(x)^2 rounded to the
+    weight dtype (`declab_kernels.gemv.fusions.SqReLU`)."""
     r = tl.arange(0, BN)
     if SWIGLU:
         j = tile * (BN // 2) + r // 2
@@ -157,6 +159,9 @@ def _gemv_item(w_ptr, N, K: tl.constexpr, tile, x_ptr, nw_ptr, eps, r_ptr, out_p
             xt = xt * tl.load(nw_ptr + k, mask=k < K, other=0.0).to(tl.float32)
             if ROUND_NORMED:
                 xt = xt.to(w_ptr.dtype.element_ty).to(tl.float32)
+        if SQRELU:
+            xt = tl.maximum(xt, 0.0)
+            xt = (xt * xt).to(w_ptr.dtype.element_ty).to(tl.float32)
         acc += w.to(tl.float32) * xt[None, :]
     res = tl.sum(acc, axis=1)
     if NORM:

@@ -106,7 +106,7 @@ def test_refused_at_load(kwargs, says):
 
 def test_other_families_refuse_the_option():
     with pytest.raises(decoders.UsageError, match="step"):
-        decoders.load("rwkv7-tiny", device="cpu", impl="ref", step="persistent")
+        decoders.load("maskpredict-tiny", device="cpu", impl="ref", step="persistent")
 
 
 @pytest.mark.interpreter
@@ -177,7 +177,6 @@ def test_gpu_timeline_orders_every_item():
 
 
 @pytest.mark.parametrize("extra, says", [
-    (["--models", "rwkv7-tiny"], "has no persistent step yet"),
     (["--models", "maskpredict-tiny"], "has no persistent step yet"),
     (["--batch", "1,2"], "batch 1 only"),
     (["--impl", "ref"], "Triton kernel"),
