@@ -103,12 +103,40 @@ def _item(row, i, epoch, n_items, time_ptr, TIMELINE: tl.constexpr):
 
 
 @triton.jit
-def _embed_item(embed_ptr, tokens_ptr, x_ptr, D_MODEL: tl.constexpr, EMBED_BLOCK: tl.constexpr):
-    """x = embed[token], converted to x's dtype."""
+def _step_start(epoch_ptr):
+    """This program's id, the program count, the epoch and the steps so far counting this one."""
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    epoch = tl.load(epoch_ptr)
+    return pid, n_prog, epoch, epoch + 1
+
+
+@triton.jit
+def _item_end(time_ptr, i, TIMELINE: tl.constexpr):
+    """TIMELINE: item i's end stamp and its SM id."""
+    if TIMELINE:
+        tl.store(time_ptr + i * 4 + 2, tl.extra.cuda.globaltimer())
+        tl.store(time_ptr + i * 4 + 3, tl.extra.cuda.smid().to(tl.int64))
+
+
+@triton.jit
+def _step_end(done_ptr, epoch_ptr, n_prog, steps):
+    """The last program to finish advances the epoch; every program read it at its start, before its done add."""
+    tl.debug_barrier()
+    done = tl.atomic_add(done_ptr, 1, sem="acq_rel")
+    if done == n_prog * steps - 1:
+        tl.atomic_add(epoch_ptr, 1, sem="release")
+
+
+@triton.jit
+def _embed_item(embed_ptr, tokens_ptr, x_ptr, D_MODEL: tl.constexpr, EMBED_BLOCK: tl.constexpr, stamp_ptr, TIMELINE: tl.constexpr):
+    """x = embed[token], converted to x's dtype (no wait: TIMELINE stamps its end as the wait's)."""
     token = tl.load(tokens_ptr).to(tl.int64)
     for c0 in tl.static_range(0, D_MODEL, EMBED_BLOCK):
         c = c0 + tl.arange(0, EMBED_BLOCK)
         tl.store(x_ptr + c, tl.load(embed_ptr + token * D_MODEL + c, mask=c < D_MODEL), mask=c < D_MODEL)
+    if TIMELINE:
+        tl.store(stamp_ptr, tl.extra.cuda.globaltimer())
 
 
 @triton.jit
@@ -327,19 +355,14 @@ def persistent_step_kernel(
     BN_HEAD: tl.constexpr, BK_HEAD: tl.constexpr, EMBED_BLOCK: tl.constexpr,
     DELAY: tl.constexpr = 0, TIMELINE: tl.constexpr = False, MAX_POLLS: tl.constexpr = 1 << 22,
 ):
-    pid = tl.program_id(0)
-    n_prog = tl.num_programs(0)
-    epoch = tl.load(epoch_ptr)
-    steps = epoch + 1
+    pid, n_prog, epoch, steps = _step_start(epoch_ptr)
     seq_len = (tl.load(positions_ptr) + 1).to(tl.int32)
     N_QKV: tl.constexpr = (HQ + 2 * HKV) * D
     for i in range(pid, n_items, n_prog):
         row = items_ptr + i * 8
         stage, layer, tile, wait_idx, target, signal_idx, seed, stamp = _item(row, i, epoch, n_items, time_ptr, TIMELINE)
         if stage == EMBED:
-            _embed_item(embed_ptr, tokens_ptr, x_ptr, D_MODEL, EMBED_BLOCK)
-            if TIMELINE:
-                tl.store(stamp, tl.extra.cuda.globaltimer())
+            _embed_item(embed_ptr, tokens_ptr, x_ptr, D_MODEL, EMBED_BLOCK, stamp, TIMELINE)
             _signal(cnt_ptr, signal_idx)
         elif stage == QKV:
             _gemv_item(_weights(tab_ptr, layer, 0, embed_ptr), N_QKV, D_MODEL, tile, x_ptr, _weights(tab_ptr, layer, 4, embed_ptr),
@@ -365,11 +388,5 @@ def persistent_step_kernel(
         elif stage == HEAD:
             _gemv_item(head_ptr, VOCAB, D_MODEL, tile, x_ptr, final_norm_ptr, eps, x_ptr, logits_ptr,
                        cnt_ptr, wait_idx, target, seed, BN_HEAD, BK_HEAD, True, False, False, DELAY, stamp, TIMELINE, stall_ptr, MAX_POLLS)
-        if TIMELINE:
-            tl.store(time_ptr + i * 4 + 2, tl.extra.cuda.globaltimer())
-            tl.store(time_ptr + i * 4 + 3, tl.extra.cuda.smid().to(tl.int64))
-    # The last program to finish advances the epoch; every program read it above, before its done add.
-    tl.debug_barrier()
-    done = tl.atomic_add(done_ptr, 1, sem="acq_rel")
-    if done == n_prog * steps - 1:
-        tl.atomic_add(epoch_ptr, 1, sem="release")
+        _item_end(time_ptr, i, TIMELINE)
+    _step_end(done_ptr, epoch_ptr, n_prog, steps)

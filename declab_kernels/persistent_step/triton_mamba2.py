@@ -24,7 +24,8 @@ import triton
 import triton.language as tl
 
 from declab_kernels.persistent_step import schedule
-from declab_kernels.persistent_step.triton import _delay, _embed_item, _gemv_item, _item, _signal, _wait, _weights
+from declab_kernels.persistent_step.triton import (_delay, _embed_item, _gemv_item, _item, _item_end, _signal, _step_end, _step_start,
+                                                   _wait, _weights)
 from declab_kernels.ssd.triton import _conv_token, _conv_window, _softplus
 
 EMBED = tl.constexpr(schedule.EMBED)
@@ -123,19 +124,14 @@ def mamba2_step_kernel(
     BN_HEAD: tl.constexpr, BK_HEAD: tl.constexpr, EMBED_BLOCK: tl.constexpr,
     DELAY: tl.constexpr = 0, TIMELINE: tl.constexpr = False, MAX_POLLS: tl.constexpr = 1 << 22,
 ):
-    pid = tl.program_id(0)
-    n_prog = tl.num_programs(0)
-    epoch = tl.load(epoch_ptr)
-    steps = epoch + 1
+    pid, n_prog, epoch, steps = _step_start(epoch_ptr)
     D_INNER: tl.constexpr = H * P
     N_IN: tl.constexpr = 2 * D_INNER + 2 * G * N + H
     for i in range(pid, n_items, n_prog):
         row = items_ptr + i * 8
         stage, layer, tile, wait_idx, target, signal_idx, seed, stamp = _item(row, i, epoch, n_items, time_ptr, TIMELINE)
         if stage == EMBED:
-            _embed_item(embed_ptr, tokens_ptr, r_ptr, D_MODEL, EMBED_BLOCK)
-            if TIMELINE:
-                tl.store(stamp, tl.extra.cuda.globaltimer())
+            _embed_item(embed_ptr, tokens_ptr, r_ptr, D_MODEL, EMBED_BLOCK, stamp, TIMELINE)
             _signal(cnt_ptr, signal_idx)
         elif stage == IN:
             _gemv_item(_weights(tab_ptr, layer, 0, embed_ptr, WIDTH), N_IN, D_MODEL, tile, r_ptr, _weights(tab_ptr, layer, 7, embed_ptr, WIDTH),
@@ -157,11 +153,5 @@ def mamba2_step_kernel(
             _gemv_item(head_ptr, VOCAB, D_MODEL, tile, r_ptr, final_norm_ptr, eps, r_ptr, logits_ptr,
                        cnt_ptr, wait_idx, target, seed, BN_HEAD, BK_HEAD, True, False, False, DELAY, stamp, TIMELINE, stall_ptr, MAX_POLLS,
                        ROUND_NORMED=True)
-        if TIMELINE:
-            tl.store(time_ptr + i * 4 + 2, tl.extra.cuda.globaltimer())
-            tl.store(time_ptr + i * 4 + 3, tl.extra.cuda.smid().to(tl.int64))
-    # The last program to finish advances the epoch; every program read it above, before its done add.
-    tl.debug_barrier()
-    done = tl.atomic_add(done_ptr, 1, sem="acq_rel")
-    if done == n_prog * steps - 1:
-        tl.atomic_add(epoch_ptr, 1, sem="release")
+        _item_end(time_ptr, i, TIMELINE)
+    _step_end(done_ptr, epoch_ptr, n_prog, steps)

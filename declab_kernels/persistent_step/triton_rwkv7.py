@@ -25,7 +25,8 @@ import triton
 import triton.language as tl
 
 from declab_kernels.persistent_step import schedule
-from declab_kernels.persistent_step.triton import _delay, _embed_item, _gemv_item, _item, _signal, _wait, _weights
+from declab_kernels.persistent_step.triton import (_delay, _embed_item, _gemv_item, _item, _item_end, _signal, _step_end, _step_start,
+                                                   _wait, _weights)
 from declab_kernels.rwkv7_fused.ref import W_SCALE
 
 EMBED = tl.constexpr(schedule.EMBED)
@@ -196,10 +197,7 @@ def rwkv7_step_kernel(
     BK_KEY: tl.constexpr, BN_VAL: tl.constexpr, BK_VAL: tl.constexpr, BN_HEAD: tl.constexpr, BK_HEAD: tl.constexpr,
     EMBED_BLOCK: tl.constexpr, DELAY: tl.constexpr = 0, TIMELINE: tl.constexpr = False, MAX_POLLS: tl.constexpr = 1 << 22,
 ):
-    pid = tl.program_id(0)
-    n_prog = tl.num_programs(0)
-    epoch = tl.load(epoch_ptr)
-    steps = epoch + 1
+    pid, n_prog, epoch, steps = _step_start(epoch_ptr)
     for i in range(pid, n_items, n_prog):
         row = items_ptr + i * 8
         stage, layer, tile, wait_idx, target, signal_idx, seed, stamp = _item(row, i, epoch, n_items, time_ptr, TIMELINE)
@@ -209,9 +207,7 @@ def rwkv7_step_kernel(
                 _norm_item(embed_ptr + token * C, pre_w_ptr, pre_b_ptr, x_ptr, x_ptr, x_ptr, eps, cnt_ptr, -1, target, seed,
                            C, BC, 1, HAS_BIAS, False, 0, stamp, TIMELINE, stall_ptr, MAX_POLLS)
             else:
-                _embed_item(embed_ptr, tokens_ptr, x_ptr, C, EMBED_BLOCK)
-                if TIMELINE:
-                    tl.store(stamp, tl.extra.cuda.globaltimer())
+                _embed_item(embed_ptr, tokens_ptr, x_ptr, C, EMBED_BLOCK, stamp, TIMELINE)
             _signal(cnt_ptr, signal_idx)
         elif stage == TNORM:
             _norm_item(x_ptr, _weights(tab_ptr, layer, 12, embed_ptr, WIDTH), _weights(tab_ptr, layer, 13, embed_ptr, WIDTH),
@@ -257,11 +253,5 @@ def rwkv7_step_kernel(
         elif stage == HEAD:
             _gemv_item(head_ptr, VOCAB, C, tile, hf_ptr, hf_ptr, eps, hf_ptr, logits_ptr,
                        cnt_ptr, wait_idx, target, seed, BN_HEAD, BK_HEAD, False, False, False, DELAY, stamp, TIMELINE, stall_ptr, MAX_POLLS)
-        if TIMELINE:
-            tl.store(time_ptr + i * 4 + 2, tl.extra.cuda.globaltimer())
-            tl.store(time_ptr + i * 4 + 3, tl.extra.cuda.smid().to(tl.int64))
-    # The last program to finish advances the epoch; every program read it above, before its done add.
-    tl.debug_barrier()
-    done = tl.atomic_add(done_ptr, 1, sem="acq_rel")
-    if done == n_prog * steps - 1:
-        tl.atomic_add(epoch_ptr, 1, sem="release")
+        _item_end(time_ptr, i, TIMELINE)
+    _step_end(done_ptr, epoch_ptr, n_prog, steps)
