@@ -71,24 +71,14 @@ class PersistentStep(PersistentLaunch):
                  block_table, cos, sin, workspace, scale: float, programs: int | None = None,
                  delay_ns: int = 0, timeline: bool = False):
         device = embed.device
-        self.device = device
         self.shape = shape
         dtype = embed.dtype
-        tensors = [t for layer in layers for t in layer.tensors()] + [head, final_norm]
-        for t in tensors + [k_cache, v_cache]:
-            if t.dtype != dtype or t.device != device or not t.is_contiguous():
-                raise ValueError(f"persistent step: every weight and the KV cache must be contiguous {dtype} on {device}, got {t.dtype} {tuple(t.shape)}")
-            if t.data_ptr() % 16:
-                raise ValueError("persistent step: weights must be 16-byte aligned")
         if k_cache.stride() != v_cache.stride():
             raise ValueError("persistent step: the K and V caches must share one layout")
         if workspace.num_splits != shape.num_splits:
             raise ValueError(f"persistent step: the workspace has {workspace.num_splits} splits, the shape {shape.num_splits}")
-        if (delay_ns or timeline) and device.type != "cuda":
-            raise ValueError("persistent step: delay_ns and timeline need a GPU (globaltimer)")
-        # The pointer table holds these tensors' addresses: kept alive with the step.
-        self.layers = layers
-        self.table = torch.tensor([[t.data_ptr() for t in layer.tensors()] for layer in layers], dtype=torch.int64, device=device)
+        tensors = [t for layer in layers for t in layer.tensors()] + [head, final_norm, k_cache, v_cache]
+        self._check(layers, [(t, dtype) for t in tensors], device, "weight and the KV cache", delay_ns, timeline)
         D = shape.head_dim
         d_pad = max(16, _pow2(D))
         g_r = _pow2(shape.group)
@@ -107,23 +97,13 @@ class PersistentStep(PersistentLaunch):
         self.qkv = torch.zeros(shape.n_qkv, dtype=dtype, device=device)
         self.attn = torch.zeros(shape.hq * D, dtype=dtype, device=device)
         self.act = torch.zeros(shape.inter, dtype=dtype, device=device)
-        self.logits = torch.empty(1, shape.vocab, dtype=dtype, device=device)
-        self.epoch = torch.zeros(1, dtype=torch.int32, device=device)
-        self.done = torch.zeros(1, dtype=torch.int32, device=device)
-        # Set by a wait that gave up (`stalled`).
-        self.stall = torch.zeros(1, dtype=torch.int32, device=device)
-        self.counters = torch.zeros(schedule.Counters(shape.n_layers, shape.hkv).size, dtype=torch.int32, device=device)
-        self.timeline_on = bool(timeline)
-        self.programs = programs or self._programs()
-        self._plan(self.programs)
+        self._start(shape.vocab, dtype, schedule.Counters(shape.n_layers, shape.hkv).size, programs, timeline)
 
     def _plan(self, programs: int) -> None:
         """Tiles, work list and timeline buffer for P = programs."""
         shape = self.shape
         self.tiles = t = schedule.choose_tiles(shape, programs)
-        self.items = schedule.work_list(shape, t)
-        self.work = torch.tensor([it.row() for it in self.items], dtype=torch.int32, device=self.device)
-        self.times = torch.zeros(len(self.items) if self.timeline_on else 1, 4, dtype=torch.int64, device=self.device)
+        self._set_items(schedule.work_list(shape, t))
         self.consts.update(BN_QKV=t.qkv, BK_QKV=_chunk(t.qkv, shape.d_model), BN_O=t.o, BK_O=_chunk(t.o, shape.hq * shape.head_dim),
                            BN_GU=t.gu, BK_GU=_chunk(t.gu, shape.d_model), BN_DOWN=t.down, BK_DOWN=_chunk(t.down, shape.inter),
                            BN_HEAD=t.head, BK_HEAD=_chunk(t.head, shape.d_model))

@@ -45,9 +45,46 @@ def _chunk(rows: int, k: int) -> int:
 
 
 class PersistentLaunch:
-    """The launch of a persistent step. A subclass sets `kernel`, `device`, `consts` (the constexprs),
-    `stall`, `timeline_on`, and defines `_plan(programs)` (tiles, work list `items`, `work`, `times`)
-    and `_launch_args(tokens, positions)`; then calls `_programs()` once its buffers exist."""
+    """The launch of a persistent step. A subclass sets `kernel`, defines `_plan(programs)` (tiles, then
+    `_set_items`) and `_launch_args(tokens, positions)`; its constructor calls `_check` on its tensors,
+    sets `consts` (the constexprs) and its buffers, then `_start`."""
+
+    def _check(self, layers, typed, device, what: str, delay_ns: int, timeline: bool) -> None:
+        """Refuse a (tensor, dtype) of `typed` that is not contiguous, of that dtype on `device` and 16-byte
+        aligned (`what` names them in the message), and the debug constexprs off a GPU; keep `layers` and
+        their pointer table [L, len(tensors())] int64 (a None tensor is address 0)."""
+        for t, want in typed:
+            if t.dtype != want or t.device != device or not t.is_contiguous():
+                raise ValueError(f"persistent step: every {what} must be contiguous {want} on {device}, got {t.dtype} {tuple(t.shape)}")
+            if t.data_ptr() % 16:
+                raise ValueError(f"persistent step: every {what} must be 16-byte aligned")
+        if (delay_ns or timeline) and device.type != "cuda":
+            raise ValueError("persistent step: delay_ns and timeline need a GPU (globaltimer)")
+        self.device = device
+        # The pointer table holds these tensors' addresses: kept alive with the step.
+        self.layers = layers
+        self.table = torch.tensor([[0 if t is None else t.data_ptr() for t in layer.tensors()] for layer in layers], dtype=torch.int64,
+                                  device=device)
+
+    def _start(self, vocab: int, dtype: torch.dtype, n_counters: int, programs: int | None, timeline: bool) -> None:
+        """The logits [1, vocab], the epoch, done and stall words and `n_counters` counters; then P (`programs`,
+        or as many as fit) and its plan."""
+        device = self.device
+        self.logits = torch.empty(1, vocab, dtype=dtype, device=device)
+        self.epoch = torch.zeros(1, dtype=torch.int32, device=device)
+        self.done = torch.zeros(1, dtype=torch.int32, device=device)
+        # Set by a wait that gave up (`stalled`).
+        self.stall = torch.zeros(1, dtype=torch.int32, device=device)
+        self.counters = torch.zeros(n_counters, dtype=torch.int32, device=device)
+        self.timeline_on = bool(timeline)
+        self.programs = programs or self._programs()
+        self._plan(self.programs)
+
+    def _set_items(self, items) -> None:
+        """The work list: its items, their rows on the device and the timeline buffer."""
+        self.items = items
+        self.work = torch.tensor([it.row() for it in items], dtype=torch.int32, device=self.device)
+        self.times = torch.zeros(len(items) if self.timeline_on else 1, 4, dtype=torch.int64, device=self.device)
 
     def _programs(self) -> int:
         if self.device.type != "cuda":

@@ -56,7 +56,6 @@ class Mamba2PersistentStep(PersistentLaunch):
                  dt_limit=(0.0, math.inf), programs: int | None = None, tiles: Mamba2Tiles | None = None, delay_ns: int = 0,
                  timeline: bool = False):
         device = embed.device
-        self.device = device
         self.shape = shape
         dtype = embed.dtype
         has_bias = layers[0].conv_bias is not None
@@ -66,21 +65,11 @@ class Mamba2PersistentStep(PersistentLaunch):
                                                            layer.gated_norm) if t is not None]
         typed += [(t, torch.float32) for layer in layers for t in (layer.dt_bias, layer.A, layer.D)]
         typed += [(head, dtype), (final_norm, dtype), (conv, dtype), (ssm, torch.float32)]
-        for t, want in typed:
-            if t.dtype != want or t.device != device or not t.is_contiguous():
-                raise ValueError(f"persistent step: every weight and state must be contiguous {want} on {device}, got {t.dtype} {tuple(t.shape)}")
-            if t.data_ptr() % 16:
-                raise ValueError("persistent step: weights and states must be 16-byte aligned")
         L, H, P, N, W = shape.n_layers, shape.nheads, shape.headdim, shape.d_state, shape.d_conv
         if tuple(conv.shape) != (L, 1, shape.conv_dim, W) or tuple(ssm.shape) != (L, 1, H, P, N):
             raise ValueError(f"persistent step: states must be conv [{L}, 1, {shape.conv_dim}, {W}] and ssm [{L}, 1, {H}, {P}, {N}], "
                              f"got {tuple(conv.shape)} and {tuple(ssm.shape)}")
-        if (delay_ns or timeline) and device.type != "cuda":
-            raise ValueError("persistent step: delay_ns and timeline need a GPU (globaltimer)")
-        # The pointer table holds these tensors' addresses: kept alive with the step.
-        self.layers = layers
-        self.table = torch.tensor([[0 if t is None else t.data_ptr() for t in layer.tensors()] for layer in layers], dtype=torch.int64,
-                                  device=device)
+        self._check(layers, typed, device, "weight and state", delay_ns, timeline)
         lo, hi = dt_limit
         self.consts = dict(D_MODEL=shape.d_model, VOCAB=shape.vocab, H=H, P=P, N=N, G=shape.ngroups, W=W,
                            BLOCK_N=_pow2(N), BLOCK_W=_pow2(W), HAS_BIAS=has_bias, HAS_LIMIT=(lo, hi) != (0.0, math.inf),
@@ -91,26 +80,16 @@ class Mamba2PersistentStep(PersistentLaunch):
         self.r = torch.zeros(shape.d_model, dtype=torch.float32, device=device)
         self.zx = torch.zeros(shape.n_in, dtype=dtype, device=device)
         self.y = torch.zeros(shape.d_inner, dtype=dtype, device=device)
-        self.logits = torch.empty(1, shape.vocab, dtype=dtype, device=device)
-        self.epoch = torch.zeros(1, dtype=torch.int32, device=device)
-        self.done = torch.zeros(1, dtype=torch.int32, device=device)
-        # Set by a wait that gave up (`stalled`).
-        self.stall = torch.zeros(1, dtype=torch.int32, device=device)
-        self.counters = torch.zeros(schedule_mamba2.Counters(L).size, dtype=torch.int32, device=device)
-        self.timeline_on = bool(timeline)
         self.fixed_tiles = tiles
-        self.programs = programs or self._programs()
-        self._plan(self.programs)
+        self._start(shape.vocab, dtype, schedule_mamba2.Counters(L).size, programs, timeline)
 
     def _plan(self, programs: int) -> None:
         """Tiles, work list, sums-of-squares and timeline buffers for P = programs."""
         shape = self.shape
         self.tiles = t = self.fixed_tiles or schedule_mamba2.choose_tiles(shape, programs)
-        self.items = schedule_mamba2.work_list(shape, t)
+        self._set_items(schedule_mamba2.work_list(shape, t))
         n_ssm = schedule_mamba2.stage_tiles(shape, t)[schedule_mamba2.SSM]
         self.ss = torch.zeros(n_ssm, dtype=torch.float32, device=self.device)
-        self.work = torch.tensor([it.row() for it in self.items], dtype=torch.int32, device=self.device)
-        self.times = torch.zeros(len(self.items) if self.timeline_on else 1, 4, dtype=torch.int64, device=self.device)
         self.consts.update(BLOCK_P=t.block_p, N_SSM=n_ssm, SS_PAD=next_power_of_2(n_ssm),
                            BN_IN=t.in_rows, BK_IN=_chunk(t.in_rows, shape.d_model), BN_OUT=t.out_rows, BK_OUT=_chunk(t.out_rows, shape.d_inner),
                            BN_HEAD=t.head_rows, BK_HEAD=_chunk(t.head_rows, shape.d_model))

@@ -72,7 +72,6 @@ class RWKV7PersistentStep(PersistentLaunch):
                  shape: RWKV7Shape, shift, wkv, programs: int | None = None, tiles: RWKV7Tiles | None = None, delay_ns: int = 0,
                  timeline: bool = False):
         device = embed.device
-        self.device = device
         self.shape = shape
         dtype = embed.dtype
         L, C, D = shape.n_layers, shape.d_model, shape.head_dim
@@ -86,11 +85,6 @@ class RWKV7PersistentStep(PersistentLaunch):
         typed = [(t, dtype) for x in layers for t in x.tensors() if t is not None]
         typed += [(t, dtype) for pair in norms for t in pair if t is not None]
         typed += [(head, dtype), (shift, dtype), (wkv, torch.float32)]
-        for t, want in typed:
-            if t.dtype != want or t.device != device or not t.is_contiguous():
-                raise ValueError(f"persistent step: every weight and state must be contiguous {want} on {device}, got {t.dtype} {tuple(t.shape)}")
-            if t.data_ptr() % 16:
-                raise ValueError("persistent step: weights and states must be 16-byte aligned")
         for l, x in enumerate(layers):
             if tuple(x.down.shape) != (shape.n_sel(l), C) or tuple(x.up.shape) != (C, shape.ranks(l)):
                 raise ValueError(f"persistent step: layer {l}'s packed weights must be down [{shape.n_sel(l)}, {C}] and up "
@@ -98,12 +92,7 @@ class RWKV7PersistentStep(PersistentLaunch):
         if tuple(shift.shape) != (L, 2, 1, C) or tuple(wkv.shape) != (L, 1, shape.n_heads, D, D):
             raise ValueError(f"persistent step: states must be shift [{L}, 2, 1, {C}] and wkv [{L}, 1, {shape.n_heads}, {D}, {D}], "
                              f"got {tuple(shift.shape)} and {tuple(wkv.shape)}")
-        if (delay_ns or timeline) and device.type != "cuda":
-            raise ValueError("persistent step: delay_ns and timeline need a GPU (globaltimer)")
-        # The pointer table holds these tensors' addresses: kept alive with the step.
-        self.layers = layers
-        self.table = torch.tensor([[0 if t is None else t.data_ptr() for t in x.tensors()] for x in layers], dtype=torch.int64,
-                                  device=device)
+        self._check(layers, typed, device, "weight and state", delay_ns, timeline)
         self.consts = dict(C=C, VOCAB=shape.vocab, H=shape.n_heads, D=D, BD=_pow2(D), INTER=shape.inter, RV=shape.rank_v,
                            RW=shape.rank_w, RA=shape.rank_a, RG=shape.rank_g, BR=min(LORA_CHUNK, _pow2(shape.ranks(1))), BC=_pow2(C),
                            HAS_PRE=pre_norm is not None, HAS_BIAS=has_bias, EMBED_BLOCK=min(1024, _pow2(C)), DELAY=int(delay_ns),
@@ -119,24 +108,14 @@ class RWKV7PersistentStep(PersistentLaunch):
         self.xk = torch.zeros(C, dtype=dtype, device=device)
         self.kv = torch.zeros(shape.inter, dtype=dtype, device=device)
         self.hf = torch.zeros(C, dtype=dtype, device=device)
-        self.logits = torch.empty(1, shape.vocab, dtype=dtype, device=device)
-        self.epoch = torch.zeros(1, dtype=torch.int32, device=device)
-        self.done = torch.zeros(1, dtype=torch.int32, device=device)
-        # Set by a wait that gave up (`stalled`).
-        self.stall = torch.zeros(1, dtype=torch.int32, device=device)
-        self.counters = torch.zeros(schedule_rwkv7.Counters(L).size, dtype=torch.int32, device=device)
-        self.timeline_on = bool(timeline)
         self.fixed_tiles = tiles
-        self.programs = programs or self._programs()
-        self._plan(self.programs)
+        self._start(shape.vocab, dtype, schedule_rwkv7.Counters(L).size, programs, timeline)
 
     def _plan(self, programs: int) -> None:
         """Tiles, work list and timeline buffer for P = programs."""
         shape = self.shape
         self.tiles = t = self.fixed_tiles or schedule_rwkv7.choose_tiles(shape, programs)
-        self.items = schedule_rwkv7.work_list(shape, t)
-        self.work = torch.tensor([it.row() for it in self.items], dtype=torch.int32, device=self.device)
-        self.times = torch.zeros(len(self.items) if self.timeline_on else 1, 4, dtype=torch.int64, device=self.device)
+        self._set_items(schedule_rwkv7.work_list(shape, t))
         C = shape.d_model
         self.consts.update(BN_SEL=t.sel_rows, BK_SEL=_chunk(t.sel_rows, C), BN_O=t.o_rows, BK_O=_chunk(t.o_rows, C),
                            BN_KEY=t.key_rows, BK_KEY=_chunk(t.key_rows, C), BN_VAL=t.val_rows, BK_VAL=_chunk(t.val_rows, shape.inter),
