@@ -103,7 +103,7 @@ for s in "$@"; do
     # The persistent decode step (issue 35, llama, Mamba-2 and RWKV-7): its GPU tests, then against the graphed step, then its timeline.
     persistent)
       stage tests_persistent "${PERSIST_TEST_LIMIT:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short -rf \
-        tests/decoders/test_persistent_decoder.py tests/decoders/test_persistent_mamba2.py tests/decoders/test_persistent_rwkv7.py \
+        tests/decoders/test_persistent_families.py \
         tests/kernels/test_persistent_step.py tests/bench/test_persistent_timeline.py
       stage compare_persistent "${PERSIST_LIMIT:-300}" python3 -m decoders.compare --no-progress --impl triton --models "${PERSIST_MODELS:-llama-1b,mamba2-1.3b,rwkv7-1.5b}" \
         --ctx "${PERSIST_CTX:-4k,32k,128k}" --batch 1 --step graphed,persistent --point-timeout 300 --out "$out/persistent.jsonl"
