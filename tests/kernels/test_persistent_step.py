@@ -1,10 +1,9 @@
 """The persistent step's schedule (`declab_kernels.persistent_step.schedule`): the work list run by
 virtual programs in random interleavings has no hazard and no deadlock, and broken lists are caught."""
 
-import dataclasses
-
 import pytest
 
+import persistent_schedule_cases as cases
 from declab_kernels.persistent_step import schedule as S
 
 TINY = S.StepShape(d_model=64, inter=176, vocab=512, n_layers=2, hq=4, hkv=2, head_dim=16, num_splits=3)
@@ -15,10 +14,7 @@ MHA = S.StepShape(d_model=96, inter=128, vocab=300, n_layers=3, hq=3, hkv=3, hea
 @pytest.mark.parametrize("shape", [TINY, MHA], ids=["gqa", "mha"])
 @pytest.mark.parametrize("programs", [1, 3, 8, 40])
 def test_work_list_runs_in_any_interleaving(shape, programs):
-    tiles = S.choose_tiles(shape, programs)
-    items = S.work_list(shape, tiles)
-    for seed in range(10):
-        S.simulate(shape, tiles, items, programs, seed=seed, steps=2)
+    cases.runs_in_any_interleaving(S, shape, programs, seeds=10)
 
 
 def test_every_output_row_is_covered_once():
@@ -38,10 +34,6 @@ def test_choose_rows_balances_the_busiest_program():
     assert S.choose_rows(64, 1) == 32
 
 
-def _broken(items, predicate, **change):
-    return [dataclasses.replace(it, **change) if predicate(it) else it for it in items]
-
-
 C = S.Counters(TINY.n_layers, TINY.hkv)
 BROKEN = {
     "o waits for one merge too few": (lambda it: it.stage == S.O and it.layer == 1, dict(wait_count=TINY.hkv - 1), "reads"),
@@ -57,8 +49,6 @@ BROKEN = {
 def test_broken_work_list_is_caught(name):
     predicate, change, says = BROKEN[name]
     tiles = S.choose_tiles(TINY, 8)
-    items = _broken(S.work_list(TINY, tiles), predicate, **change)
-    with pytest.raises(S.ScheduleError, match=says):
-        for seed in range(20):
-            S.simulate(TINY, tiles, items, 8, seed=seed)
+    items = cases.broken(S.work_list(TINY, tiles), predicate, **change)
+    cases.assert_caught(S, TINY, tiles, items, 8, says)
 

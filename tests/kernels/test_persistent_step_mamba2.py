@@ -2,10 +2,9 @@
 run by virtual programs in random interleavings has no hazard and no deadlock, every output and state
 tile is covered once, and broken lists are caught."""
 
-import dataclasses
-
 import pytest
 
+import persistent_schedule_cases as cases
 from declab_kernels.persistent_step import schedule as S
 from declab_kernels.persistent_step import schedule_mamba2 as M
 
@@ -18,10 +17,7 @@ GROUPS = M.Mamba2Shape(d_model=48, n_layers=3, vocab=301, nheads=6, headdim=12, 
 @pytest.mark.parametrize("shape", [TINY, GROUPS], ids=["tiny", "groups"])
 @pytest.mark.parametrize("programs", [1, 3, 8, 40])
 def test_work_list_runs_in_any_interleaving(shape, programs):
-    tiles = M.choose_tiles(shape, programs)
-    items = M.work_list(shape, tiles)
-    for seed in range(10):
-        M.simulate(shape, tiles, items, programs, seed=seed, steps=2)
+    cases.runs_in_any_interleaving(M, shape, programs, seeds=10)
 
 
 def test_every_output_and_state_tile_is_covered_once():
@@ -45,10 +41,6 @@ def test_block_p_fills_the_programs():
     assert M.choose_block_p(TINY, 1) == 16
 
 
-def _broken(items, predicate, **change):
-    return [dataclasses.replace(it, **change) if predicate(it) else it for it in items]
-
-
 C = M.Counters(TINY.n_layers)
 N_IN = M.stage_tiles(TINY, M.choose_tiles(TINY, 8))[S.IN]
 BROKEN = {
@@ -66,7 +58,5 @@ def test_broken_work_list_is_caught(name):
     predicate, change, says = BROKEN[name]
     tiles = M.choose_tiles(TINY, 8)
     assert M.stage_tiles(TINY, tiles)[S.SSM] == 8
-    items = _broken(M.work_list(TINY, tiles), predicate, **change)
-    with pytest.raises(S.ScheduleError, match=says):
-        for seed in range(20):
-            M.simulate(TINY, tiles, items, 8, seed=seed)
+    items = cases.broken(M.work_list(TINY, tiles), predicate, **change)
+    cases.assert_caught(M, TINY, tiles, items, 8, says)

@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 
+import persistent_schedule_cases as cases
 from declab_kernels.persistent_step import schedule as S
 from declab_kernels.persistent_step import schedule_rwkv7 as R
 
@@ -20,10 +21,7 @@ BIG = R.RWKV7Shape(d_model=2048, n_layers=24, vocab=65536, head_dim=64, inter=81
 @pytest.mark.parametrize("shape", [TINY, ODD], ids=["tiny", "odd"])
 @pytest.mark.parametrize("programs", [1, 3, 8, 40])
 def test_work_list_runs_in_any_interleaving(shape, programs):
-    tiles = R.choose_tiles(shape, programs)
-    items = R.work_list(shape, tiles)
-    for seed in range(6):
-        R.simulate(shape, tiles, items, programs, seed=seed, steps=2)
+    cases.runs_in_any_interleaving(R, shape, programs, seeds=6)
 
 
 def test_every_output_is_covered_once():
@@ -56,10 +54,6 @@ def test_ranks_no_tile_divides_are_refused():
         R.choose_tiles(dataclasses.replace(TINY, rank_v=6), 8)
 
 
-def _broken(items, predicate, **change):
-    return [dataclasses.replace(it, **change) if predicate(it) else it for it in items]
-
-
 C = R.Counters(TINY.n_layers)
 N_SEL = R.stage_tiles(TINY, R.choose_tiles(TINY, 8), 1)[S.SEL]
 BROKEN = {
@@ -78,7 +72,5 @@ def test_broken_work_list_is_caught(name):
     predicate, change, says = BROKEN[name]
     tiles = R.choose_tiles(TINY, 8)
     assert R.stage_tiles(TINY, tiles)[S.MIX] == 4
-    items = _broken(R.work_list(TINY, tiles), predicate, **change)
-    with pytest.raises(S.ScheduleError, match=says):
-        for seed in range(20):
-            R.simulate(TINY, tiles, items, 8, seed=seed)
+    items = cases.broken(R.work_list(TINY, tiles), predicate, **change)
+    cases.assert_caught(R, TINY, tiles, items, 8, says)
