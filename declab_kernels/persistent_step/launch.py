@@ -1,5 +1,6 @@
-"""What every family's persistent step shares on the host: how many programs fit at once, the GEMV
-chunk, the launch, the stall flag and the timeline (`PersistentLaunch`)."""
+"""What every family's persistent step shares on the host: the checks of its tensors, the pointer table,
+the counters and sync words, the work list on the device, how many programs fit at once, the GEMV chunk,
+the launch, the stall flag and the timeline (`PersistentLaunch`)."""
 
 import torch
 from triton import next_power_of_2
