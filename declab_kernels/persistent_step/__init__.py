@@ -111,7 +111,7 @@ class PersistentStep(PersistentLaunch):
     def _launch_args(self, tokens, positions):
         a = self.args
         k = a["k_cache"]
-        return (self.work, self.work.shape[0], self.counters, self.epoch, self.done, self.table,
+        return (*self._list_args(),
                 a["embed"], a["head"], a["final_norm"], tokens, positions,
                 self.x, self.qkv, self.attn, self.act, a["lse"], a["partial"], self.logits,
                 k, a["v_cache"], a["block_table"], a["cos"], a["sin"],

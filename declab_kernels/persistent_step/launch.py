@@ -87,6 +87,10 @@ class PersistentLaunch:
         self.work = torch.tensor([it.row() for it in items], dtype=torch.int32, device=self.device)
         self.times = torch.zeros(len(items) if self.timeline_on else 1, 4, dtype=torch.int64, device=self.device)
 
+    def _list_args(self) -> tuple:
+        """Every kernel's first arguments: the work list, its length, the counters, epoch, done and the pointer table."""
+        return (self.work, self.work.shape[0], self.counters, self.epoch, self.done, self.table)
+
     def _programs(self) -> int:
         if self.device.type != "cuda":
             # The interpreter runs programs one after another: a second one would never see the

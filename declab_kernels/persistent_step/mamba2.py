@@ -97,7 +97,7 @@ class Mamba2PersistentStep(PersistentLaunch):
     def _launch_args(self, tokens, positions):
         a = self.args
         conv, ssm = a["conv"], a["ssm"]
-        return (self.work, self.work.shape[0], self.counters, self.epoch, self.done, self.table,
+        return (*self._list_args(),
                 a["embed"], a["head"], a["final_norm"], tokens, positions,
                 self.r, self.zx, self.y, self.ss, self.logits, conv, ssm,
                 conv.stride(0), conv.stride(2), conv.stride(3), ssm.stride(0), ssm.stride(2), ssm.stride(3),

@@ -123,7 +123,7 @@ class RWKV7PersistentStep(PersistentLaunch):
 
     def _launch_args(self, tokens, positions):
         a = self.args
-        return (self.work, self.work.shape[0], self.counters, self.epoch, self.done, self.table,
+        return (*self._list_args(),
                 a["embed"], a["head"], a["final_w"], a["final_b"], a["pre_w"], a["pre_b"], tokens,
                 self.x, self.xs, self.y, self.v_first, self.mo, self.xk, self.kv, self.hf, self.logits, a["shift"], a["wkv"],
                 a["eps"], a["g_eps"], self.times, self.stall)
