@@ -277,7 +277,7 @@ def run(a) -> int:
             for r in range(cfg["rounds"]):
                 for w in (workers if r % 2 == 0 else workers[::-1]):
                     for point in w.round():
-                        rec = {"kind": "version_ab", "model": model, "ctx": cfg["ctx"], "tree": w.name, "tree_path": str(w.folder),
+                        rec = {"kind": "version_ab", "model": model, "ctx": cfg["ctx"], "tree": w.name, "tree_path": os.path.relpath(w.folder),
                                "round": r, "steps": cfg["steps"], "gpu": w.ready["gpu"], "setup_s": w.ready["setup_s"],
                                "gemv_picks": w.ready["gemv_picks"], **point}
                         sink.append(rec)
