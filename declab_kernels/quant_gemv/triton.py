@@ -212,6 +212,17 @@ def _int8_dequant_kernel(q_ptr, s_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLO
 
 
 @triton.jit
+def _dot_program(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A dot kernel program's place in the grid (N / BLOCK_N, M / BLOCK_M, split): its ids, the number
+    of splits, its output rows rn `[BN]` (as int64 too) and x rows rm `[BM]` with their masks."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    return pid_n, pid_m, tl.program_id(2), tl.num_programs(2), rn, rn < N, rn.to(tl.int64), rm, rm < M
+
+
+@triton.jit
 def _dot_store(acc, out_ptr, part_ptr, cnt_ptr, rn, rm, n_mask, m_mask, M, N, stride_om, pid_n, pid_m, pid_k, split):
     """Write this program's float32 products acc `[BN, BM]` (output columns rn, rows rm). With split
     programs along K (split > 1): store them to the partials `[split, M, N]`, take a ticket from the
@@ -318,15 +329,7 @@ def _int4_dot_kernel(
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    split = tl.num_programs(2)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
-    n_mask = rn < N
-    rn64 = rn.to(tl.int64)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
-    m_mask = rm < M
+    pid_n, pid_m, pid_k, split, rn, n_mask, rn64, rm, m_mask = _dot_program(M, N, BLOCK_M, BLOCK_N)
     # Split s owns whole tiles of words [s per, (s + 1) per); BW divides S, so every tile is whole.
     per = tl.cdiv(S // BLOCK_W, split) * BLOCK_W
     j_lo = pid_k * per
@@ -372,15 +375,7 @@ def _int8_dot_kernel(
     BLOCK_M: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    split = tl.num_programs(2)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
-    n_mask = rn < N
-    rn64 = rn.to(tl.int64)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
-    m_mask = rm < M
+    pid_n, pid_m, pid_k, split, rn, n_mask, rn64, rm, m_mask = _dot_program(M, N, BLOCK_M, BLOCK_N)
     # Split s owns whole tiles [s per, (s + 1) per); a split past the end runs no tile.
     per = tl.cdiv(tl.cdiv(K, BLOCK_K), split) * BLOCK_K
     k_lo = pid_k * per
