@@ -45,10 +45,10 @@ def summarise(rows: list[dict], programs: int) -> dict:
 
 
 def run(args) -> int:
-    device = decoders.parse_device("cuda")
     ctxs = parse_ctx(args.ctx)
     decoders.check_model(args.model, context=max(ctxs))
     sink = JsonlSink(check_output_file(args.out, "--out"))
+    device = decoders.parse_device("cuda")
     dec = decoders.load(args.model, device=device, step="persistent", seed=args.seed)
     records = []
     g = torch.Generator().manual_seed(args.seed)

@@ -92,6 +92,16 @@ def _file_key(key, device) -> str:
 _FILE: dict = {}
 
 
+def _record(line: str) -> dict | None:
+    """One line of DECLAB_GEMV_CHOICES as a record; None for a line that is not one (a line cut short
+    by a process stopped while appending: its key is measured again)."""
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return rec if isinstance(rec, dict) and {"key", "impl", "triton_config"} <= rec.keys() else None
+
+
 def _stored(key, device) -> dict | None:
     """The record of `key` in DECLAB_GEMV_CHOICES (read once), its configuration resolved by name;
     None when there is no file, no record, or a configuration this tree no longer has."""
@@ -100,7 +110,7 @@ def _stored(key, device) -> dict | None:
         return None
     if path not in _FILE:
         lines = open(path).read().splitlines() if os.path.exists(path) else []
-        _FILE[path] = {rec["key"]: rec for rec in map(json.loads, filter(None, lines))}
+        _FILE[path] = {rec["key"]: rec for rec in map(_record, lines) if rec is not None}
     rec = _FILE[path].get(_file_key(key, device))
     if rec is None:
         return None

@@ -1,4 +1,7 @@
-"""`declab_bench.persistent_timeline.summarise`: per-stage spans, waits and work from timeline rows."""
+"""`declab_bench.persistent_timeline`: per-stage spans, waits and work from timeline rows (`summarise`),
+and its command's refusals."""
+
+import pytest
 
 from declab_bench.persistent_timeline import summarise
 
@@ -16,3 +19,17 @@ def test_summarise_stages_and_idle_time():
     # Program 0 ends at 9 us, program 1 at 2 us: idle 0 and 7, median 3.5.
     assert s["idle_at_end_us_median"] == 3.5
     assert "attn" not in s["stages"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--ctx", "abc"], "abc"),
+    (["--model", "no-such-preset"], "no-such-preset"),
+    (["--model", "llama-tiny", "--ctx", "1m"], "context"),
+])
+def test_bad_options_are_one_line_and_exit_2_before_any_work(tmp_path, capsys, args, message):
+    """A mistake in the options is named in one line (exit 2) before the GPU is asked for."""
+    from declab_bench import persistent_timeline
+
+    assert persistent_timeline.main([*args, "--out", str(tmp_path / "t.jsonl")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0] and "CUDA" not in err[0]
