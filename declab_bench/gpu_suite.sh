@@ -4,7 +4,7 @@
 # output in OUT_DIR/suite.log (few files: the machine's transfer back counts them).
 #
 #   declab_bench/gpu_suite.sh OUT_DIR tests fused profile gemv kernels wkv7 compare-triton compare-8b compare-batch peers ablation quant-quality compare-ref
-#   declab_bench/gpu_suite.sh OUT_DIR gpu-tests version-ab quant-gemv compare-quant kv-fp8 persistent   (GPU_TESTS: the test files; AB_BEFORE: the baseline tree)
+#   declab_bench/gpu_suite.sh OUT_DIR gpu-tests version-ab quant-gemv compare-quant kv-fp8 persistent-tests persistent   (GPU_TESTS: the test files; AB_BEFORE: the baseline tree)
 #
 # Triton's compiled kernels and the GEMV picks can outlive a machine: the stage save-cache packs the
 # cache into OUT_DIR/triton-cache-part-* (15 MB pieces), the picks are in OUT_DIR/gemv_choices.jsonl,
@@ -93,22 +93,24 @@ for s in "$@"; do
         --quant none,int8,int4-rtn,int4 ${QQ_ARGS:---time-budget 90 --task-docs 40 --mp-iterations= --genppl-prompts 0 --calib-sequences 64 --eval-args dtype=bfloat16,max_length=512,batch_size=32} ;;
     compare-ref) stage compare_ref 300 python3 -m decoders.compare --no-progress --impl ref \
         --models llama-1b,mamba2-1.3b,rwkv7-1.5b --ctx 4k..128k --batch 1 --new-tokens 16 --out "$out/compare_ref.jsonl" ;;
-    gpu-tests) stage gpu_tests "${TEST_LIMIT:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short -rf ${GPU_TESTS:?GPU_TESTS: the test files} ;;
+    # GPU_TEST_WORKERS=N: N pytest processes (pytest-xdist) share the GPU, so Triton compiles on N cores.
+    gpu-tests) stage gpu_tests "${TEST_LIMIT:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short -rf \
+        ${GPU_TEST_WORKERS:+-n $GPU_TEST_WORKERS} ${GPU_TESTS:?GPU_TESTS: the test files} ;;
     # The graphed decode step of the baseline tree AB_BEFORE against this one (tokens and step times).
     version-ab) stage version_ab "${AB_LIMIT:-330}" python3 -m declab_bench.version_ab "$out/version_ab.jsonl" \
         --tree before="${AB_BEFORE:?AB_BEFORE: the baseline source tree}" --tree after=. ${AB_ARGS:-} ;;
     quant-gemv) stage quant_gemv 170 python3 -m declab_bench.quant_gemv --out "$out/quant_gemv.jsonl" ;;
     kv-fp8) stage kv_fp8 "${FP8_LIMIT:-200}" python3 -m decoders.compare --no-progress --impl triton --models "${FP8_MODEL:-llama-1b}" \
         --ctx "${FP8_CTX:-128k}" --batch 1 --kv-dtype bf16,fp8 --out "$out/compare_kv_fp8.jsonl" ;;
-    # The persistent decode step (issue 35, llama, Mamba-2 and RWKV-7): its GPU tests, then against the graphed step, then its timeline.
+    # The persistent decode step (issue 35, llama, Mamba-2 and RWKV-7): its GPU tests; then against the graphed step, then its timeline.
+    persistent-tests) stage tests_persistent "${PERSIST_TEST_LIMIT:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short -rf \
+        ${GPU_TEST_WORKERS:+-n $GPU_TEST_WORKERS} tests/decoders/test_persistent_families.py \
+        tests/kernels/test_persistent_step.py tests/bench/test_persistent_timeline.py ;;
     persistent)
-      stage tests_persistent "${PERSIST_TEST_LIMIT:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short -rf \
-        tests/decoders/test_persistent_families.py \
-        tests/kernels/test_persistent_step.py tests/bench/test_persistent_timeline.py
       stage compare_persistent "${PERSIST_LIMIT:-300}" python3 -m decoders.compare --no-progress --impl triton --models "${PERSIST_MODELS:-llama-1b,mamba2-1.3b,rwkv7-1.5b}" \
         --ctx "${PERSIST_CTX:-4k,32k,128k}" --batch 1 --step graphed,persistent --point-timeout 300 --out "$out/persistent.jsonl"
       for m in llama-1b mamba2-1.3b rwkv7-1.5b; do
-        stage "persistent_timeline_$m" 120 python3 -m declab_bench.persistent_timeline --model "$m" --ctx 4k --out "$out/persistent_timeline.jsonl"
+        stage "persistent_timeline_$m" "${PERSIST_TIMELINE_LIMIT:-120}" python3 -m declab_bench.persistent_timeline --model "$m" --ctx 4k --out "$out/persistent_timeline.jsonl"
       done ;;
     # Quantised decoding against bf16 in one run (issue 31): llama-1b and llama-8b at 4k, batch 1.
     compare-quant) stage compare_quant "${QUANT_LIMIT:-300}" python3 -m decoders.compare --no-progress --impl triton --models "${QUANT_MODELS:-llama-1b,llama-8b}" \
