@@ -1,5 +1,5 @@
 """What the persistent-step decoder tests of every family share: a (persistent, graphed) pair of
-decoders, steps of both compared, and the GPU checks (bf16 tokens following the graphed step, graph
+decoders, steps of both compared, and the GPU checks (bf16 logits and tokens following the graphed step, graph
 replays with random delays in the kernel, the timeline's order)."""
 
 import torch
@@ -29,12 +29,18 @@ def compare_steps(decs, states, steps, cache_names=()):
         assert harness.relative_rms(getattr(states[0].cache, name), getattr(states[1].cache, name)) < 1e-5
 
 
-def bf16_tokens_follow_graphed(model, prompt_len, steps, cache_name=None):
-    """`steps` greedy steps of both in bf16 on the GPU, the persistent one fed the graphed one's tokens:
-    logits within bf16 rounding, and the same token wherever the graphed step's top two logits are not a
-    near-tie (random weights make flat logits, where either step's rounding may pick the other), on at
-    least half the steps; the cache tensor `cache_name` alike at the end."""
-    decs = pair(model, "cuda", torch.bfloat16)
+def bf16_follows_graphed(model, prompt_len, steps, cache_name=None, device="cuda", dtype=torch.bfloat16, gate_tokens=2048):
+    """`steps` greedy steps of both in bf16 on the GPU (or `dtype` on `device`), the persistent one fed the graphed one's tokens.
+    Two bf16 computations of the same logits each carry their own rounding: the allowance is twice the
+    graphed step's error against the float32 reference (the correctness gate's measure, at 48 and 2048
+    tokens, or `gate_tokens`), since by the triangle inequality two results that are each within e of the truth are
+    within 2e of each other. Logits (and the cache tensor `cache_name` at the end) within it at every
+    step; the same token wherever the graphed step's top-two margin is beyond 4x that allowance of the
+    logits' RMS (rounding cannot flip it), on at least one of the steps."""
+    decs = pair(model, device, dtype)
+    gate = harness.check_against_reference(decs[1], new_tokens=4, long_tokens=gate_tokens)
+    assert gate["ok"], gate
+    allowance = 2 * max(c["rel_rms"] for c in gate["lengths"].values()) + 1e-3
     prompt = torch.randint(0, decs[0].vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(0))
     states = [d.prefill(prompt, max_new_tokens=steps + 1) for d in decs]
     assert torch.equal(states[0].next_tokens, states[1].next_tokens)
@@ -42,15 +48,15 @@ def bf16_tokens_follow_graphed(model, prompt_len, steps, cache_name=None):
     with torch.inference_mode():
         for _ in range(steps):
             ours, theirs = (d.step(s).logits.float() for d, s in zip(decs, states))
-            assert harness.relative_rms(ours, theirs) < 3e-2
+            assert harness.relative_rms(ours, theirs) < allowance
             top = theirs.topk(2).values[0]
-            if top[0] - top[1] > 1e-2 * theirs.std():
+            if top[0] - top[1] > 4 * allowance * theirs.pow(2).mean().sqrt():
                 decided += 1
                 assert torch.equal(states[0].next_tokens, states[1].next_tokens)
             states[0].next_tokens.copy_(states[1].next_tokens)
-    assert decided >= steps // 2
+    assert decided >= 1
     if cache_name is not None:
-        assert harness.relative_rms(getattr(states[0].cache, cache_name), getattr(states[1].cache, cache_name)) < 3e-2
+        assert harness.relative_rms(getattr(states[0].cache, cache_name), getattr(states[1].cache, cache_name)) < allowance
     assert not states[0].cache.persistent.stalled()
 
 

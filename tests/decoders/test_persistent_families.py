@@ -1,6 +1,6 @@
 """The persistent step (`step="persistent"`) of every family that has one, where the checks are the
 same: its refusals at load and of a batch of two, the stall flag of a wait that cannot be met, the
-gate of the recurrent families; and on the GPU, bf16 tokens, many graph replays with random delays in
+gate of the recurrent families, half-precision logits and tokens against the graphed step's own error; and on the GPU, bf16 logits and tokens, many graph replays with random delays in
 the kernel, and the timeline's order (`persistent_cases`)."""
 
 import pytest
@@ -58,15 +58,22 @@ def test_persistent_passes_the_gate(model):
     assert dec.describe()["step"] == "persistent"
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("model, cache_name", [("llama-tiny", None), ("mamba2-tiny", "ssm"), ("rwkv7-tiny", "wkv")])
+def test_half_precision_follows_graphed(model, cache_name):
+    """The GPU check below, in float16 under the interpreter: its allowance from the gate, its tokens."""
+    persistent_cases.bf16_follows_graphed(model, 20, 6, cache_name, device="cpu", dtype=torch.float16, gate_tokens=64)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("model, prompt_len, steps, cache_name", [
-    ("llama-1b", 4096 - 17, 16, None),
-    ("llama-1b", 32768 - 17, 16, None),
+    ("llama-1b", 4096 - 33, 32, None),
+    ("llama-1b", 32768 - 33, 32, None),
     ("mamba2-1.3b", 512, 32, "ssm"),
     ("rwkv7-1.5b", 512, 32, "wkv"),
 ], ids=["llama-1b-4k", "llama-1b-32k", "mamba2-1.3b", "rwkv7-1.5b"])
-def test_gpu_bf16_tokens_equal_graphed(model, prompt_len, steps, cache_name):
-    persistent_cases.bf16_tokens_follow_graphed(model, prompt_len, steps, cache_name)
+def test_gpu_bf16_follows_graphed(model, prompt_len, steps, cache_name):
+    persistent_cases.bf16_follows_graphed(model, prompt_len, steps, cache_name)
 
 
 @pytest.mark.gpu
