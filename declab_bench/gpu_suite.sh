@@ -102,19 +102,20 @@ for s in "$@"; do
     quant-gemv) stage quant_gemv 170 python3 -m declab_bench.quant_gemv --out "$out/quant_gemv.jsonl" ;;
     kv-fp8) stage kv_fp8 "${FP8_LIMIT:-200}" python3 -m decoders.compare --no-progress --impl triton --models "${FP8_MODEL:-llama-1b}" \
         --ctx "${FP8_CTX:-128k}" --batch 1 --kv-dtype bf16,fp8 --out "$out/compare_kv_fp8.jsonl" ;;
-    # The persistent decode step (issue 35, llama, Mamba-2 and RWKV-7): its GPU tests; then against the graphed step, then its timeline.
+    # The persistent decode step (issue 35, llama, Mamba-2 and RWKV-7): its GPU tests; then against the graphed step, then its timeline
+    # (PERSIST_MODELS, PERSIST_CTX and PERSIST_TIMELINE_MODELS narrow the sweep).
     persistent-tests) stage tests_persistent "${PERSIST_TEST_LIMIT:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short -rf \
         ${GPU_TEST_WORKERS:+-n $GPU_TEST_WORKERS} tests/decoders/test_persistent_families.py \
         tests/kernels/test_persistent_step.py tests/bench/test_persistent_timeline.py ;;
     persistent)
       stage compare_persistent "${PERSIST_LIMIT:-300}" python3 -m decoders.compare --no-progress --impl triton --models "${PERSIST_MODELS:-llama-1b,mamba2-1.3b,rwkv7-1.5b}" \
         --ctx "${PERSIST_CTX:-4k,32k,128k}" --batch 1 --step graphed,persistent --point-timeout 300 --out "$out/persistent.jsonl"
-      for m in llama-1b mamba2-1.3b rwkv7-1.5b; do
+      for m in ${PERSIST_TIMELINE_MODELS:-llama-1b mamba2-1.3b rwkv7-1.5b}; do
         stage "persistent_timeline_$m" "${PERSIST_TIMELINE_LIMIT:-120}" python3 -m declab_bench.persistent_timeline --model "$m" --ctx 4k --out "$out/persistent_timeline.jsonl"
       done ;;
-    # Quantised decoding against bf16 in one run (issue 31): llama-1b and llama-8b at 4k, batch 1.
+    # Quantised decoding against bf16 in one run (issue 31): llama-1b and llama-8b at 4k, batch 1 (QUANT_MODELS, QUANT_KINDS).
     compare-quant) stage compare_quant "${QUANT_LIMIT:-300}" python3 -m decoders.compare --no-progress --impl triton --models "${QUANT_MODELS:-llama-1b,llama-8b}" \
-        --ctx 4k --batch 1 --quant none,int8,int4-rtn --out "$out/compare_quant.jsonl" ;;
+        --ctx 4k --batch 1 --quant "${QUANT_KINDS:-none,int8,int4-rtn}" --out "$out/compare_quant.jsonl" ;;
     save-cache) tar -cz -C "$TRITON_CACHE_DIR" . | split -b 15m - "$out/triton-cache-part-" && ls -la "$out"/triton-cache-part-* ;;
     *) echo "unknown stage $s" ;;
   esac
