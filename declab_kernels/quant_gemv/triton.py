@@ -335,22 +335,24 @@ def _int4_run_weights(lo, hi, words, z, i: tl.constexpr, DTYPE: tl.constexpr):
         else:
             b = words >> (4 * i - 19)
         c = ((b & CODE_BITS) | ONE_BITS).to(tl.float32, bitcast=True)
-        return c - ((z << 19) | ONE_BITS).to(tl.float32, bitcast=True)[:, None]
-    # lo (hi) holds nibbles 0..3 (4..7) of words 2u and 2u + 1 in its low and high halves, the pair of
-    # consecutive inputs that one register of the MMA operand holds: masked, plus the pattern of 144
-    # (bf16 0x4310, fp16 1040: 0x6410) minus z in both halves, each half is the float 144 + code - z
-    # (1040 + ...), exact (no carry between the halves: 1 <= 16 + code - z <= 31); minus 144 (1040) in
-    # DTYPE it is code - z.
-    if DTYPE == tl.bfloat16:
-        PAIR: tl.constexpr = PAIR_BF16
-        OFFSET: tl.constexpr = 144.0
+        w = c - ((z << 19) | ONE_BITS).to(tl.float32, bitcast=True)[:, None]
     else:
-        PAIR: tl.constexpr = PAIR_FP16
-        OFFSET: tl.constexpr = 1040.0
-    b = lo if i < 4 else hi
-    p = ((b >> (4 * (i % 4))) & 0x000F000F) + (z * -0x00010001 + PAIR)[:, None]  # [BN, BW / 2]
-    w = tl.join(p.to(tl.int16).to(DTYPE, bitcast=True), (p >> 16).to(tl.int16).to(DTYPE, bitcast=True))
-    return w.reshape(words.shape[0], words.shape[1]) - OFFSET
+        # lo (hi) holds nibbles 0..3 (4..7) of words 2u and 2u + 1 in its low and high halves, the pair
+        # of consecutive inputs that one register of the MMA operand holds: masked, plus the pattern of
+        # 144 (bf16 0x4310, fp16 1040: 0x6410) minus z in both halves, each half is the float 144 +
+        # code - z (1040 + ...), exact (no carry between the halves: 1 <= 16 + code - z <= 31); minus
+        # 144 (1040) in DTYPE it is code - z.
+        if DTYPE == tl.bfloat16:
+            PAIR: tl.constexpr = PAIR_BF16
+            OFFSET: tl.constexpr = 144.0
+        else:
+            PAIR: tl.constexpr = PAIR_FP16
+            OFFSET: tl.constexpr = 1040.0
+        b = lo if i < 4 else hi
+        p = ((b >> (4 * (i % 4))) & 0x000F000F) + (z * -0x00010001 + PAIR)[:, None]  # [BN, BW / 2]
+        pair = tl.join(p.to(tl.int16).to(DTYPE, bitcast=True), (p >> 16).to(tl.int16).to(DTYPE, bitcast=True))
+        w = pair.reshape(words.shape[0], words.shape[1]) - OFFSET
+    return w
 
 
 @triton.jit
@@ -379,8 +381,10 @@ def _int4_decode_tile(acc, words, groups, x_ptr, stride_xm, rm, x_mask, j0, S, D
 def _int4_dot_step(acc, words, groups, x_ptr, stride_xm, rm, x_mask, j0, S, BLOCK_M: tl.constexpr, DOT_PREC: tl.constexpr):
     """One tile: `_int4_decode_tile` at BLOCK_M 16, `_int4_dot_tile` above."""
     if BLOCK_M <= 16:
-        return _int4_decode_tile(acc, words, groups, x_ptr, stride_xm, rm, x_mask, j0, S, DOT_PREC)
-    return _int4_dot_tile(acc, words, groups, x_ptr, stride_xm, rm, x_mask, j0, S, DOT_PREC)
+        acc = _int4_decode_tile(acc, words, groups, x_ptr, stride_xm, rm, x_mask, j0, S, DOT_PREC)
+    else:
+        acc = _int4_dot_tile(acc, words, groups, x_ptr, stride_xm, rm, x_mask, j0, S, DOT_PREC)
+    return acc
 
 
 @triton.jit
