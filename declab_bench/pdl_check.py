@@ -3,6 +3,7 @@
     python -m declab_bench.pdl_check                  # no GPU needed; TRITON_INTERPRET must be unset
     python -m declab_bench.pdl_check --before DIR     # also compile the pre-PDL sources DIR/<folder>.py
     python -m declab_bench.pdl_check --order          # also each PDL kernel's global memory order in SASS
+    python -m declab_bench.pdl_check --loop           # also each PDL kernel's main loop: SASS instructions by opcode
 
 Every kernel that takes the `PDL` constexpr is compiled for `GPUTarget("cuda", 90, 32)` at a decode
 shape (llama-1b / mamba2-1.3b / rwkv7-1.5b sizes, bf16), with PDL False and True, then assembled by
@@ -17,9 +18,15 @@ collapsed (`LDG x8 WAIT LDG x3 STG BAR x5 STG x7`). A load after a store or a ba
 round trip of its own (the compiler moves no load above a store to another buffer, which might
 alias, nor above a reduction's barrier): in a latency-bound decode kernel every activation load
 should come before the first STG and BAR.
+
+--loop prints the PDL compile's longest loop (the SASS from a backward branch's target to the branch):
+its instruction count and opcode mix, the per-weight cost of a K loop once divided by the weights a
+thread handles a trip. --ptx-version 8.8 rewrites the PTX's `.version` before ptxas, for a Triton
+whose PTX is newer than the ptxas it ships (Triton 3.9's CPU wheel writes 9.x, its ptxas takes 8.8).
 """
 
 import argparse
+import collections
 import importlib.util
 import os
 import re
@@ -172,7 +179,7 @@ def _signature(fn, ptrs, floats, consts):
     return sig
 
 
-def compile_one(fn, ptrs, floats, consts, options, unaligned=()):
+def compile_one(fn, ptrs, floats, consts, options, unaligned=(), ptx_version=None):
     """(ptx, sass, registers, spill stores/loads, shared memory bytes) of one sm_90 compile."""
     import triton
     from triton import knobs
@@ -191,11 +198,11 @@ def compile_one(fn, ptrs, floats, consts, options, unaligned=()):
     ptx = k.asm["ptx"]
     with tempfile.TemporaryDirectory() as d:
         p = Path(d) / "k.ptx"
-        p.write_text(ptx)
+        p.write_text(ptx if ptx_version is None else re.sub(r"^\.version \S+", f".version {ptx_version}", ptx, flags=re.M))
         res = subprocess.run([knobs.nvidia.ptxas.path, "-arch=sm_90a", "-v", str(p), "-o", str(Path(d) / "k.o")],
                              capture_output=True, text=True)
         if res.returncode:
-            # e.g. a Triton whose PTX is newer than the ptxas it ships (seen with Triton 3.9's CPU wheel)
+            # e.g. a Triton whose PTX is newer than the ptxas it ships (Triton 3.9's CPU wheel: --ptx-version 8.8)
             raise RuntimeError(f"ptxas {knobs.nvidia.ptxas.path}: {(res.stderr.strip().splitlines() or ['exit ' + str(res.returncode)])[0]}")
         log = res.stderr
         cuobjdump = Path(knobs.nvidia.ptxas.path).with_name("cuobjdump")
@@ -245,11 +252,27 @@ def memory_order(sass):
     return " ".join(op if n == 1 else f"{op} x{n}" for op, n in runs)
 
 
+def loop_mix(sass):
+    """(instructions, Counter of opcodes) of the longest loop in `sass`: from the target of a backward
+    BRA to the branch itself; (0, empty) without a loop. Predicates and opcode modifiers dropped."""
+    ins = [(int(m.group(1), 16), m.group(2)) for m in
+           (re.search(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line) for line in sass.splitlines()) if m]
+    at = {addr: i for i, (addr, _) in enumerate(ins)}
+    body = []
+    for i, (addr, text) in enumerate(ins):
+        m = re.search(r"\bBRA (0x[0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr and int(m.group(1), 16) in at and i + 1 - at[int(m.group(1), 16)] > len(body):
+            body = [t for _, t in ins[at[int(m.group(1), 16)]:i + 1]]
+    return len(body), collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--before", help="folder of the pre-PDL sources, <kernel folder>.py each (e.g. from git show)")
     ap.add_argument("--only", help="compile only the kernels whose label contains this")
     ap.add_argument("--order", action="store_true", help="also print each PDL compile's memory order (SASS)")
+    ap.add_argument("--loop", action="store_true", help="also print each PDL compile's longest loop: SASS instructions by opcode")
+    ap.add_argument("--ptx-version", help="rewrite the PTX's .version to this before ptxas (e.g. 8.8)")
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("unset TRITON_INTERPRET: the check compiles for sm_90")
@@ -259,7 +282,8 @@ def main():
         label, folder, name = sp["label"], sp["folder"], sp["name"]
         if args.only and args.only not in label:
             continue
-        common = dict(ptrs=sp["ptrs"], floats=sp["floats"], options=sp["options"], unaligned=sp["unaligned"])
+        common = dict(ptrs=sp["ptrs"], floats=sp["floats"], options=sp["options"], unaligned=sp["unaligned"],
+                      ptx_version=args.ptx_version)
         fn = getattr(_load(folder, None), name)
         off = compile_one(fn, consts=dict(sp["consts"], PDL=False), **common)
         on = compile_one(fn, consts=dict(sp["consts"], PDL=True), **common)
@@ -278,6 +302,9 @@ def main():
         print(f"{label:<34}{off[2]:>5}{on[2]:>7}{off[3] + ' ' + on[3]:>12}  {flags:<16}{lb_s:<34}{sass_s:<22}{same}{before_regs}")
         if args.order:
             print(f"    {memory_order(on[1])}")
+        if args.loop:
+            n, ops = loop_mix(on[1])
+            print(f"    loop: {n} instructions, " + " ".join(f"{op} {c}" for op, c in ops.most_common()))
 
 
 if __name__ == "__main__":

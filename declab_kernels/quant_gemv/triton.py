@@ -24,14 +24,17 @@ BLOCK_N, M / BLOCK_M, splits along K). A program computes the transposed product
 BLOCK_M]` in float32, so that its weight rows fill the MMA's 64-row side and x's rows (16, padded by
 masking, for decode; 64 for prefill) its narrow one. int4 on layout 2: a `[BLOCK_N, BW]` tile of words
 (BW dividing S and the group: `int4_dot_words`) gives, for nibble i, weights of the contiguous inputs
-i S + j0 .. + BW, all in one group; each nibble is masked in place under 2^23's exponent (2^23 + code
-2^sh as a float, no conversion instruction), minus 2^23 + zero 2^sh gives (code - zero) 2^sh exactly
-(bf16 too; fp16's range is too short for 15 2^16, so for fp16 x the shift is undone on the weight),
-and tl.dot takes it with x's matching `[BW, BLOCK_M]` columns. Decode (BLOCK_M 16) applies
-the group's scale (times 2^-sh) to each nibble's `[BLOCK_N, 16]` product, once per row, nibble and tile
-instead of once per weight; prefill (BLOCK_M 64) multiplies the weight by it before the dot, so that
-the eight products chain into one accumulator. int8: codes to x's dtype (exact), one dot a tile, the
-row scale once at the end. Splits (`split_k`: while the (m, n) blocks leave SMs idle, up to MAX_SPLIT)
+i S + j0 .. + BW, all in one group, and tl.dot takes them with x's matching `[BW, BLOCK_M]` columns.
+Decode (BLOCK_M 16) keeps the weight operand exact, code - zero, and applies the group's scale to each
+nibble's `[BLOCK_N, 16]` product, once per row, nibble and tile instead of once per weight; for 16-bit
+x it makes two weights a 32-bit register at once: the nibbles of words 2u and 2u + 1 (a consecutive
+pair of inputs, as the MMA operand's register holds them) side by side in the two halves, masked,
+plus the bf16 pattern of 144 (fp16: 1040) minus the zero in both halves (integer operations, no carry
+between the halves: 144 + code - zero, exact), minus 144 (one packed subtraction in x's dtype).
+Prefill (BLOCK_M 64) masks each nibble in place under 2^23's exponent (2^23 + code 2^sh as a float),
+subtracts 2^23 + zero 2^sh and multiplies by the scale 2^-sh in float32, so that the weight, rounded
+to x's dtype as the dense path rounds it, lets the eight products chain into one accumulator. int8:
+codes to x's dtype (exact), one dot a tile, the row scale once at the end. Splits (`split_k`: while the (m, n) blocks leave SMs idle, up to MAX_SPLIT)
 each own whole K tiles; each stores its float32 partial to a workspace `[split, M, N]`, takes a ticket
 from its block's int32 counter, and the last one sums the partials in split order (deterministic),
 writes the output and sets the counter back to 0: one launch, no host sync, a workspace of fixed size
@@ -62,6 +65,9 @@ CODE_BITS = tl.constexpr(0x00780000)
 ONE_BITS = tl.constexpr(0x3F800000)
 MAGIC_BITS = tl.constexpr(0x4B000000)
 MAGIC = tl.constexpr(8388608.0)
+# 144 in bf16 and 1040 in fp16 (128 + 16 and 1024 + 16, where both step by 1), in both halves of a word.
+PAIR_BF16 = tl.constexpr(0x43104310)
+PAIR_FP16 = tl.constexpr(0x64106410)
 
 
 @triton.jit
@@ -250,50 +256,55 @@ def _dot_store(acc, out_ptr, part_ptr, cnt_ptr, rn, rm, n_mask, m_mask, M, N, st
 
 
 @triton.jit
-def _int4_group(s_ptr, z_ptr, rn64, n_mask, k0, n_groups, GROUP: tl.constexpr):
-    """(scale float32, zero int32) `[BN]` of the group holding input k0 of the program's rows."""
-    g_off = rn64 * n_groups + k0 // GROUP
-    return (tl.load(s_ptr + g_off, mask=n_mask, other=0.0).to(tl.float32),
-            tl.load(z_ptr + g_off, mask=n_mask, other=0).to(tl.int32))
+def _int4_group(s_rows, z_rows, n_mask, k0, GROUP: tl.constexpr):
+    """(scale float32, zero int32) `[BN]` of the group holding input k0, from the rows' first scale
+    and zero pointers `[BN]`."""
+    g = k0 // GROUP
+    return (tl.load(s_rows + g, mask=n_mask, other=0.0).to(tl.float32),
+            tl.load(z_rows + g, mask=n_mask, other=0).to(tl.int32))
 
 
 @triton.jit
-def _int4_groups(s_ptr, z_ptr, rn64, n_mask, j0, S, n_groups, GROUP: tl.constexpr):
+def _int4_groups(s_rows, z_rows, n_mask, j0, S, GROUP: tl.constexpr):
     """The (scale, zero) of each nibble of the tile at word j0: nibble i holds inputs i S + j0 .. + BW,
     one group (BW divides S and the group). Loaded apart from the tile's arithmetic, so that the first
     tile's come before the PDL wait with its words."""
-    return (_int4_group(s_ptr, z_ptr, rn64, n_mask, j0, n_groups, GROUP),
-            _int4_group(s_ptr, z_ptr, rn64, n_mask, S + j0, n_groups, GROUP),
-            _int4_group(s_ptr, z_ptr, rn64, n_mask, 2 * S + j0, n_groups, GROUP),
-            _int4_group(s_ptr, z_ptr, rn64, n_mask, 3 * S + j0, n_groups, GROUP),
-            _int4_group(s_ptr, z_ptr, rn64, n_mask, 4 * S + j0, n_groups, GROUP),
-            _int4_group(s_ptr, z_ptr, rn64, n_mask, 5 * S + j0, n_groups, GROUP),
-            _int4_group(s_ptr, z_ptr, rn64, n_mask, 6 * S + j0, n_groups, GROUP),
-            _int4_group(s_ptr, z_ptr, rn64, n_mask, 7 * S + j0, n_groups, GROUP))
+    return (_int4_group(s_rows, z_rows, n_mask, j0, GROUP),
+            _int4_group(s_rows, z_rows, n_mask, S + j0, GROUP),
+            _int4_group(s_rows, z_rows, n_mask, 2 * S + j0, GROUP),
+            _int4_group(s_rows, z_rows, n_mask, 3 * S + j0, GROUP),
+            _int4_group(s_rows, z_rows, n_mask, 4 * S + j0, GROUP),
+            _int4_group(s_rows, z_rows, n_mask, 5 * S + j0, GROUP),
+            _int4_group(s_rows, z_rows, n_mask, 6 * S + j0, GROUP),
+            _int4_group(s_rows, z_rows, n_mask, 7 * S + j0, GROUP))
 
 
 @triton.jit
-def _int4_dot_tile(acc, words, groups, x_ptr, stride_xm, rm, x_mask, j0, S,
-                   BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr, DOT_PREC: tl.constexpr):
-    """acc `[BN, BM]` plus the products of one tile of words `[BN, BW]` (words j0 .. j0 + BW of the
-    program's rows, their scales and zeros `groups` from `_int4_groups`) with x's matching columns;
-    x_mask `[BM]` masks x's rows (a split past the end masks them all)."""
-    # x's eight `[BW, BM]` column runs, loaded before any is used: outside the pipelined loop (the
-    # tile before the PDL wait) each load would otherwise wait for the previous nibble's product.
+def _int4_dot_x(x_ptr, stride_xm, rm, x_mask, j0, S, BLOCK_W: tl.constexpr):
+    """x's eight `[BW, BM]` column runs of the tile at word j0 (run i: inputs i S + j0 .. + BW), loaded
+    before any is used: outside the pipelined loop (the tile before the PDL wait) each load would
+    otherwise wait for the previous nibble's product."""
     x_cols = x_ptr + rm[None, :] * stride_xm + tl.arange(0, BLOCK_W)[:, None]
-    xs = (tl.load(x_cols + j0, mask=x_mask[None, :], other=0.0),
-          tl.load(x_cols + (S + j0), mask=x_mask[None, :], other=0.0),
-          tl.load(x_cols + (2 * S + j0), mask=x_mask[None, :], other=0.0),
-          tl.load(x_cols + (3 * S + j0), mask=x_mask[None, :], other=0.0),
-          tl.load(x_cols + (4 * S + j0), mask=x_mask[None, :], other=0.0),
-          tl.load(x_cols + (5 * S + j0), mask=x_mask[None, :], other=0.0),
-          tl.load(x_cols + (6 * S + j0), mask=x_mask[None, :], other=0.0),
-          tl.load(x_cols + (7 * S + j0), mask=x_mask[None, :], other=0.0))
+    return (tl.load(x_cols + j0, mask=x_mask[None, :], other=0.0),
+            tl.load(x_cols + (S + j0), mask=x_mask[None, :], other=0.0),
+            tl.load(x_cols + (2 * S + j0), mask=x_mask[None, :], other=0.0),
+            tl.load(x_cols + (3 * S + j0), mask=x_mask[None, :], other=0.0),
+            tl.load(x_cols + (4 * S + j0), mask=x_mask[None, :], other=0.0),
+            tl.load(x_cols + (5 * S + j0), mask=x_mask[None, :], other=0.0),
+            tl.load(x_cols + (6 * S + j0), mask=x_mask[None, :], other=0.0),
+            tl.load(x_cols + (7 * S + j0), mask=x_mask[None, :], other=0.0))
+
+
+@triton.jit
+def _int4_dot_tile(acc, words, groups, x_ptr, stride_xm, rm, x_mask, j0, S, DOT_PREC: tl.constexpr):
+    """Prefill (BLOCK_M 64): acc `[BN, BM]` plus the products of one tile of words `[BN, BW]` (words j0
+    .. j0 + BW of the program's rows, their scales and zeros `groups` from `_int4_groups`) with x's
+    matching columns; x_mask `[BM]` masks x's rows (a split past the end masks them all)."""
+    xs = _int4_dot_x(x_ptr, stride_xm, rm, x_mask, j0, S, words.shape[1])
     # Nibbles 5..7 moved to bits 8..19, so that every nibble can sit below a float's exponent field.
     high = words >> 12
     for i in tl.static_range(8):
         s, z = groups[i]
-        xt = xs[i]
         if i < 5:
             b = words
             sh = 4 * i
@@ -301,24 +312,78 @@ def _int4_dot_tile(acc, words, groups, x_ptr, stride_xm, rm, x_mask, j0, S,
             b = high
             sh = 4 * (i - 3)
         # The nibble masked in place under 2^23's exponent is the float 2^23 + code 2^sh (no shift, no
-        # conversion instruction); minus 2^23 + zero 2^sh it is (code - zero) 2^sh, exact, and so in bf16.
+        # conversion instruction); minus 2^23 + zero 2^sh it is (code - zero) 2^sh, exact; times the
+        # scale 2^-sh it is the weight, rounded to x's dtype as the dense path rounds it, so that the
+        # eight products chain into one accumulator.
         c = ((b & (0xF << sh)) | MAGIC_BITS).to(tl.float32, bitcast=True)
         zf = ((z << sh) | MAGIC_BITS).to(tl.float32, bitcast=True)
-        d = c - zf[:, None]  # [BN, BW]
-        if x_ptr.dtype.element_ty == tl.float16:
-            # fp16 ends at 65504, below 15 2^16: the shift undone on the weight (one multiply a weight).
-            d = d * (1.0 / (1 << sh))
+        d = (c - zf[:, None]) * (s * (1.0 / (1 << sh)))[:, None]  # [BN, BW]
+        acc = tl.dot(d.to(x_ptr.dtype.element_ty), xs[i], acc, input_precision=DOT_PREC)
+    return acc
+
+
+@triton.jit
+def _int4_run_weights(lo, hi, words, z, i: tl.constexpr, DTYPE: tl.constexpr):
+    """Nibble i of the tile's words minus the zero points z `[BN]`: the MMA's weight operand `[BN, BW]`
+    in DTYPE, STEP (code - z) exactly (STEP 1/16 for float32, 1 for 16-bit x), without a conversion
+    instruction: bit operations, and for 16-bit x, an integer add and the subtraction of a constant,
+    each on two weights at once."""
+    if DTYPE == tl.float32:
+        # 1 + code / 16: the code moved to the top of 1.0's mantissa; minus 1 + z / 16.
+        if i < 5:
+            b = words << (19 - 4 * i)
         else:
-            s = s * (1.0 / (1 << sh))
-        if BLOCK_M <= 16:
-            # Decode: the group's scale once per (row, nibble, tile), on the product [BN, 16], not on
-            # every weight; the weight operand (code - zero) 2^sh is exact in bf16.
-            acc += tl.dot(d.to(x_ptr.dtype.element_ty), xt, input_precision=DOT_PREC) * s[:, None]
+            b = words >> (4 * i - 19)
+        c = ((b & CODE_BITS) | ONE_BITS).to(tl.float32, bitcast=True)
+        w = c - ((z << 19) | ONE_BITS).to(tl.float32, bitcast=True)[:, None]
+    else:
+        # lo (hi) holds nibbles 0..3 (4..7) of words 2u and 2u + 1 in its low and high halves, the pair
+        # of consecutive inputs that one register of the MMA operand holds: masked, plus the pattern of
+        # 144 (bf16 0x4310, fp16 1040: 0x6410) minus z in both halves, each half is the float 144 +
+        # code - z (1040 + ...), exact (no carry between the halves: 1 <= 16 + code - z <= 31); minus
+        # 144 (1040) in DTYPE it is code - z.
+        if DTYPE == tl.bfloat16:
+            PAIR: tl.constexpr = PAIR_BF16
+            OFFSET: tl.constexpr = 144.0
         else:
-            # Prefill: the scale on the weight (one multiply a weight, the weight rounded to x's dtype as
-            # the dense path rounds it), so that the eight products chain into one accumulator: eight
-            # separately scaled [BN, 64] products in flight spill (ptxas, sm_90).
-            acc = tl.dot((d * s[:, None]).to(x_ptr.dtype.element_ty), xt, acc, input_precision=DOT_PREC)
+            PAIR: tl.constexpr = PAIR_FP16
+            OFFSET: tl.constexpr = 1040.0
+        b = lo if i < 4 else hi
+        p = ((b >> (4 * (i % 4))) & 0x000F000F) + (z * -0x00010001 + PAIR)[:, None]  # [BN, BW / 2]
+        pair = tl.join(p.to(tl.int16).to(DTYPE, bitcast=True), (p >> 16).to(tl.int16).to(DTYPE, bitcast=True))
+        w = pair.reshape(words.shape[0], words.shape[1]) - OFFSET
+    return w
+
+
+@triton.jit
+def _int4_decode_tile(acc, words, groups, x_ptr, stride_xm, rm, x_mask, j0, S, DOT_PREC: tl.constexpr):
+    """Decode (BLOCK_M 16), as `_int4_dot_tile`, except that the weight operand stays exact, STEP (code -
+    zero) (`_int4_run_weights`), and the group's scale (over STEP) multiplies each nibble's `[BN, BM]`
+    product: once per (row, nibble, tile), not once per weight (a nibble's BW inputs lie in one group)."""
+    DTYPE: tl.constexpr = x_ptr.dtype.element_ty
+    BN: tl.constexpr = words.shape[0]
+    BW: tl.constexpr = words.shape[1]
+    INV_STEP: tl.constexpr = 16.0 if DTYPE == tl.float32 else 1.0
+    xs = _int4_dot_x(x_ptr, stride_xm, rm, x_mask, j0, S, BW)
+    # The words of each row in pairs (2u, 2u + 1): their low halves (nibbles 0..3) side by side in lo,
+    # their high halves (4..7) in hi.
+    a, b = tl.split(words.reshape(BN, BW // 2, 2))
+    lo = (a & 0xFFFF) | (b << 16)
+    hi = ((a >> 16) & 0xFFFF) | (b & -65536)
+    for i in tl.static_range(8):
+        s, z = groups[i]
+        w = _int4_run_weights(lo, hi, words, z, i, DTYPE)
+        acc += tl.dot(w, xs[i], input_precision=DOT_PREC) * (s * INV_STEP)[:, None]
+    return acc
+
+
+@triton.jit
+def _int4_dot_step(acc, words, groups, x_ptr, stride_xm, rm, x_mask, j0, S, BLOCK_M: tl.constexpr, DOT_PREC: tl.constexpr):
+    """One tile: `_int4_decode_tile` at BLOCK_M 16, `_int4_dot_tile` above."""
+    if BLOCK_M <= 16:
+        acc = _int4_decode_tile(acc, words, groups, x_ptr, stride_xm, rm, x_mask, j0, S, DOT_PREC)
+    else:
+        acc = _int4_dot_tile(acc, words, groups, x_ptr, stride_xm, rm, x_mask, j0, S, DOT_PREC)
     return acc
 
 
@@ -335,6 +400,8 @@ def _int4_dot_kernel(
     j_lo = pid_k * per
     j_hi = tl.minimum(S, j_lo + per)
     q_rows = q_ptr + rn64[:, None] * S + tl.arange(0, BLOCK_W)[None, :]  # [BN, BW]
+    s_rows = s_ptr + rn64 * n_groups  # [BN]
+    z_rows = z_ptr + rn64 * n_groups
     # Transposed product, out^T [BN, BM]: the weight rows fill the MMA's 64-row side, x's few rows its narrow one.
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     j_start = j_lo
@@ -348,14 +415,14 @@ def _int4_dot_kernel(
         live_n = n_mask & (tl.zeros((BLOCK_N,), tl.int32) + j_lo < j_hi)
         live_m = m_mask & (tl.zeros((BLOCK_M,), tl.int32) + j_lo < j_hi)
         words = tl.load(q_rows + j_lo, mask=live_n[:, None], other=0)
-        groups = _int4_groups(s_ptr, z_ptr, rn64, live_n, j_lo, S, n_groups, GROUP)
+        groups = _int4_groups(s_rows, z_rows, live_n, j_lo, S, GROUP)
         tl.extra.cuda.gdc_wait()
-        acc = _int4_dot_tile(acc, words, groups, x_ptr, stride_xm, rm, live_m, j_lo, S, BLOCK_M, BLOCK_W, DOT_PREC)
+        acc = _int4_dot_step(acc, words, groups, x_ptr, stride_xm, rm, live_m, j_lo, S, BLOCK_M, DOT_PREC)
         j_start = j_lo + BLOCK_W
     for j0 in range(j_start, j_hi, BLOCK_W):
         words = tl.load(q_rows + j0, mask=n_mask[:, None], other=0, eviction_policy="evict_first")
-        groups = _int4_groups(s_ptr, z_ptr, rn64, n_mask, j0, S, n_groups, GROUP)
-        acc = _int4_dot_tile(acc, words, groups, x_ptr, stride_xm, rm, m_mask, j0, S, BLOCK_M, BLOCK_W, DOT_PREC)
+        groups = _int4_groups(s_rows, z_rows, n_mask, j0, S, GROUP)
+        acc = _int4_dot_step(acc, words, groups, x_ptr, stride_xm, rm, m_mask, j0, S, BLOCK_M, DOT_PREC)
     _dot_store(acc, out_ptr, part_ptr, cnt_ptr, rn, rm, n_mask, m_mask, M, N, stride_om, pid_n, pid_m, pid_k, split)
 
 
@@ -479,10 +546,10 @@ def int8_gemv_triton(x, qweight, scale, *, out=None):
 # Dequantising tensor-core kernels: candidates per BLOCK_M (16: decode rows, padded; 64: prefill),
 # autotuned per (N, K or S, BLOCK_M, group). The weight rows fill the MMA's 64-row side (BLOCK_N 64
 # or 128). int4: BLOCK_W words a row a tile (8 BLOCK_W inputs), clipped to `int4_dot_words` for the
-# shape; int8: BLOCK_K codes. Compiled for sm_90 (offline, Triton 3.9's ptxas, PDL on), all use wgmma
-# without spills: int4 at BLOCK_M 16 133..240 registers, 56..112 KB of shared memory (x's eight runs
-# and the words, num_stages deep); at BLOCK_M 64 only BLOCK_W 32 fits (BLOCK_W 64: 155..270 KB or
-# spills); int8 95..200 registers.
+# shape; int8: BLOCK_K codes. Compiled for sm_90 (offline, Triton 3.6 and 3.9, PDL on), all use wgmma
+# without spills: int4 at BLOCK_M 16 130..254 registers, 56..112 KB of shared memory (x's eight runs
+# and the words, num_stages deep; BLOCK_W 128 spills); at BLOCK_M 64 only BLOCK_W 32 fits (BLOCK_W 64:
+# 155..270 KB or spills); int8 95..200 registers.
 INT4_DOT_CONFIGS = {bm: [triton.Config({"BLOCK_N": bn, "BLOCK_W": bw}, num_warps=w, num_stages=st) for bn, bw, w, st in cfgs]
                     for bm, cfgs in ((16, ((64, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 4), (128, 32, 8, 4))),
                                      (64, ((128, 32, 8, 2), (64, 32, 4, 3), (128, 32, 8, 3))))}

@@ -827,3 +827,22 @@ def test_pdl_check_memory_order_collapses_runs():
         /*00b0*/                   EXIT ;
     """
     assert memory_order(sass) == "LDG x2 WAIT LDG STG BAR LDG ATOM STG x2"
+
+
+def test_pdl_check_loop_mix_takes_the_longest_loop():
+    from declab_bench.pdl_check import loop_mix
+
+    sass = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   LOP3.LUT R2, R2, 0xf000f, RZ, 0xc0, !PT ;
+        /*0020*/                   IADD3 R3, R3, 0x1, RZ ;
+        /*0030*/              @!P0 BRA 0x10 ;
+        /*0040*/                   HADD2.BF16_V2 R4, R4, -144, -144 ;
+        /*0050*/                   LOP3.LUT R5, R5, 0xf000f, RZ, 0xc0, !PT ;
+        /*0060*/                   HGMMA.64x16x16.F32.BF16 R24, R52, gdesc[UR20], R24 ;
+        /*0070*/               @P1 BRA 0x40 ;
+        /*0080*/                   EXIT ;
+    """
+    n, ops = loop_mix(sass)
+    assert n == 4 and ops == {"HADD2": 1, "LOP3": 1, "HGMMA": 1, "BRA": 1}
+    assert loop_mix("/*0000*/ EXIT ;") == (0, {})

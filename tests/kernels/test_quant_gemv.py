@@ -134,17 +134,37 @@ def test_int8_dot_matches_ref(N, K, M, nan_empty):
     assert rel(out, Q.int8_linear_ref(x, qweight, scale)) < 1e-5
 
 
-@pytest.mark.parametrize("M", [5, 17])
-def test_int4_dot_fp16(M):
-    """fp16 x: the weight operand must stay below fp16's 65504, so the kernel undoes the nibble's
-    shift on the weight there (with scales 2^-sh on the product, a code of 15 at shift 16 overflows)."""
-    qweight, scales, zeros = int4_case(20, 512, 128)
-    zeros.zero_()
-    qweight.fill_(-1)  # every code 15
-    x = torch.randn(M, 512, device=DEVICE).half()
-    out = Q.int4_linear(x, qweight, scales, zeros, 128, impl="triton", kernel="dot")
-    assert out.isfinite().all()
-    assert rel(out, Q.int4_linear_ref(x.float(), qweight, scales, zeros, 128)) < 1e-2
+@pytest.mark.parametrize("N, K, group", [(37, 384, 128), (33, 256, 32)])
+@pytest.mark.parametrize("M", [1, 5, 16, 17])
+@pytest.mark.parametrize("codes", ["random", "extreme"])
+def test_int4_dot_fp16(N, K, group, M, codes, nan_empty):
+    """fp16 x runs the decode tile's 16-bit path (the bf16 one but for its two constants; the
+    interpreter's tl.dot is wrong on bf16): two weights a register, 1040 + code - zero made by integer
+    operations. "extreme" puts code - zero at +15 and -15 (every code 15 and zero 0, or code 0 and
+    zero 15, row by row), the ends of the range in which the halves must not carry into each other."""
+    qweight, scales, zeros = int4_case(N, K, group)
+    if codes == "extreme":
+        high = (torch.arange(N, device=DEVICE) % 2 == 0)[:, None]
+        qweight = torch.where(high, torch.full_like(qweight, -1), torch.zeros_like(qweight))
+        zeros = torch.where(high, torch.zeros_like(zeros), torch.full_like(zeros, 15))
+    x = torch.randn(M, K, device=DEVICE).half()
+    out = Q.int4_linear(x, qweight, scales, zeros, group, impl="triton", kernel="dot")
+    assert out.shape == (M, N) and out.isfinite().all()
+    assert rel(out, Q.int4_linear_ref(x.float(), qweight, scales, zeros, group)) < 3e-3
+
+
+@pytest.mark.parametrize("dtype, offset", [(torch.bfloat16, 144), (torch.float16, 1040)])
+def test_int4_pair_pattern(dtype, offset):
+    """The decode tile's 16-bit weights: the pattern PAIR_* (one half of it) plus code - zero, read as
+    a float of x's dtype, is offset + code - zero exactly for every code and zero (bf16 runs only on
+    the GPU, so its constant is checked here)."""
+    from declab_kernels.quant_gemv import triton as T
+
+    pair = (T.PAIR_BF16 if dtype == torch.bfloat16 else T.PAIR_FP16).value
+    assert pair >> 16 == pair & 0xFFFF
+    d = torch.arange(16)[:, None] - torch.arange(16)[None, :]  # code - zero
+    bits = ((pair & 0xFFFF) + d).to(torch.int16)
+    assert torch.equal(bits.view(dtype).float() - offset, d.float())
 
 
 @pytest.mark.parametrize("split", [1, 2, 3, 4, 8])
