@@ -7,8 +7,8 @@ where the choice is open, on the other candidate.
 bf16 x of M rows times weight `[N, K]`: every (N, K) in SHAPES at M in ROWS (1, 4, 16) on the
 dispatched kernel (`int4_kernel` / `int8_kernel`: "fma", "dot" or "dequant+cublas"), plus the dot
 kernel at M = 1 (or the GEMV, whichever the dispatch does not pick: the candidate for
-tuning.QUANT_FMA_ROWS), plus M = 512 (a prefill chunk) on the
-PREFILL shapes with both the dot kernel and the dense path (the candidates for
+tuning.QUANT_FMA_ROWS), plus M = 128 and 512 (prefill chunks, the engine's larger decode batches)
+on the PREFILL shapes with both the dot kernel and the dense path (the candidates for
 tuning.QUANT_DOT_ROWS). Per case, in this order:
 1. self-check against the float32 reference (`int4_linear_ref` / `int8_linear_ref`); a failure is
    recorded and the run exits non-zero;
@@ -45,8 +45,8 @@ SHAPES = (
     ("llama-1b", "down", 2048, 8192),
 )
 ROWS = (1, 4, 16)
-# Prefill: rows of one chunk, and the shapes it runs on.
-PREFILL_ROWS = 512
+# Rows of a prefill chunk or a large decode batch (the dot kernel against the dense path), and the shapes.
+PREFILL_ROWS = (128, 512)
 PREFILL = (("llama-8b", "q/o", 4096, 4096), ("llama-8b", "gate/up", 14336, 4096))
 GROUP = 128
 FORMATS = ("int4-g128", "int8", "bf16")
@@ -163,9 +163,10 @@ def cases():
 
     out = [c for shape in SHAPES if shape[0] == "llama-8b" for c in decode(*shape)]
     for model, proj, N, K in PREFILL:
-        out += [(model, proj, N, K, PREFILL_ROWS, "bf16", None)]
-        out += [(model, proj, N, K, PREFILL_ROWS, fmt, kernel) for fmt in FORMATS if fmt != "bf16"
-                for kernel in ("dot", "dequant+cublas")]
+        for M in PREFILL_ROWS:
+            out += [(model, proj, N, K, M, "bf16", None)]
+            out += [(model, proj, N, K, M, fmt, kernel) for fmt in FORMATS if fmt != "bf16"
+                    for kernel in ("dot", "dequant+cublas")]
     return out + [c for shape in SHAPES if shape[0] != "llama-8b" for c in decode(*shape)]
 
 

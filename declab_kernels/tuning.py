@@ -56,14 +56,13 @@ def attention_variant(batch: int) -> str:
     return "long" if batch <= LONG_ATTENTION_BATCH else "split"
 
 
-# Quantised linears (`declab_kernels.quant_gemv`, int8 and int4): rows up to which the CUDA-core GEMV
-# runs ("fma"); from the next row up to QUANT_DOT_ROWS the dequantising tensor-core kernel ("dot"),
-# above it dequantise + cuBLAS. Measured before the dot kernel existed (fa5dd1f, results/quant_gemv.jsonl):
-# at 16 rows the GEMVs were 5-10x slower than bf16 and the dense path cost 47-160 us, so 2 rows and up
-# leave them. The two values are not yet measurements of the dot kernel: one row stays on the GEMV
-# (declab_kernels/quant_gemv/README.md predicts the dot kernel 3.5x faster for int4, 1.3x for int8),
-# and the dense path takes over where the dot kernel's dequantisation, repeated by each of the
-# cdiv(M, 64) row blocks, is predicted to cost more than its one extra pass (1-2k rows).
-# `python -m declab_bench.quant_gemv` records both candidates at M = 1 and at M = 512.
-QUANT_FMA_ROWS = 1
-QUANT_DOT_ROWS = 1024
+# Quantised linears (`declab_kernels.quant_gemv`), per weight format: rows up to which the CUDA-core
+# GEMV runs ("fma"); from the next row up to QUANT_DOT_ROWS the dequantising tensor-core kernel ("dot");
+# above it dequantise + cuBLAS. From the H200 (bc19fe3, results/quant_gemv.jsonl, both candidates at
+# M = 1 and 512): at one row int8's GEMV beat the dot kernel 1.5-2.2x at every llama shape (4096 x 4096:
+# 6.7 against 15.0 us) while int4's dot kernel beat its GEMV 1.1-2.1x (9.9 against 16.0), so int4 takes
+# the dot kernel from one row. At 512 rows the dense path won for both (4096 x 4096: int4 62 against
+# 109 us, int8 37 against 67); the crossovers, interpolated linearly between 16 and 512 rows, lie near
+# 250 rows (int4) and 130 (int8): not yet measured between those points (the benchmark now adds 128).
+QUANT_FMA_ROWS = {"int8": 1, "int4": 0}
+QUANT_DOT_ROWS = {"int8": 128, "int4": 256}

@@ -60,20 +60,20 @@ def int4_dot_words(S: int, group_size: int) -> int:
 
 def int8_kernel(M: int) -> str:
     """The kernel `int8_linear` runs for M rows (KERNELS; thresholds in `declab_kernels.tuning`)."""
-    if M <= tuning.QUANT_FMA_ROWS:
+    if M <= tuning.QUANT_FMA_ROWS["int8"]:
         return "fma"
-    return "dot" if M <= tuning.QUANT_DOT_ROWS else "dequant+cublas"
+    return "dot" if M <= tuning.QUANT_DOT_ROWS["int8"] else "dequant+cublas"
 
 
 def int4_kernel(M: int, K: int, group_size: int) -> str:
     """The kernel `int4_linear` runs for M rows of depth K in groups of `group_size`: as `int8_kernel`,
     except that a shape the dot kernel cannot tile (`int4_dot_words` 0) runs the GEMV up to
     INT4_GEMV_ROWS rows and the dense path above."""
-    if M <= tuning.QUANT_FMA_ROWS:
+    if not int4_dot_words(K // 8, group_size):
+        return "fma" if M <= INT4_GEMV_ROWS else "dequant+cublas"
+    if M <= tuning.QUANT_FMA_ROWS["int4"]:
         return "fma"
-    if int4_dot_words(K // 8, group_size) and M <= tuning.QUANT_DOT_ROWS:
-        return "dot"
-    return "fma" if M <= INT4_GEMV_ROWS else "dequant+cublas"
+    return "dot" if M <= tuning.QUANT_DOT_ROWS["int4"] else "dequant+cublas"
 
 
 def _kernel(kernel, chosen, fits, name):

@@ -19,7 +19,7 @@ per-thread sums `[M, BLOCK_N, BLOCK_T]` are reduced across threads once, after t
 1: the largest dividing both S and the group. On CUDA the tiles are autotuned per (N, S, rows, group,
 V); under the interpreter one configuration runs.
 
-Dot kernels (any M; the dispatch runs them from 2 rows up to tuning.QUANT_DOT_ROWS): grid (N /
+Dot kernels (any M; the dispatch runs them between tuning.QUANT_FMA_ROWS and tuning.QUANT_DOT_ROWS): grid (N /
 BLOCK_N, M / BLOCK_M, splits along K). A program computes the transposed product out^T `[BLOCK_N,
 BLOCK_M]` in float32, so that its weight rows fill the MMA's 64-row side and x's rows (16, padded by
 masking, for decode; 64 for prefill) its narrow one. int4 on layout 2: a `[BLOCK_N, BW]` tile of words

@@ -196,10 +196,12 @@ def test_split_k_rule():
 def test_dispatch(monkeypatch):
     from declab_kernels import tuning
 
-    monkeypatch.setattr(tuning, "QUANT_FMA_ROWS", 1)
-    monkeypatch.setattr(tuning, "QUANT_DOT_ROWS", 512)
+    monkeypatch.setattr(tuning, "QUANT_FMA_ROWS", {"int8": 1, "int4": 0})
+    monkeypatch.setattr(tuning, "QUANT_DOT_ROWS", {"int8": 512, "int4": 256})
     assert [Q.int8_kernel(m) for m in (1, 2, 512, 513)] == ["fma", "dot", "dot", "dequant+cublas"]
-    assert [Q.int4_kernel(m, 4096, 128) for m in (1, 2, 512, 513)] == ["fma", "dot", "dot", "dequant+cublas"]
+    assert [Q.int4_kernel(m, 4096, 128) for m in (1, 2, 256, 257)] == ["dot", "dot", "dot", "dequant+cublas"]
+    monkeypatch.setattr(tuning, "QUANT_FMA_ROWS", {"int8": 1, "int4": 2})
+    assert [Q.int4_kernel(m, 4096, 128) for m in (1, 2, 3)] == ["fma", "fma", "dot"]
     # 25 words a row: no dot tile, so the GEMV up to its 4 rows, the dense path above.
     assert [Q.int4_kernel(m, 200, 40) for m in (1, 4, 5)] == ["fma", "fma", "dequant+cublas"]
     assert Q.int4_dot_words(512, 128) == 128 and Q.int4_dot_words(1792, 128) == 128 and Q.int4_dot_words(48, 32) == 16
