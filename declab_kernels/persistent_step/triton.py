@@ -4,7 +4,8 @@ Grid (P,): program p runs work-list items p, p + P, ... in order (`schedule.py` 
 says what each stage computes). For each item a program
 1. loads the first two weight chunks of its tile (GEMV stages) or the first K/V tile of its split (ATTN):
    neither depends on this step's data, so these loads are in flight while it waits;
-2. waits until its counter holds `wait_count * (epoch + 1)` (an acquire atomic read in a loop);
+2. waits until its counter holds `wait_count * (epoch + 1)` (an acquire atomic read in a loop; no read when
+   its last wait already saw that counter reach it, `_skip_met`);
 3. computes, reading other programs' outputs with `.cg` loads (from L2, never a stale L1 line);
 4. stores, then after a barrier adds one to its counter with release semantics.
 ATTN items also take a ticket on their kv head's counter after storing their partial; the one that
@@ -100,6 +101,16 @@ def _item(row, i, epoch, n_items, time_ptr, TIMELINE: tl.constexpr):
         tl.store(time_ptr + i * 4, tl.extra.cuda.globaltimer())
     target = tl.load(row + 4) * (epoch + 1)
     return tl.load(row), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3), target, tl.load(row + 5), i + epoch * n_items, time_ptr + i * 4 + 1
+
+
+@triton.jit
+def _skip_met(wait_idx, target, met_idx, met_target):
+    """The wait of an item, -1 (none) when this program's last wait already saw that counter reach at least the
+    target (counters only grow, and that acquire ordered all this program's later reads after the producers'
+    stores), and the (counter, target) met after it: a run of items of one stage on a program polls once."""
+    met = (wait_idx == met_idx) & (target <= met_target)
+    return (tl.where(met, -1, wait_idx), tl.where(wait_idx >= 0, wait_idx, met_idx),
+            tl.where((wait_idx >= 0) & (wait_idx != met_idx), target, tl.maximum(target, met_target)))
 
 
 @triton.jit
@@ -453,9 +464,12 @@ def persistent_step_kernel(
     pid, n_prog, epoch, steps = _step_start(epoch_ptr)
     seq_len = (tl.load(positions_ptr) + 1).to(tl.int32)
     N_QKV: tl.constexpr = (HQ + 2 * HKV) * D
+    met_idx = -1
+    met_target = 0
     for i in range(pid, n_items, n_prog):
         row = items_ptr + i * 8
         stage, layer, tile, wait_idx, target, signal_idx, seed, stamp = _item(row, i, epoch, n_items, time_ptr, TIMELINE)
+        wait_idx, met_idx, met_target = _skip_met(wait_idx, target, met_idx, met_target)
         if stage == EMBED:
             _embed_item(embed_ptr, tokens_ptr, x_ptr, D_MODEL, EMBED_BLOCK, stamp, TIMELINE)
             _signal(cnt_ptr, signal_idx)

@@ -4,7 +4,7 @@ Grid (P,): program p runs work-list items p, p + P, ... in order (`schedule_rwkv
 and says what each stage computes). The machinery is the llama step's (`triton.py`): the same waits on
 growing counters with the stall flag, the same release signal, the same epoch advanced by the last
 program to finish, the same GEMV tile (`_gemv_item`: its first two weight chunks loaded before the
-wait, three in flight in its K loop) for the row-select r/k/v + LoRA down-projection, o_proj, the
+wait, two in flight through its K loop) for the row-select r/k/v + LoRA down-projection, o_proj, the
 channel mix's key and value (relu^2 on its input, `SQRELU`) and the head. Two items are the family's:
 - `_norm_item`: a whole-row LayerNorm and the token shift with its mixes (`declab_kernels.rwkv7_fused`'s
   `add_norm_shift`), one item a norm; the norm's weights, mixes and shift row are loaded before the wait.
@@ -25,8 +25,8 @@ import triton
 import triton.language as tl
 
 from declab_kernels.persistent_step import schedule
-from declab_kernels.persistent_step.triton import (_delay, _embed_item, _gemv_item, _item, _item_end, _signal, _step_end, _step_start,
-                                                   _wait, _weights)
+from declab_kernels.persistent_step.triton import (_delay, _embed_item, _gemv_item, _item, _item_end, _signal, _skip_met, _step_end,
+                                                   _step_start, _wait, _weights)
 from declab_kernels.rwkv7_fused.ref import W_SCALE
 
 EMBED = tl.constexpr(schedule.EMBED)
@@ -198,9 +198,12 @@ def rwkv7_step_kernel(
     EMBED_BLOCK: tl.constexpr, DELAY: tl.constexpr = 0, TIMELINE: tl.constexpr = False, MAX_POLLS: tl.constexpr = 1 << 22,
 ):
     pid, n_prog, epoch, steps = _step_start(epoch_ptr)
+    met_idx = -1
+    met_target = 0
     for i in range(pid, n_items, n_prog):
         row = items_ptr + i * 8
         stage, layer, tile, wait_idx, target, signal_idx, seed, stamp = _item(row, i, epoch, n_items, time_ptr, TIMELINE)
+        wait_idx, met_idx, met_target = _skip_met(wait_idx, target, met_idx, met_target)
         if stage == EMBED:
             if HAS_PRE:
                 token = tl.load(tokens_ptr).to(tl.int64)
