@@ -80,7 +80,7 @@ def compile_step(step) -> tuple[dict, Path]:
 
 
 def loops(cubin: Path) -> list[dict]:
-    """Inner loops (a backward branch over at most 600 instructions with 8 or more FFMAs) and their global loads."""
+    """Inner loops (a backward branch over at most 1000 instructions with 8 or more FFMAs) and their global loads."""
     from triton import knobs
 
     cuobjdump = Path(knobs.nvidia.ptxas.path).with_name("cuobjdump")
@@ -93,7 +93,7 @@ def loops(cubin: Path) -> list[dict]:
         if not target or int(target[-1], 16) >= a or int(target[-1], 16) not in at:
             continue
         body = [s for _, s in ins[at[int(target[-1], 16)]:i + 1]]
-        if len(body) > 600 or sum("FFMA" in s for s in body) < 8:
+        if len(body) > 1000 or sum("FFMA" in s for s in body) < 8:
             continue
         waited = carried = spills = 0
         for j, s in enumerate(body):
