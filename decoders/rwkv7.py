@@ -162,7 +162,7 @@ class RWKV7Decoder(RecurrentDecoder):
 
 def check_persistent(dec: RWKV7Decoder) -> None:
     """Raise UsageError where `step="persistent"` does not run: it is one Triton kernel over dense weights on
-    one process, its row-select tiles need C and every LoRA rank a multiple of the smallest tile."""
+    one process, its row-select tiles need C and every LoRA rank a multiple of the smallest tile, and C a multiple of 8."""
     c = dec.config
     why = None
     if dec.impl != "triton":
@@ -173,5 +173,7 @@ def check_persistent(dec: RWKV7Decoder) -> None:
         why = "it runs on one process, and this model is split by tensor parallelism"
     elif any(n % TILE_ROWS[0] for n in (c.hidden_size, c.v_low_rank_dim, c.decay_low_rank_dim, c.a_low_rank_dim, c.gate_low_rank_dim)):
         why = f"hidden size and LoRA ranks must be multiples of {TILE_ROWS[0]}"
+    elif c.hidden_size % 8:
+        why = "its GEMV tile loads 16-byte rows of the mixed inputs: the hidden size must be a multiple of 8"
     if why:
         raise UsageError(f"step='persistent' does not run here: {why}")

@@ -8,11 +8,9 @@ from triton import next_power_of_2
 from declab_kernels.persistent_step import schedule
 
 # Warps of every program: the attention tile (K and V of the current and the next 64-key tile at
-# D = 64, 32 KB) and the GEMV chunks (three 8 KB chunks in flight) spread over 256 threads.
+# D = 64, 32 KB) and the GEMV chunks (two 8 KB chunks in flight) spread over 256 threads.
 NUM_WARPS = 8
-# Weight elements of one GEMV chunk (BN rows x BK columns): 8 KB of bf16, three in flight a program
-# (16 KB chunks, two in flight, spilled 200 bytes a thread at MAX_REGISTERS against 96; three 8 KB
-# chunks spill 104).
+# Weight elements of one GEMV chunk (BN rows x BK columns): 8 KB of bf16, two in flight a program.
 CHUNK_ELEMS = 4096
 # Programs an SM holds at most, whatever its registers and shared memory would allow.
 MAX_PROGRAMS_PER_SM = 2
@@ -41,7 +39,9 @@ def _pow2(n: int) -> int:
 
 
 def _chunk(rows: int, k: int) -> int:
-    """BK for tiles of `rows` weight rows over depth k."""
+    """BK for tiles of `rows` weight rows over depth k (even: the tile loads column pairs)."""
+    if k % 2:
+        raise ValueError(f"persistent step: a GEMV depth must be even (its tile loads column pairs), got {k}")
     return max(16, min(CHUNK_ELEMS // rows, _pow2(k)))
 
 

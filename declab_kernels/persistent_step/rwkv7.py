@@ -80,6 +80,9 @@ class RWKV7PersistentStep(PersistentLaunch):
         norms += [(x.ffn_norm_w, x.ffn_norm_b) for x in layers]
         if any((b is not None) != has_bias for _, b in norms):
             raise ValueError("persistent step: every norm has a bias or none does")
+        if C % 8:
+            # The GEMV tile loads 16-byte vectors of each mixed input row xs[m] (2C bytes apart).
+            raise ValueError(f"persistent step: the hidden size must be a multiple of 8, got {C}")
         if layers[0].bias_v is not None or any(x.bias_v is None for x in layers[1:]):
             raise ValueError("persistent step: layer 0 has no value LoRA and every later layer has one")
         typed = [(t, dtype) for x in layers for t in x.tensors() if t is not None]

@@ -35,8 +35,10 @@ STAGE_NAMES = ("embed", "qkv", "attn", "o", "gu", "down", "head", "in", "ssm", "
 FIELDS = ("stage", "layer", "tile", "wait", "wait_count", "signal", "ticket", "ticket_count")
 # Rows of a GEMV tile the schedule may choose (powers of two; SwiGLU tiles hold half as many outputs).
 TILE_ROWS = (4, 8, 16, 32)
-# A smaller tile is chosen only when it cuts the most rows any program holds by more than this share.
-BALANCE_SLACK = 0.05
+# An item's fixed cost, counted as weight elements streamed: its row and weight pointer, its activation's first
+# chunk, its stores, barrier and release are round trips of ~1 us in all, what a program streams of bf16
+# weights in 1 us at its share of the bandwidth (4.3 TB/s over 264 programs: 16 KB).
+ITEM_OVERHEAD_ELEMS = 8192
 
 
 class ScheduleError(AssertionError):
@@ -80,18 +82,18 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def choose_rows(n_rows: int, programs: int) -> int:
-    """Tile rows for a stage of n_rows weight rows over `programs` programs: the largest tile whose
-    busiest program holds at most (1 + BALANCE_SLACK) x the fewest rows any choice gives it."""
-    busiest = {bn: cdiv(cdiv(n_rows, bn), programs) * bn for bn in TILE_ROWS}
-    best = min(busiest.values())
-    return max(bn for bn, rows in busiest.items() if rows <= (1 + BALANCE_SLACK) * best)
+def choose_rows(n_rows: int, k: int, programs: int) -> int:
+    """Tile rows for a stage of n_rows weight rows of k columns over `programs` programs: the tile whose
+    busiest program costs least, an item costing its weights plus ITEM_OVERHEAD_ELEMS (a tie: the larger tile)."""
+    cost = {bn: cdiv(cdiv(n_rows, bn), programs) * (bn * k + ITEM_OVERHEAD_ELEMS) for bn in TILE_ROWS}
+    return max(bn for bn, c in cost.items() if c == min(cost.values()))
 
 
 def choose_tiles(shape: StepShape, programs: int) -> Tiles:
-    return Tiles(qkv=choose_rows(shape.n_qkv, programs), o=choose_rows(shape.d_model, programs),
-                 gu=choose_rows(2 * shape.inter, programs), down=choose_rows(shape.d_model, programs),
-                 head=choose_rows(shape.vocab, programs))
+    d, hd = shape.d_model, shape.hq * shape.head_dim
+    return Tiles(qkv=choose_rows(shape.n_qkv, d, programs), o=choose_rows(d, hd, programs),
+                 gu=choose_rows(2 * shape.inter, d, programs), down=choose_rows(d, shape.inter, programs),
+                 head=choose_rows(shape.vocab, d, programs))
 
 
 @dataclass(frozen=True)

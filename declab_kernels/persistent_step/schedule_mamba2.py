@@ -80,8 +80,9 @@ def choose_block_p(shape: Mamba2Shape, programs: int) -> int:
 
 
 def choose_tiles(shape: Mamba2Shape, programs: int) -> Mamba2Tiles:
-    return Mamba2Tiles(in_rows=choose_rows(shape.n_in, programs), block_p=choose_block_p(shape, programs),
-                       out_rows=choose_rows(shape.d_model, programs), head_rows=choose_rows(shape.vocab, programs))
+    d = shape.d_model
+    return Mamba2Tiles(in_rows=choose_rows(shape.n_in, d, programs), block_p=choose_block_p(shape, programs),
+                       out_rows=choose_rows(d, shape.d_inner, programs), head_rows=choose_rows(shape.vocab, d, programs))
 
 
 @dataclass(frozen=True)

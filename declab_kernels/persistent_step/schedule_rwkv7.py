@@ -89,14 +89,15 @@ def sel_rows(shape: RWKV7Shape, programs: int) -> int:
     allowed = [bn for bn in TILE_ROWS if all(s % bn == 0 for s in sizes)]
     if not allowed:
         raise ValueError(f"persistent step: C and the LoRA ranks {sizes[1:]} must be multiples of {TILE_ROWS[0]}")
-    bn = choose_rows(shape.n_sel(1), programs)
+    bn = choose_rows(shape.n_sel(1), shape.d_model, programs)
     return max([b for b in allowed if b <= bn] or [min(allowed)])
 
 
 def choose_tiles(shape: RWKV7Shape, programs: int) -> RWKV7Tiles:
-    return RWKV7Tiles(sel_rows=sel_rows(shape, programs), o_rows=choose_rows(shape.d_model, programs),
-                      key_rows=choose_rows(shape.inter, programs), val_rows=choose_rows(shape.d_model, programs),
-                      head_rows=choose_rows(shape.vocab, programs))
+    C = shape.d_model
+    return RWKV7Tiles(sel_rows=sel_rows(shape, programs), o_rows=choose_rows(C, C, programs),
+                      key_rows=choose_rows(shape.inter, C, programs), val_rows=choose_rows(C, shape.inter, programs),
+                      head_rows=choose_rows(shape.vocab, C, programs))
 
 
 @dataclass(frozen=True)

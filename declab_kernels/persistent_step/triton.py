@@ -4,7 +4,8 @@ Grid (P,): program p runs work-list items p, p + P, ... in order (`schedule.py` 
 says what each stage computes). For each item a program
 1. loads the first two weight chunks of its tile (GEMV stages) or the first K/V tile of its split (ATTN):
    neither depends on this step's data, so these loads are in flight while it waits;
-2. waits until its counter holds `wait_count * (epoch + 1)` (an acquire atomic read in a loop);
+2. waits until its counter holds `wait_count * (epoch + 1)` (an acquire atomic read in a loop; no read when
+   its last wait already saw that counter reach it, `_skip_met`);
 3. computes, reading other programs' outputs with `.cg` loads (from L2, never a stale L1 line);
 4. stores, then after a barrier adds one to its counter with release semantics.
 ATTN items also take a ticket on their kv head's counter after storing their partial; the one that
@@ -103,6 +104,16 @@ def _item(row, i, epoch, n_items, time_ptr, TIMELINE: tl.constexpr):
 
 
 @triton.jit
+def _skip_met(wait_idx, target, met_idx, met_target):
+    """The wait of an item, -1 (none) when this program's last wait already saw that counter reach at least the
+    target (counters only grow, and that acquire ordered all this program's later reads after the producers'
+    stores), and the (counter, target) met after it: a run of items of one stage on a program polls once."""
+    met = (wait_idx == met_idx) & (target <= met_target)
+    return (tl.where(met, -1, wait_idx), tl.where(wait_idx >= 0, wait_idx, met_idx),
+            tl.where((wait_idx >= 0) & (wait_idx != met_idx), target, tl.maximum(target, met_target)))
+
+
+@triton.jit
 def _step_start(epoch_ptr):
     """This program's id, the program count, the epoch and the steps so far counting this one."""
     pid = tl.program_id(0)
@@ -140,6 +151,106 @@ def _embed_item(embed_ptr, tokens_ptr, x_ptr, D_MODEL: tl.constexpr, EMBED_BLOCK
 
 
 @triton.jit
+def _pairs(ptr, rows, row_len: tl.constexpr, j, EVICT: tl.constexpr, CG: tl.constexpr):
+    """Column pairs j (columns 2j and 2j + 1; every j < row_len / 2) of rows `rows` of a [*, row_len] matrix, as
+    loaded: one 32-bit word a pair for a 16-bit dtype, the two columns for float32 (`_unpack` makes float32 of
+    both). Why words, and no mask: a loop that carries loaded 16-bit values carries them as halves, and a masked
+    load as a select; the moves that split or select them at the loop's end wait for the load just issued, while
+    a word loaded whole into its register stays in flight across the loop's back edge."""
+    if ptr.dtype.element_ty.primitive_bitwidth == 16:
+        words = tl.multiple_of(ptr.to(tl.pointer_type(tl.int32), bitcast=True), 16) + rows * (row_len // 2) + j
+        if EVICT:
+            lo = tl.load(words, eviction_policy="evict_first")
+        elif CG:
+            lo = tl.load(words, cache_modifier=".cg")
+        else:
+            lo = tl.load(words)
+        hi = lo
+    else:
+        cols = ptr + rows * row_len + 2 * j
+        if EVICT:
+            lo = tl.load(cols, eviction_policy="evict_first")
+            hi = tl.load(cols + 1, eviction_policy="evict_first")
+        elif CG:
+            lo = tl.load(cols, cache_modifier=".cg")
+            hi = tl.load(cols + 1, cache_modifier=".cg")
+        else:
+            lo = tl.load(cols)
+            hi = tl.load(cols + 1)
+    return lo, hi
+
+
+@triton.jit
+def _unpack(lo, hi, like_ptr):
+    """The float32 values of a pair `_pairs` loaded from a matrix of like_ptr's dtype."""
+    dt = like_ptr.dtype.element_ty
+    if dt == tl.bfloat16:
+        return (lo << 16).to(tl.float32, bitcast=True), (lo & -65536).to(tl.float32, bitcast=True)
+    elif dt == tl.float16:
+        return ((lo & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32),
+                (lo >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32))
+    else:
+        return lo.to(tl.float32), hi.to(tl.float32)
+
+
+@triton.jit
+def _in_row(j0, offs_j, K: tl.constexpr, BJ: tl.constexpr):
+    """Pair indices j0 + offs_j of a chunk, clamped into the row of K // 2 pairs (`_chunk_products` zeroes the
+    activation past K, so a clamped pair adds nothing). When whole chunks tile the row, only chunks wholly past it
+    (the loop's last loads ahead) are clamped, as a block, so the loads stay vectorised."""
+    if (K // 2) % BJ == 0:
+        return tl.minimum(j0, K // 2 - BJ) + offs_j
+    else:
+        return tl.minimum(j0 + offs_j, K // 2 - 1)
+
+
+@triton.jit
+def _weight_pairs(w_ptr, w_rows, j0, offs_j, K: tl.constexpr, BJ: tl.constexpr):
+    """Column pairs j0 + offs_j of the tile's weight rows (streamed once: evicted first)."""
+    return _pairs(w_ptr, w_rows, K, _in_row(j0, offs_j, K, BJ)[None, :], True, False)
+
+
+@triton.jit
+def _act_pairs(x_ptr, nw_ptr, j0, offs_j, K: tl.constexpr, BJ: tl.constexpr, NORM: tl.constexpr):
+    """Column pairs j0 + offs_j of the activation (from L2: other programs wrote it) and, with NORM, of the norm
+    weight (without: the activation's again, so the loop carries one tuple whatever the stage)."""
+    j = _in_row(j0, offs_j, K, BJ)
+    x_lo, x_hi = _pairs(x_ptr, 0, K, j, False, True)
+    if NORM:
+        n_lo, n_hi = _pairs(nw_ptr, 0, K, j, False, False)
+    else:
+        n_lo, n_hi = x_lo, x_hi
+    return x_lo, x_hi, n_lo, n_hi
+
+
+@triton.jit
+def _prep(xt, nw, ss, w_ptr, NORM: tl.constexpr, ROUND_NORMED: tl.constexpr, SQRELU: tl.constexpr):
+    """One column of the activation as the stage multiplies it (normed, rounded, squared ReLU), and ss += x^2 with NORM."""
+    if NORM:
+        ss += xt * xt
+        xt = xt * nw
+        if ROUND_NORMED:
+            xt = xt.to(w_ptr.dtype.element_ty).to(tl.float32)
+    if SQRELU:
+        xt = tl.maximum(xt, 0.0)
+        xt = (xt * xt).to(w_ptr.dtype.element_ty).to(tl.float32)
+    return xt, ss
+
+
+@triton.jit
+def _chunk_products(acc, ss, j, K: tl.constexpr, w_lo, w_hi, x_lo, x_hi, n_lo, n_hi, w_ptr, x_ptr, nw_ptr, NORM: tl.constexpr,
+                    ROUND_NORMED: tl.constexpr, SQRELU: tl.constexpr):
+    """acc += w x over the column pairs j of one chunk (acc [BN, BK / 2]), the activation zero past K; ss += x^2 with NORM."""
+    inside = j < K // 2
+    wl, wh = _unpack(w_lo, w_hi, w_ptr)
+    xl, xh = _unpack(x_lo, x_hi, x_ptr)
+    nl, nh = _unpack(n_lo, n_hi, nw_ptr)
+    xl, ss = _prep(tl.where(inside, xl, 0.0), nl, ss, w_ptr, NORM, ROUND_NORMED, SQRELU)
+    xh, ss = _prep(tl.where(inside, xh, 0.0), nh, ss, w_ptr, NORM, ROUND_NORMED, SQRELU)
+    return acc + wl * xl[None, :] + wh * xh[None, :], ss
+
+
+@triton.jit
 def _gemv_item(w_ptr, N, K: tl.constexpr, tile, x_ptr, nw_ptr, eps, r_ptr, out_ptr, cnt_ptr, wait_idx, target, seed,
                BN: tl.constexpr, BK: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr,
                DELAY: tl.constexpr, stamp_ptr, TIMELINE: tl.constexpr, stall_ptr, MAX_POLLS: tl.constexpr,
@@ -161,36 +272,31 @@ def _gemv_item(w_ptr, N, K: tl.constexpr, tile, x_ptr, nw_ptr, eps, r_ptr, out_p
     else:
         rows = tile * BN + r
         n_mask = rows < N
-    offs_k = tl.arange(0, BK)
-    w_rows = w_ptr + rows[:, None].to(tl.int64) * K
+    BJ: tl.constexpr = BK // 2
+    offs_j = tl.arange(0, BJ)
+    # Rows past N load row N - 1 (their results are never stored): no load in the K loop has a mask.
+    w_rows = tl.minimum(rows, N - 1)[:, None].to(tl.int64)
     # The first two chunks are this step's own weights: loaded before the wait, in flight while it spins.
-    w_next = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0,
-                     eviction_policy="evict_first")
-    k_second = offs_k + BK
-    w_after = tl.load(w_rows + k_second[None, :], mask=n_mask[:, None] & (k_second < K)[None, :], other=0.0,
-                      eviction_policy="evict_first")
+    wa_lo, wa_hi = _weight_pairs(w_ptr, w_rows, 0, offs_j, K, BJ)
+    wb_lo, wb_hi = _weight_pairs(w_ptr, w_rows, BJ, offs_j, K, BJ)
     _delay(seed, DELAY)
     _wait(cnt_ptr, wait_idx, target, stamp_ptr, TIMELINE, stall_ptr, MAX_POLLS)
-    acc = tl.zeros((BN, BK), dtype=tl.float32)
-    ss = tl.zeros((BK,), dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        k = k0 + offs_k
-        w = w_next
-        w_next = w_after
-        # why: the load two chunks ahead goes out before this chunk's products, three chunks in flight
-        kn = k + 2 * BK
-        w_after = tl.load(w_rows + kn[None, :], mask=n_mask[:, None] & (kn < K)[None, :], other=0.0,
-                          eviction_policy="evict_first")
-        xt = tl.load(x_ptr + k, mask=k < K, other=0.0, cache_modifier=".cg").to(tl.float32)
-        if NORM:
-            ss += xt * xt
-            xt = xt * tl.load(nw_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-            if ROUND_NORMED:
-                xt = xt.to(w_ptr.dtype.element_ty).to(tl.float32)
-        if SQRELU:
-            xt = tl.maximum(xt, 0.0)
-            xt = (xt * xt).to(w_ptr.dtype.element_ty).to(tl.float32)
-        acc += w.to(tl.float32) * xt[None, :]
+    xa_lo, xa_hi, na_lo, na_hi = _act_pairs(x_ptr, nw_ptr, 0, offs_j, K, BJ, NORM)
+    xb_lo, xb_hi, nb_lo, nb_hi = _act_pairs(x_ptr, nw_ptr, BJ, offs_j, K, BJ, NORM)
+    acc = tl.zeros((BN, BJ), dtype=tl.float32)
+    ss = tl.zeros((BJ,), dtype=tl.float32)
+    # Two chunks an iteration, each buffer reloaded in place right after its products: no register is
+    # copied into another (a rotation w = w_next = w_after compiles to moves that wait for the load just
+    # issued), so both chunks' loads stay in flight while the other's products run.
+    for j0 in range(0, K // 2, 2 * BJ):
+        acc, ss = _chunk_products(acc, ss, j0 + offs_j, K, wa_lo, wa_hi, xa_lo, xa_hi, na_lo, na_hi, w_ptr, x_ptr, nw_ptr, NORM,
+                                  ROUND_NORMED, SQRELU)
+        wa_lo, wa_hi = _weight_pairs(w_ptr, w_rows, j0 + 2 * BJ, offs_j, K, BJ)
+        xa_lo, xa_hi, na_lo, na_hi = _act_pairs(x_ptr, nw_ptr, j0 + 2 * BJ, offs_j, K, BJ, NORM)
+        acc, ss = _chunk_products(acc, ss, j0 + BJ + offs_j, K, wb_lo, wb_hi, xb_lo, xb_hi, nb_lo, nb_hi, w_ptr, x_ptr, nw_ptr, NORM,
+                                  ROUND_NORMED, SQRELU)
+        wb_lo, wb_hi = _weight_pairs(w_ptr, w_rows, j0 + 3 * BJ, offs_j, K, BJ)
+        xb_lo, xb_hi, nb_lo, nb_hi = _act_pairs(x_ptr, nw_ptr, j0 + 3 * BJ, offs_j, K, BJ, NORM)
     res = tl.sum(acc, axis=1)
     if NORM:
         res = res * tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
@@ -358,9 +464,12 @@ def persistent_step_kernel(
     pid, n_prog, epoch, steps = _step_start(epoch_ptr)
     seq_len = (tl.load(positions_ptr) + 1).to(tl.int32)
     N_QKV: tl.constexpr = (HQ + 2 * HKV) * D
+    met_idx = -1
+    met_target = 0
     for i in range(pid, n_items, n_prog):
         row = items_ptr + i * 8
         stage, layer, tile, wait_idx, target, signal_idx, seed, stamp = _item(row, i, epoch, n_items, time_ptr, TIMELINE)
+        wait_idx, met_idx, met_target = _skip_met(wait_idx, target, met_idx, met_target)
         if stage == EMBED:
             _embed_item(embed_ptr, tokens_ptr, x_ptr, D_MODEL, EMBED_BLOCK, stamp, TIMELINE)
             _signal(cnt_ptr, signal_idx)

@@ -4,7 +4,7 @@ Grid (P,): program p runs work-list items p, p + P, ... in order (`schedule_mamb
 list and says what each stage computes). The machinery is the llama step's (`triton.py`): the same
 waits on growing counters with the stall flag, the same release signal, the same epoch advanced by
 the last program to finish, the same GEMV tile (`_gemv_item`: its first two weight chunks loaded
-before the wait, three in flight in its K loop) for the in-projection, out-projection and head. The
+before the wait, two in flight through its K loop) for the in-projection, out-projection and head. The
 SSM tile is the graphed step's kernel (`declab_kernels.ssd` decode step) cut to `BLOCK_P` rows of a
 head: it loads its state tile, its conv rings, the conv weights and the head's constants before its
 wait (none is written by this step's other items), then the in-projection's outputs with `.cg`.
@@ -24,8 +24,8 @@ import triton
 import triton.language as tl
 
 from declab_kernels.persistent_step import schedule
-from declab_kernels.persistent_step.triton import (_delay, _embed_item, _gemv_item, _item, _item_end, _signal, _step_end, _step_start,
-                                                   _wait, _weights)
+from declab_kernels.persistent_step.triton import (_delay, _embed_item, _gemv_item, _item, _item_end, _signal, _skip_met, _step_end,
+                                                   _step_start, _wait, _weights)
 from declab_kernels.ssd.triton import _conv_token, _conv_window, _softplus
 
 EMBED = tl.constexpr(schedule.EMBED)
@@ -127,9 +127,12 @@ def mamba2_step_kernel(
     pid, n_prog, epoch, steps = _step_start(epoch_ptr)
     D_INNER: tl.constexpr = H * P
     N_IN: tl.constexpr = 2 * D_INNER + 2 * G * N + H
+    met_idx = -1
+    met_target = 0
     for i in range(pid, n_items, n_prog):
         row = items_ptr + i * 8
         stage, layer, tile, wait_idx, target, signal_idx, seed, stamp = _item(row, i, epoch, n_items, time_ptr, TIMELINE)
+        wait_idx, met_idx, met_target = _skip_met(wait_idx, target, met_idx, met_target)
         if stage == EMBED:
             _embed_item(embed_ptr, tokens_ptr, r_ptr, D_MODEL, EMBED_BLOCK, stamp, TIMELINE)
             _signal(cnt_ptr, signal_idx)

@@ -4,7 +4,7 @@ Grid (P,): program p runs work-list items p, p + P, ... in order (`schedule_rwkv
 and says what each stage computes). The machinery is the llama step's (`triton.py`): the same waits on
 growing counters with the stall flag, the same release signal, the same epoch advanced by the last
 program to finish, the same GEMV tile (`_gemv_item`: its first two weight chunks loaded before the
-wait, three in flight in its K loop) for the row-select r/k/v + LoRA down-projection, o_proj, the
+wait, two in flight through its K loop) for the row-select r/k/v + LoRA down-projection, o_proj, the
 channel mix's key and value (relu^2 on its input, `SQRELU`) and the head. Two items are the family's:
 - `_norm_item`: a whole-row LayerNorm and the token shift with its mixes (`declab_kernels.rwkv7_fused`'s
   `add_norm_shift`), one item a norm; the norm's weights, mixes and shift row are loaded before the wait.
@@ -25,8 +25,8 @@ import triton
 import triton.language as tl
 
 from declab_kernels.persistent_step import schedule
-from declab_kernels.persistent_step.triton import (_delay, _embed_item, _gemv_item, _item, _item_end, _signal, _step_end, _step_start,
-                                                   _wait, _weights)
+from declab_kernels.persistent_step.triton import (_delay, _embed_item, _gemv_item, _item, _item_end, _signal, _skip_met, _step_end,
+                                                   _step_start, _wait, _weights)
 from declab_kernels.rwkv7_fused.ref import W_SCALE
 
 EMBED = tl.constexpr(schedule.EMBED)
@@ -83,6 +83,24 @@ def _norm_item(src_ptr, w_ptr, b_ptr, prev_ptr, mix_ptr, out_ptr, eps, cnt_ptr, 
 
 
 @triton.jit
+def _up_products(acc_v, acc_w, acc_a, acc_g, wt, lo, cols, o_w, o_a, o_g, dt: tl.constexpr):
+    """One chunk of a head's LoRA up-projections: its columns `cols` of up rows wt [BD, BR] times the LoRA
+    activations of the down-projection's outputs lo, each LoRA summed over its own columns."""
+    lo = lo.to(tl.float32)
+    is_w = (cols >= o_w) & (cols < o_a)
+    is_g = cols >= o_g
+    # why: tanh(y) = 2 sigmoid(2y) - 1, as `lora_hidden` computes it
+    act = tl.where(is_w, 2.0 * tl.sigmoid(2.0 * lo) - 1.0, tl.where(is_g, tl.sigmoid(lo), lo))
+    act = act.to(dt).to(tl.float32)
+    prod = wt.to(tl.float32) * act[None, :]
+    acc_v += tl.sum(tl.where((cols < o_w)[None, :], prod, 0.0), axis=1)
+    acc_w += tl.sum(tl.where(is_w[None, :], prod, 0.0), axis=1)
+    acc_a += tl.sum(tl.where(((cols >= o_a) & (cols < o_g))[None, :], prod, 0.0), axis=1)
+    acc_g += tl.sum(tl.where(is_g[None, :], prod, 0.0), axis=1)
+    return acc_v, acc_w, acc_a, acc_g
+
+
+@triton.jit
 def _mix_item(layer, h, tab_ptr, like_ptr, y_ptr, vf_ptr, mo_ptr, wkv_ptr, g_eps,
               cnt_ptr, wait_idx, target, seed,
               C: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, RV: tl.constexpr, RW: tl.constexpr,
@@ -100,7 +118,7 @@ def _mix_item(layer, h, tab_ptr, like_ptr, y_ptr, vf_ptr, mo_ptr, wkv_ptr, g_eps
     layer_v = tl.zeros([BD], dtype=tl.int32) + layer
     v_res = m & (layer_v > 0)
     # 1. What no item of this step writes, loaded before the wait: the head's state [BD (K), BD (V)],
-    #    the biases, k_k, k_a, r_k, the group norm's weight and bias, the first chunk of its up rows.
+    #    the biases, k_k, k_a, r_k, the group norm's weight and bias, the first two chunks of its up rows.
     st = wkv_ptr + (layer * H + h).to(tl.int64) * D * D + d[:, None] * D + d[None, :]
     s_mask = m[:, None] & m[None, :]
     S = tl.load(st, mask=s_mask, other=0.0)
@@ -119,34 +137,29 @@ def _mix_item(layer, h, tab_ptr, like_ptr, y_ptr, vf_ptr, mo_ptr, wkv_ptr, g_eps
     R = o_g + RG
     up_rows = _weights(tab_ptr, layer, 2, like_ptr, WIDTH) + c[:, None].to(tl.int64) * R
     offs_r = tl.arange(0, BR)
-    # The head's first [BD, BR] chunk of up rows, a weight: in flight while the item waits.
-    wt_next = tl.load(up_rows + offs_r[None, :], mask=m[:, None] & (offs_r < R)[None, :], other=0.0)
+    # The head's first two [BD, BR] chunks of up rows, weights: in flight while the item waits.
+    wt_a = tl.load(up_rows + offs_r[None, :], mask=m[:, None] & (offs_r < R)[None, :], other=0.0)
+    wt_b = tl.load(up_rows + (offs_r + BR)[None, :], mask=m[:, None] & (offs_r + BR < R)[None, :], other=0.0)
     _delay(seed, DELAY)
     _wait(cnt_ptr, wait_idx, target, stamp_ptr, TIMELINE, stall_ptr, MAX_POLLS)
     # 2. The LoRA up-projections of the head's channels: up [C, R] times the block-diagonal activations,
-    #    as one sum per LoRA over its own columns.
+    #    as one sum per LoRA over its own columns; two chunks an iteration, each buffer (up rows and the
+    #    down-projection's outputs) reloaded in place after its products, as `_gemv_item` does.
+    lo_a = tl.load(y_ptr + 3 * C + offs_r, mask=offs_r < R, other=0.0, cache_modifier=".cg")
+    lo_b = tl.load(y_ptr + 3 * C + BR + offs_r, mask=offs_r + BR < R, other=0.0, cache_modifier=".cg")
     acc_v = tl.zeros([BD], dtype=tl.float32)
     acc_w = tl.zeros([BD], dtype=tl.float32)
     acc_a = tl.zeros([BD], dtype=tl.float32)
     acc_g = tl.zeros([BD], dtype=tl.float32)
-    for r0 in range(0, R, BR):
-        cols = r0 + offs_r
-        cm = cols < R
-        wt = wt_next.to(tl.float32)
-        # why: the next chunk's load goes out before this chunk's products
-        nxt = cols + BR
-        wt_next = tl.load(up_rows + nxt[None, :], mask=m[:, None] & (nxt < R)[None, :], other=0.0)
-        lo = tl.load(y_ptr + 3 * C + cols, mask=cm, other=0.0, cache_modifier=".cg").to(tl.float32)
-        is_w = (cols >= o_w) & (cols < o_a)
-        is_g = cols >= o_g
-        # why: tanh(y) = 2 sigmoid(2y) - 1, as `lora_hidden` computes it
-        act = tl.where(is_w, 2.0 * tl.sigmoid(2.0 * lo) - 1.0, tl.where(is_g, tl.sigmoid(lo), lo))
-        act = act.to(dt).to(tl.float32)
-        prod = wt * act[None, :]
-        acc_v += tl.sum(tl.where((cols < o_w)[None, :], prod, 0.0), axis=1)
-        acc_w += tl.sum(tl.where(is_w[None, :], prod, 0.0), axis=1)
-        acc_a += tl.sum(tl.where(((cols >= o_a) & (cols < o_g))[None, :], prod, 0.0), axis=1)
-        acc_g += tl.sum(tl.where(is_g[None, :], prod, 0.0), axis=1)
+    for r0 in range(0, R, 2 * BR):
+        acc_v, acc_w, acc_a, acc_g = _up_products(acc_v, acc_w, acc_a, acc_g, wt_a, lo_a, r0 + offs_r, o_w, o_a, o_g, dt)
+        nxt = r0 + 2 * BR + offs_r
+        wt_a = tl.load(up_rows + nxt[None, :], mask=m[:, None] & (nxt < R)[None, :], other=0.0)
+        lo_a = tl.load(y_ptr + 3 * C + nxt, mask=nxt < R, other=0.0, cache_modifier=".cg")
+        acc_v, acc_w, acc_a, acc_g = _up_products(acc_v, acc_w, acc_a, acc_g, wt_b, lo_b, r0 + BR + offs_r, o_w, o_a, o_g, dt)
+        nxt = r0 + 3 * BR + offs_r
+        wt_b = tl.load(up_rows + nxt[None, :], mask=m[:, None] & (nxt < R)[None, :], other=0.0)
+        lo_b = tl.load(y_ptr + 3 * C + nxt, mask=nxt < R, other=0.0, cache_modifier=".cg")
     u_v = acc_v.to(dt).to(tl.float32)
     u_w = acc_w.to(dt).to(tl.float32)
     u_a = acc_a.to(dt).to(tl.float32)
@@ -198,9 +211,12 @@ def rwkv7_step_kernel(
     EMBED_BLOCK: tl.constexpr, DELAY: tl.constexpr = 0, TIMELINE: tl.constexpr = False, MAX_POLLS: tl.constexpr = 1 << 22,
 ):
     pid, n_prog, epoch, steps = _step_start(epoch_ptr)
+    met_idx = -1
+    met_target = 0
     for i in range(pid, n_items, n_prog):
         row = items_ptr + i * 8
         stage, layer, tile, wait_idx, target, signal_idx, seed, stamp = _item(row, i, epoch, n_items, time_ptr, TIMELINE)
+        wait_idx, met_idx, met_target = _skip_met(wait_idx, target, met_idx, met_target)
         if stage == EMBED:
             if HAS_PRE:
                 token = tl.load(tokens_ptr).to(tl.int64)

@@ -83,6 +83,12 @@ def test_ranks_no_tile_divides_refused():
                                  step="persistent")
 
 
+def test_hidden_size_off_a_multiple_of_8_refused():
+    with pytest.raises(decoders.UsageError, match="multiple of 8"):
+        RWKV7Decoder.from_preset({**SMALL, "hidden_size": 60, "head_dim": 20}, "c60", device="cpu", dtype=torch.float32, impl="triton",
+                                 step="persistent")
+
+
 def test_compare_takes_the_step_for_rwkv7_models():
     from decoders import compare
 

@@ -5,6 +5,7 @@ import pytest
 
 import persistent_schedule_cases as cases
 from declab_kernels.persistent_step import schedule as S
+from declab_kernels.persistent_step.launch import _chunk
 
 TINY = S.StepShape(d_model=64, inter=176, vocab=512, n_layers=2, hq=4, hkv=2, head_dim=16, num_splits=3)
 # One kv head a program group, no GQA, one split: the other corner of the attention's items.
@@ -26,12 +27,13 @@ def test_every_output_row_is_covered_once():
     assert sorted(r for _, r in head_rows) == list(range(TINY.vocab))
 
 
-def test_choose_rows_balances_the_busiest_program():
-    # 3072 rows over 264 programs: 4-row tiles give every program at most 12 rows, 8-row tiles 16.
-    assert S.choose_rows(3072, 264) == 4
-    # 2048 rows over 264 programs: 8 rows each at 4 or 8 rows a tile; the larger tile wins the tie.
-    assert S.choose_rows(2048, 264) == 8
-    assert S.choose_rows(64, 1) == 32
+def test_choose_rows_weighs_rows_against_items():
+    # 3072 rows of 2048 over 264 programs: one 16-row item (32 K weights + one item's cost) beats three 4-row ones.
+    assert S.choose_rows(3072, 2048, 264) == 16
+    # 2048 rows: 8 rows each at 4 or 8 rows a tile, one item fewer at 8; 16-row tiles would load 128 programs twice as much.
+    assert S.choose_rows(2048, 2048, 264) == 8
+    assert S.choose_rows(2048, 8192, 264) == 8
+    assert S.choose_rows(64, 64, 1) == 32
 
 
 C = S.Counters(TINY.n_layers, TINY.hkv)
@@ -52,3 +54,10 @@ def test_broken_work_list_is_caught(name):
     items = cases.broken(S.work_list(TINY, tiles), predicate, **change)
     cases.assert_caught(S, TINY, tiles, items, 8, says)
 
+
+
+def test_an_odd_gemv_depth_is_refused():
+    # The GEMV tile loads column pairs (one 32-bit word of two bf16 values).
+    assert _chunk(8, 2048) == 512
+    with pytest.raises(ValueError, match="even"):
+        _chunk(8, 47)

@@ -1,0 +1,134 @@
+"""Offline sm_90 compile of the persistent decode step's kernels at an H200's plan (no GPU needed).
+
+    python -m declab_bench.persistent_compile                       # llama-1b, mamba2-1.3b, rwkv7-1.5b
+    python -m declab_bench.persistent_compile --models llama-1b --programs 264 --splits 32
+
+TRITON_INTERPRET must be unset. Each model is built on the CPU in bf16 (random weights, its ref path: no
+kernel runs), its step planned for P programs (a transformer over a 4k cache cut into `--splits` key
+splits, the H200's count at 4k), and its kernel compiled for `GPUTarget("cuda", 90, 64)` with the launch's
+warps and `maxnreg`; the PTX (its `.version` lowered to 8.8 for the ptxas Triton bundles) is assembled by
+Triton's ptxas for sm_90a. Per model: the tiles, registers, spill bytes, shared memory, the programs an SM
+holds by `launch.resident_programs`' rule, and each inner loop of the SASS with its global loads: how many
+are read before the loop's back edge (a load read there, even by a move, is waited on in the iteration
+that issued it) and how many stay in flight across it. Last stdout line: one JSON document.
+"""
+
+import argparse
+import json
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+import decoders
+from declab_kernels import paged_attention
+from declab_kernels.persistent_step import launch
+
+DTYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32", torch.int64: "*i64"}
+# Shared memory of an H200 SM that programs may use (228 KB).
+SHARED_PER_SM = 233472
+CTX = 4096
+
+
+def build(model: str, programs: int, splits: int):
+    dec = decoders.load(model, device="cpu", dtype=torch.bfloat16, impl="ref")
+    cache = dec.new_cache([1], CTX)
+    if hasattr(cache, "workspace"):
+        c = dec.config
+        cache.workspace = paged_attention.decode_workspace(1, c.num_attention_heads, c.num_key_value_heads, c.head_dim, CTX, "cpu",
+                                                           num_splits=splits, variant="long")
+    return dec.persistent_step(cache, programs=programs)
+
+
+def compile_step(step) -> tuple[dict, Path]:
+    """The kernel of `step` compiled and assembled: its figures and the cubin's path."""
+    import triton
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+
+    fn = step.kernel
+    consts = dict(step.consts)
+    consts.update({p.name: p.default for p in fn.params if p.is_constexpr and p.has_default and p.name not in consts})
+    probe = torch.zeros(1, dtype=torch.int64)
+    args = iter(step._launch_args(probe, probe))
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in consts:
+            sig[name] = "constexpr"
+            continue
+        a = next(args)
+        sig[name] = DTYPES[a.dtype] if isinstance(a, torch.Tensor) else "fp32" if isinstance(a, float) else "i32"
+        # Tensors are 16-byte aligned and integers multiples of 16 specialised, as at a launch.
+        if isinstance(a, torch.Tensor) or (isinstance(a, int) and a % 16 == 0):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 64), options=dict(num_warps=launch.NUM_WARPS, maxnreg=launch.MAX_REGISTERS))
+    d = Path(tempfile.mkdtemp())
+    (d / "k.ptx").write_text(re.sub(r"\.version \d+\.\d+", ".version 8.8", k.asm["ptx"], count=1))
+    res = subprocess.run([knobs.nvidia.ptxas.path, "-arch=sm_90a", "-v", str(d / "k.ptx"), "-o", str(d / "k.o")],
+                         capture_output=True, text=True, check=True)
+    regs = int(re.search(r"Used (\d+) registers", res.stderr).group(1))
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", res.stderr)
+    shared = k.metadata.shared
+    per_warp = -(-regs * 32 // 256) * 256
+    resident = min(launch.REGISTERS_PER_SM // per_warp // launch.NUM_WARPS, 2048 // (32 * launch.NUM_WARPS),
+                   SHARED_PER_SM // (shared + 1024), launch.MAX_PROGRAMS_PER_SM)
+    return dict(registers=regs, spill_stores=int(spill.group(1)), spill_loads=int(spill.group(2)), shared=shared,
+                programs_per_sm=resident), d / "k.o"
+
+
+def loops(cubin: Path) -> list[dict]:
+    """Inner loops (a backward branch over at most 1000 instructions with 8 or more FFMAs) and their global loads."""
+    from triton import knobs
+
+    cuobjdump = Path(knobs.nvidia.ptxas.path).with_name("cuobjdump")
+    sass = subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    ins = [(int(m.group(1), 16), m.group(2)) for m in (re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line) for line in sass.splitlines()) if m]
+    at = {a: i for i, (a, _) in enumerate(ins)}
+    found = []
+    for i, (a, op) in enumerate(ins):
+        target = re.findall(r"BRA.*0x([0-9a-f]+)", op)
+        if not target or int(target[-1], 16) >= a or int(target[-1], 16) not in at:
+            continue
+        body = [s for _, s in ins[at[int(target[-1], 16)]:i + 1]]
+        if len(body) > 1000 or sum("FFMA" in s for s in body) < 8:
+            continue
+        waited = carried = spills = 0
+        for j, s in enumerate(body):
+            spills += s.startswith(("LDL", "STL"))
+            m = re.match(r"(?:@!?P\d+ )?LDG\.(\S+)\s+R(\d+),", s)
+            if not m:
+                continue
+            width = 4 if "128" in m.group(1) else 2 if "64" in m.group(1) else 1
+            dst = {f"R{r}" for r in range(int(m.group(2)), int(m.group(2)) + width)}
+            # Read later in the body: an operand after the destination (a store's first operand is read too).
+            reads = (set(re.findall(r"\bR\d+\b", s2.split(None, 1)[-1] if s2.startswith(("ST", "RED", "ATOM")) else
+                                    s2.split(",", 1)[1] if "," in s2 else "")) for s2 in body[j + 1:])
+            if any(dst & r for r in reads):
+                waited += 1
+            else:
+                carried += 1
+        found.append(dict(start=hex(int(target[-1], 16)), instructions=len(body), loads_waited=waited, loads_in_flight=carried,
+                          spill_ops=spills))
+    return found
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="llama-1b,mamba2-1.3b,rwkv7-1.5b")
+    p.add_argument("--programs", type=int, default=264, help="P (default 264: two programs on each of an H200's 132 SMs)")
+    p.add_argument("--splits", type=int, default=32, help="key splits of a transformer's attention (default 32: an H200 at 4k)")
+    args = p.parse_args(argv)
+    out = {}
+    for model in args.models.split(","):
+        step = build(model, args.programs, args.splits)
+        figures, cubin = compile_step(step)
+        out[model] = dict(tiles=vars(step.tiles), **figures, loops=loops(cubin))
+        print(model, json.dumps(out[model]), flush=True)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
