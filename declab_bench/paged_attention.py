@@ -6,9 +6,8 @@ Measures the copy-bandwidth ceiling, then write_kv (Triton vs index_copy_), deco
 32k, 128k x batch 1, 16, 64 x head dim 64 and 128, Hq=32, Hkv=8, pages 16 and 128; SDPA and
 compiled FlexAttention over contiguous K/V as peers) and causal prefill (4k, 16k, 32k tokens,
 batch 1, D=128, beside SDPA's flash backend), then small tile/split sweeps and the batch-1 decode
-variant "long" while time remains, then fp8 caches beside bf16 (batch-1 decode at 32k / 128k, a 16k
-prefill at D=64). `--sections decode,variants --decode-batches 1` runs only the batch-1 decode points
-and the variant (about 30 s); `--sections fp8` only the fp8 comparison (about 15 s).
+variant "long" while time remains. `--sections decode,variants --decode-batches 1` runs only the
+batch-1 decode points and the variant (about 30 s).
 write_kv and decode are timed per call inside a CUDA graph of 16 calls (one per simulated layer)
 over distinct caches, so graph launch is amortised as in a decode step and small caches are not
 served from L2; the method is recorded in each record. Finishes in about 2 minutes.
@@ -34,10 +33,7 @@ TOL = 2e-2
 DECODE_CTX = (4096, 32768, 131072)
 DECODE_BATCH = (1, 16, 64)
 DECODE_DIMS = (128, 64)
-SECTIONS = ("write_kv", "decode", "prefill", "decode_tuning", "variants", "prefill_tuning", "fp8")
-# fp8 caches beside bf16: batch-1 "long" decode at these contexts (D 64 and 128), and one causal prefill.
-FP8_CTX = (32768, 131072)
-FP8_PREFILL_T, FP8_PREFILL_D = 16384, 64
+SECTIONS = ("write_kv", "decode", "prefill", "decode_tuning", "variants", "prefill_tuning")
 PAGES = (16, 128)
 PREFILL_T = (4096, 16384, 32768)
 PREFILL_D = 128
@@ -294,91 +290,6 @@ def bench_decode_variants(bench):
             tune_decode_case(bench, head_dim, ctx, 1, [None], counts, variant="long", op="decode_variant")
 
 
-def fp8_bytes(batch, ctx, head_dim):
-    """`decode_bytes` for an fp8 cache: one byte a value and one exponent byte a row of K and of V."""
-    return batch * ctx * HKV * (head_dim + 1) * 2 + 2 * batch * HQ * head_dim * 2
-
-
-def kv_pair(kind, shape, dev):
-    """Random bf16 K and V pools of `shape`, or for kind "fp8" their `pa.quantize` (values, and the
-    exponents as `scales`); with the float32 rows the kernel must attend over."""
-    k, v = (torch.randn(shape, device=dev, dtype=torch.bfloat16) for _ in "kv")
-    if kind == "bf16":
-        return k, v, None, k, v
-    (k8, ke), (v8, ve) = pa.quantize(k), pa.quantize(v)
-    return k8, v8, (ke, ve), pa.dequantize(k8, ke), pa.dequantize(v8, ve)
-
-
-def bench_fp8(bench):
-    """fp8 caches beside bf16 on the same shapes: batch-1 decode with the decoders' "long" variant at
-    FP8_CTX x D 64 / 128 (graphed as `decode`; GB/s counts the fp8 bytes, `fp8_bytes`), and a causal prefill
-    of FP8_PREFILL_T tokens at D=64 (llama-1b's heads). `x_bf16`: the bf16 record's ms over this one's. ~15 s."""
-    dev = bench.device
-    page = 16
-    for head_dim in DECODE_DIMS:
-        for ctx in FP8_CTX:
-            num_blocks = ctx // page
-            block_tables = torch.randperm(num_blocks, device=dev).view(1, -1).to(torch.int32)
-            lens = torch.full((1,), ctx, dtype=torch.int32, device=dev)
-            q = torch.randn(1, HQ, head_dim, device=dev, dtype=torch.bfloat16)
-            workspace = pa.decode_workspace(1, HQ, HKV, head_dim, ctx, dev, variant="long")
-            scale = head_dim**-0.5
-            base_ms = None
-            for kind in ("bf16", "fp8"):
-                nbytes = decode_bytes(1, ctx, head_dim) if kind == "bf16" else fp8_bytes(1, ctx, head_dim)
-                pools = [kv_pair(kind, (num_blocks, page, HKV, head_dim), dev) for _ in range(num_buffers(nbytes))]
-                _, _, _, kf, vf = pools[0]
-                want = decode_ref(q[0], gather(kf, block_tables[0], ctx), gather(vf, block_tables[0], ctx), scale)
-                pools = [p[:3] for p in pools]
-                del kf, vf
-                out = torch.full_like(q, float("nan"))
-                calls = [lambda kc=kc, vc=vc, sc=sc: pa.paged_decode_attention(
-                    q, kc, vc, block_tables, lens, scale, impl="triton", out=out, workspace=workspace, scales=sc)
-                    for kc, vc, sc in pools]
-                calls[0]()
-                err = rel_rms(out[0], want)
-                ok = err < TOL and not torch.isnan(out).any().item()
-                ms, method = timed_layers(calls, nbytes / bench.copy_bps * 1e3) if ok else (None, {})
-                base_ms = ms if kind == "bf16" else base_ms
-                gbps = nbytes / ms / 1e6 if ms else None
-                cfg = tri.decode_config(head_dim, "long", fp8=kind == "fp8")
-                bench.emit(op="decode_fp8", impl="triton", kv=kind, variant="long", B=1, ctx=ctx, D=head_dim, Hq=HQ,
-                           Hkv=HKV, page=page, num_splits=workspace.num_splits, block_n=cfg.block_n,
-                           num_warps=cfg.num_warps, num_stages=cfg.num_stages, ms=ms,
-                           GBps=gbps, frac=gbps / (bench.copy_bps / 1e9) if gbps else None, ok=ok, rel_rms=err,
-                           x_bf16=base_ms / ms if ms and base_ms else None, ceiling="copy", **method)
-                del pools, calls
-                torch.cuda.empty_cache()
-    t, d = FP8_PREFILL_T, FP8_PREFILL_D
-    q = torch.randn(t, HQ, d, device=dev, dtype=torch.bfloat16)
-    block_tables = torch.randperm(t // page, device=dev).view(1, -1).to(torch.int32)
-    cu = torch.tensor([0, t], dtype=torch.int32, device=dev)
-    lens = torch.tensor([t], dtype=torch.int32, device=dev)
-    rows = torch.cat([torch.arange(0, 64), torch.arange(t - 64, t)]).to(dev)
-    pos = torch.arange(t, device=dev)
-    order = block_tables[0].long()[pos // page] * page + pos % page
-    base_ms = None
-    for kind in ("bf16", "fp8"):
-        k, v, scales, kf, vf = kv_pair(kind, (t // page, page, HKV, d), dev)
-        # The rows in sequence order, for the float32 reference.
-        want = prefill_ref_rows(q, kf.flatten(0, 1)[order], vf.flatten(0, 1)[order], rows, d**-0.5)
-
-        def run():
-            return pa.paged_prefill_attention(q, k, v, block_tables, lens, cu, d**-0.5, causal=True, impl="triton",
-                                              max_seqlen_q=t, scales=scales)
-
-        err = rel_rms(run()[rows], want)
-        ok = err < TOL
-        ms = timing.time_ms(run, warmup=3, iters=10) if ok else None
-        base_ms = ms if kind == "bf16" else base_ms
-        cfg = tri.prefill_config(d, fp8=kind == "fp8")
-        bench.emit(op="prefill_fp8", impl="triton", kv=kind, B=1, ctx=t, D=d, Hq=HQ, Hkv=HKV, page=page, causal=True,
-                   block_m=cfg.block_m, block_n=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages, ms=ms,
-                   TFLOPs=4 * t * t * HQ * d / 2 / ms / 1e9 if ms else None, ok=ok, rel_rms=err,
-                   x_bf16=base_ms / ms if ms and base_ms else None)
-        del k, v, scales, kf, vf
-
-
 def prefill_ref_rows(q, k, v, rows, scale):
     """float32 causal attention of query rows `rows` of q `[T, Hq, D]` over k/v `[T, Hkv, D]` (in order)."""
     group = HQ // HKV
@@ -501,7 +412,6 @@ def print_table(records):
     for r in records:
         if r["op"] == "copy":
             continue
-        impl = r["impl"] + (f"/{r['kv']}" if r.get("kv") else "")
         rate = r.get("GBps") or r.get("TFLOPs")
         ms = f"{r['ms']:.4f}" if r.get("ms") else ("skipped" if r.get("skipped") else "-")
         rate = f"{rate:.1f}" if rate else "-"
@@ -511,9 +421,8 @@ def print_table(records):
         tile = ""
         if "block_n" in r:
             tile = f"{r.get('block_m') or ''}x{r['block_n']}/{r['num_warps']}w{r['num_stages']}s".lstrip("x")
-        x_bf16 = f"  {r['x_bf16']:.2f}x bf16" if r.get("x_bf16") else ""
-        print(f"{r['op']:<15}{impl:<12}{r.get('B', ''):>4}{size:>8}{r.get('D', ''):>5}"
-              f"{page:>6}{splits:>7}{tile:>14}{ms:>10}{rate:>11}{frac:>7}  {r.get('ok')}{x_bf16}")
+        print(f"{r['op']:<15}{r['impl']:<12}{r.get('B', ''):>4}{size:>8}{r.get('D', ''):>5}"
+              f"{page:>6}{splits:>7}{tile:>14}{ms:>10}{rate:>11}{frac:>7}  {r.get('ok')}")
 
 
 def targets(records):
@@ -570,7 +479,7 @@ def main():
                     bench_decode_point(bench, head_dim, ctx, batch, flex)
                     print(f"[{bench.elapsed():6.1f}s] decode D={head_dim} ctx={ctx} B={batch} done", flush=True)
     for name, run in (("prefill", bench_prefill), ("decode_tuning", bench_decode_tuning), ("variants", bench_decode_variants),
-                      ("prefill_tuning", bench_prefill_tuning), ("fp8", bench_fp8)):
+                      ("prefill_tuning", bench_prefill_tuning)):
         if name in sections:
             run(bench)
             print(f"[{bench.elapsed():6.1f}s] {name} done", flush=True)
