@@ -21,12 +21,9 @@ holding that position writes them before its loop, behind a barrier (README.md, 
 FP8 (constexpr; float8_e4m3fn caches with `scales=(k_scale, v_scale)`, see `ref.quantize`): every
 kernel that writes a row quantizes it as the reference does (bit for bit: the exponent comes from
 the float32 bits of the row's largest magnitude), and every kernel that reads K/V converts the e4m3
-tile in registers and applies the rows' powers of two to the scores (K) and to the probabilities
-before p @ v (V). With a 16-bit q the dots run in fp16 (e4m3 -> fp16 is exact, one instruction per
-two values; `fp8_query`, `fp8_pv` keep q and p inside fp16's range), with a float32 q in float32. The
-exponents are read as aligned 4-byte words (`load_exponents`), so they are prefetched with their
-tile. A float cache of another dtype than q (a bf16 cache under a float32 model) is converted to q's
-dtype, unscaled.
+tile to q's dtype in registers and applies the rows' powers of two to the scores (K) and to the
+probabilities before p @ v (V), so the dots run on q's dtype as for a bf16 cache. A float cache of
+another dtype than q (a bf16 cache under a float32 model) is converted the same way, unscaled.
 """
 
 from dataclasses import dataclass
@@ -70,8 +67,7 @@ class KernelConfig:
 class DecodeVariant:
     """How one decode call is cut into programs, their tiles, and how the split partials are merged.
 
-    `tile_elems` is the tile's rows x D_pad (K and V each); `fp8_num_stages` replaces `num_stages` for an fp8
-    cache (its tiles carry half the bytes, so more of them are kept in flight). `flat_merge`: the merging program loads
+    `tile_elems` is the tile's rows x D_pad (K and V each). `flat_merge`: the merging program loads
     every split's log-sum-exp at once and the partial chunks in an unrolled loop with no dependence
     between chunks (else one online chunk after another). `early_v`: V's load is issued beside K's
     instead of after the softmax, so an unpipelined tile costs one memory round trip, not two.
@@ -82,25 +78,22 @@ class DecodeVariant:
     tile_elems: int
     num_warps: int
     num_stages: int
-    fp8_num_stages: int
     flat_merge: bool
     early_v: bool
 
 
 DECODE_VARIANTS = {
     # The measured default: ~4 programs per SM, 8 KB K + 8 KB V tiles double-buffered.
-    "split": DecodeVariant(PROGRAMS_PER_SM, MIN_SPLIT_TOKENS, 4096, 4, 5, 5, False, False),
+    "split": DecodeVariant(PROGRAMS_PER_SM, MIN_SPLIT_TOKENS, 4096, 4, 5, False, False),
     # Batch-1 latency: half the programs, each with twice the tile rows (16 KB K + 16 KB V, still
     # double-buffered), and a merge of half as many partials issued in one round. Splits of >= 128
     # keys: 32 at 4k (one tile a split), which a llama-1b step measured 22 µs faster than 16.
-    # fp8 caches: 7 stages, three 8 KB K + 8 KB V tiles in flight (two held half the bf16 bytes).
-    "long": DecodeVariant(2, 128, 8192, 4, 5, 7, True, True),
+    "long": DecodeVariant(2, 128, 8192, 4, 5, True, True),
 }
 
 
-def decode_config(head_dim: int, variant: str = "split", fp8: bool = False) -> KernelConfig:
-    """Decode tiles of `variant` (`fp8`: for an fp8 cache); the default: 8 KB of K and 8 KB of V per tile
-    (bf16), 4 warps, 5 stages.
+def decode_config(head_dim: int, variant: str = "split") -> KernelConfig:
+    """Decode tiles of `variant`; the default: 8 KB of K and 8 KB of V per tile, 4 warps, 5 stages.
 
     The block-table load takes one pipeline stage before the K/V loads that index with it; with 3
     or 4 stages the pipeliner keeps one K/V buffer (the loop waits for each tile as it starts), with
@@ -110,7 +103,7 @@ def decode_config(head_dim: int, variant: str = "split", fp8: bool = False) -> K
     spec = _variant(variant)
     d_pad = _pad_dim(head_dim)
     return KernelConfig(block_m=0, block_n=max(16, spec.tile_elems // d_pad), num_warps=spec.num_warps,
-                        num_stages=spec.fp8_num_stages if fp8 else spec.num_stages)
+                        num_stages=spec.num_stages)
 
 
 def _variant(name: str) -> DecodeVariant:
@@ -119,12 +112,11 @@ def _variant(name: str) -> DecodeVariant:
     return DECODE_VARIANTS[name]
 
 
-def prefill_config(head_dim: int, fp8: bool = False) -> KernelConfig:
-    """Prefill tiles: 128 queries x 64 keys, as the Triton flash-attention forward uses on Hopper. An fp8
-    cache at D <= 64 takes 8 warps: with 4 its converted tiles and fp16 query spill (sm_90, 255 registers)."""
+def prefill_config(head_dim: int) -> KernelConfig:
+    """Prefill tiles: 128 queries x 64 keys, as the Triton flash-attention forward uses on Hopper."""
     d_pad = _pad_dim(head_dim)
     if d_pad <= 64:
-        return KernelConfig(block_m=128, block_n=64, num_warps=8 if fp8 else 4, num_stages=3)
+        return KernelConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
     if d_pad <= 128:
         return KernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
     return KernelConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
@@ -229,54 +221,13 @@ def store_fp8_rows(x, dst, exp_dst, mask, row_mask):
     tl.store(exp_dst, e.to(tl.int8), mask=row_mask)
 
 
-@triton.jit
-def fp8_query(q):
-    """The fp8 path's query tile and its power of two, q = q_dot * q_pow: a 16-bit q becomes fp16 with its
-    largest magnitude in [1, 2), float32 stays as it is. The e4m3 tiles then convert to the dots' fp16 with
-    one instruction per two values (to bf16 Triton goes through fp16, one more instruction a value)."""
-    if q.dtype == tl.float32:
-        return q, 1.0
-    else:
-        qf = q.to(tl.float32)
-        e = ((tl.max(tl.max(tl.abs(qf), 1), 0).to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-        return (qf * pow2(-e)).to(tl.float16), pow2(e)
-
-
-@triton.jit
-def load_exponents(s_ptr, s_mis, s_off, mask=None):
-    """int32 row exponents at int8 s_ptr + s_off, each read as the aligned 4-byte word that holds it (s_mis:
-    s_ptr's address mod 4), so the pipeliner prefetches them with the K/V tile (cp.async moves >= 4 bytes;
-    single bytes were loaded where they are used, a memory round trip every tile). Masked rows get -126."""
-    o = s_off + s_mis
-    words = (s_ptr - s_mis).to(tl.pointer_type(tl.int32)) + (o >> 2)
-    if mask is None:
-        word = tl.load(words)
-    else:
-        # other: every byte -126 (0x82)
-        word = tl.load(words, mask=mask, other=-2105376126)
-    return (word << (24 - 8 * (o & 3)).to(tl.int32)) >> 24
-
-
-@triton.jit
-def fp8_pv(p, v_exp, v, dot_dtype):
-    """p @ (2^v_exp * v) for an e4m3 tile v: the rows' powers of two go on p relative to the tile's largest,
-    so p stays in [0, 1] within fp16's range, and that largest multiplies the product."""
-    v_ref = tl.max(v_exp, 0)
-    p_v = p * pow2(tl.maximum(v_exp - v_ref, -127))[None, :]
-    return tl.dot(p_v.to(dot_dtype), v.to(dot_dtype)) * pow2(v_ref)
-
-
-def scale_args(k_cache, v_cache, scales, *, read=False) -> dict:
-    """The kernels' arguments for an fp8 cache's exponents (none for any other cache); checks them.
-    `read`: also the exponents' addresses mod 4, for the kernels that read them (`load_exponents`)."""
+def scale_args(k_cache, v_cache, scales) -> dict:
+    """The kernels' arguments for an fp8 cache's exponents (none for any other cache); checks them."""
     if check_scales(k_cache, v_cache, scales) is None:
         return {}
     k_scale, v_scale = scales
-    args = dict(ks_ptr=k_scale, vs_ptr=v_scale, stride_sb=k_scale.stride(0), stride_st=k_scale.stride(1),
+    return dict(ks_ptr=k_scale, vs_ptr=v_scale, stride_sb=k_scale.stride(0), stride_st=k_scale.stride(1),
                 stride_sh=k_scale.stride(2), FP8=True)
-    if read:
-        args.update(ks_mis=k_scale.data_ptr() % 4, vs_mis=v_scale.data_ptr() % 4)
-    return args
 
 
 @triton.jit
@@ -352,7 +303,7 @@ def _decode_split_kernel(
     S_PAD: tl.constexpr, FLAT_MERGE: tl.constexpr, EARLY_V: tl.constexpr, ONE_LOAD: tl.constexpr,
     kn_ptr=None, vn_ptr=None, cos_ptr=None, sin_ptr=None, stride_knb=0, stride_knh=0, stride_vnb=0, stride_vnh=0,
     stride_cos=0, ROPE: tl.constexpr = False,
-    ks_ptr=None, vs_ptr=None, stride_sb=0, stride_st=0, stride_sh=0, ks_mis=0, vs_mis=0, FP8: tl.constexpr = False,
+    ks_ptr=None, vs_ptr=None, stride_sb=0, stride_st=0, stride_sh=0, FP8: tl.constexpr = False,
 ):
     split = tl.program_id(0)
     hk = tl.program_id(1)
@@ -418,9 +369,6 @@ def _decode_split_kernel(
                     tl.store(k_ptr + row_new + d, (k_a * cos + k_b * sin).to(k_ptr.dtype.element_ty), mask=dmask)
                     tl.store(v_dst, v_new.to(v_ptr.dtype.element_ty), mask=dmask)
                 tl.debug_barrier()
-        if FP8:
-            q_dot, q_pow = fp8_query(q)
-            qk_scale_q = qk_scale * q_pow
         for n0 in range(start, end, BLOCK_N):
             pos = n0 + tl.arange(0, BLOCK_N)
             valid = pos < end
@@ -435,15 +383,15 @@ def _decode_split_kernel(
             if FP8:
                 # [BLOCK_N] the rows' exponents
                 s_off = page * stride_sb + (pos % PAGE) * stride_st + hk * stride_sh
-                k_exp = load_exponents(ks_ptr, ks_mis, s_off, valid)
+                k_exp = tl.load(ks_ptr + s_off, mask=valid, other=0)
             if EARLY_V:
                 v_off = page * stride_vb + (pos % PAGE) * stride_vt + hk * stride_vh
                 v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=kvmask, other=0.0)
                 if FP8:
-                    v_exp = load_exponents(vs_ptr, vs_mis, s_off, valid)
+                    v_exp = tl.load(vs_ptr + s_off, mask=valid, other=0)
             # [G_PAD, BLOCK_N] scores in log2 units
             if FP8:
-                qk = tl.dot(q_dot, tl.trans(k.to(q_dot.dtype))) * (pow2(k_exp) * qk_scale_q)[None, :]
+                qk = tl.dot(q, tl.trans(k.to(q.dtype))) * (pow2(k_exp.to(tl.int32)) * qk_scale)[None, :]
             else:
                 qk = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale
             qk = tl.where(valid[None, :], qk, float("-inf"))
@@ -455,10 +403,11 @@ def _decode_split_kernel(
                 v_off = page * stride_vb + (pos % PAGE) * stride_vt + hk * stride_vh
                 v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=kvmask, other=0.0)
                 if FP8:
-                    v_exp = load_exponents(vs_ptr, vs_mis, s_off, valid)
+                    v_exp = tl.load(vs_ptr + s_off, mask=valid, other=0)
             if FP8:
                 # p_j 2^e_j v8_j: the rows' powers of two on the probabilities, l_i left unscaled.
-                acc = acc * alpha[:, None] + fp8_pv(p, v_exp, v, q_dot.dtype)
+                p_v = p * pow2(v_exp.to(tl.int32))[None, :]
+                acc = acc * alpha[:, None] + tl.dot(p_v.to(q.dtype), v.to(q.dtype))
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
             m_i = m_new
@@ -566,7 +515,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *
     """
     batch, num_q_heads, head_dim = q.shape
     check_cache(k_cache, v_cache)
-    fp8 = scale_args(k_cache, v_cache, scales, read=True)
+    fp8 = scale_args(k_cache, v_cache, scales)
     num_kv_heads = k_cache.shape[2]
     if num_q_heads % num_kv_heads != 0:
         raise ValueError(f"Hq={num_q_heads} is not a multiple of Hkv={num_kv_heads}")
@@ -585,7 +534,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *
     if out.stride(-1) != 1 or out.shape != q.shape:
         raise ValueError("paged_decode_attention: out must be [B, Hq, D] with a contiguous last dimension")
     spec = _variant(workspace.variant)
-    cfg = config or decode_config(head_dim, workspace.variant, fp8=bool(fp8))
+    cfg = config or decode_config(head_dim, workspace.variant)
     splits = workspace.num_splits
     lse, part, cnt = workspace.lse, workspace.partial, workspace.counters
     g_r = triton.next_power_of_2(group)
@@ -641,7 +590,7 @@ def _prefill_kernel(
     stride_ot, stride_oh,
     G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, SPLITS: tl.constexpr,
-    ks_ptr=None, vs_ptr=None, stride_sb=0, stride_st=0, stride_sh=0, ks_mis=0, vs_mis=0, FP8: tl.constexpr = False,
+    ks_ptr=None, vs_ptr=None, stride_sb=0, stride_st=0, stride_sh=0, FP8: tl.constexpr = False,
 ):
     # Query tiles in reverse so the longest causal tiles start first and the tail is short.
     m_block = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -669,9 +618,6 @@ def _prefill_kernel(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
         bt_row = bt_ptr + b.to(tl.int64) * stride_btb
-        if FP8:
-            q_dot, q_pow = fp8_query(q)
-            qk_scale_q = qk_scale * q_pow
         if CAUSAL:
             # Tiles wholly at or before the tile's first query position need no mask.
             full_end = (prefix + m_start + 1) // BLOCK_N * BLOCK_N
@@ -697,9 +643,9 @@ def _prefill_kernel(
                 v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=d[None, :] < D, other=0.0)
             if FP8:
                 s_off = page * stride_sb + (pos % PAGE) * stride_st + hk * stride_sh
-                k_exp = load_exponents(ks_ptr, ks_mis, s_off)
-                v_exp = load_exponents(vs_ptr, vs_mis, s_off)
-                qk = tl.dot(q_dot, tl.trans(k.to(q_dot.dtype))) * (pow2(k_exp) * qk_scale_q)[None, :]
+                k_pow = pow2(tl.load(ks_ptr + s_off).to(tl.int32))
+                v_pow = pow2(tl.load(vs_ptr + s_off).to(tl.int32))
+                qk = tl.dot(q, tl.trans(k.to(q.dtype))) * (k_pow * qk_scale)[None, :]
             else:
                 qk = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale
             m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -707,7 +653,7 @@ def _prefill_kernel(
             p = tl.exp2(qk - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             if FP8:
-                acc = acc * alpha[:, None] + fp8_pv(p, v_exp, v, q_dot.dtype)
+                acc = acc * alpha[:, None] + tl.dot((p * v_pow[None, :]).to(q.dtype), v.to(q.dtype))
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
             m_i = m_new
@@ -726,9 +672,9 @@ def _prefill_kernel(
             v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=kvmask, other=0.0)
             if FP8:
                 s_off = page * stride_sb + (pos % PAGE) * stride_st + hk * stride_sh
-                k_exp = load_exponents(ks_ptr, ks_mis, s_off, valid)
-                v_exp = load_exponents(vs_ptr, vs_mis, s_off, valid)
-                qk = tl.dot(q_dot, tl.trans(k.to(q_dot.dtype))) * (pow2(k_exp) * qk_scale_q)[None, :]
+                k_pow = pow2(tl.load(ks_ptr + s_off, mask=valid, other=0).to(tl.int32))
+                v_pow = pow2(tl.load(vs_ptr + s_off, mask=valid, other=0).to(tl.int32))
+                qk = tl.dot(q, tl.trans(k.to(q.dtype))) * (k_pow * qk_scale)[None, :]
             else:
                 qk = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale
             if CAUSAL:
@@ -745,7 +691,7 @@ def _prefill_kernel(
             p = tl.exp2(qk - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             if FP8:
-                acc = acc * alpha[:, None] + fp8_pv(p, v_exp, v, q_dot.dtype)
+                acc = acc * alpha[:, None] + tl.dot((p * v_pow[None, :]).to(q.dtype), v.to(q.dtype))
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
             m_i = m_new
@@ -798,7 +744,7 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seql
     """
     total_q, num_q_heads, head_dim = q.shape
     check_cache(k_cache, v_cache)
-    fp8 = scale_args(k_cache, v_cache, scales, read=True)
+    fp8 = scale_args(k_cache, v_cache, scales)
     num_kv_heads = k_cache.shape[2]
     if num_q_heads % num_kv_heads != 0:
         raise ValueError(f"Hq={num_q_heads} is not a multiple of Hkv={num_kv_heads}")
@@ -810,7 +756,7 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seql
         return out
     if max_seqlen_q is None:
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
-    cfg = config or prefill_config(head_dim, fp8=bool(fp8))
+    cfg = config or prefill_config(head_dim)
     block_m = min(cfg.block_m, max(16, triton.next_power_of_2(max(max_seqlen_q, 1))))
     m_blocks = triton.cdiv(max(max_seqlen_q, 1), block_m)
     page = k_cache.shape[1]
