@@ -93,8 +93,9 @@ for s in "$@"; do
         --quant none,int8,int4-rtn,int4 ${QQ_ARGS:---time-budget 90 --task-docs 40 --mp-iterations= --genppl-prompts 0 --calib-sequences 64 --eval-args dtype=bfloat16,max_length=512,batch_size=32} ;;
     compare-ref) stage compare_ref 300 python3 -m decoders.compare --no-progress --impl ref \
         --models llama-1b,mamba2-1.3b,rwkv7-1.5b --ctx 4k..128k --batch 1 --new-tokens 16 --out "$out/compare_ref.jsonl" ;;
-    # GPU_TEST_WORKERS=N: N pytest processes (pytest-xdist) share the GPU, so Triton compiles on N cores.
-    gpu-tests) stage gpu_tests "${TEST_LIMIT:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short -rf \
+    # GPU_TEST_WORKERS=N: N pytest processes (pytest-xdist) share the GPU, so Triton compiles on N cores;
+    # -v names each test as it ends, so a run stopped by its limit still says which passed.
+    gpu-tests) stage gpu_tests "${TEST_LIMIT:-240}" python3 -m pytest -v -m gpu -p no:cacheprovider --tb=short -rf \
         ${GPU_TEST_WORKERS:+-n $GPU_TEST_WORKERS} ${GPU_TESTS:?GPU_TESTS: the test files} ;;
     # The graphed decode step of the baseline tree AB_BEFORE against this one (tokens and step times).
     version-ab) stage version_ab "${AB_LIMIT:-330}" python3 -m declab_bench.version_ab "$out/version_ab.jsonl" \
@@ -104,7 +105,7 @@ for s in "$@"; do
         --ctx "${FP8_CTX:-128k}" --batch 1 --kv-dtype bf16,fp8 --out "$out/compare_kv_fp8.jsonl" ;;
     # The persistent decode step (issue 35, llama, Mamba-2 and RWKV-7): its GPU tests; then against the graphed step, then its timeline
     # (PERSIST_MODELS, PERSIST_CTX and PERSIST_TIMELINE_MODELS narrow the sweep).
-    persistent-tests) stage tests_persistent "${PERSIST_TEST_LIMIT:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short -rf \
+    persistent-tests) stage tests_persistent "${PERSIST_TEST_LIMIT:-240}" python3 -m pytest -v -m gpu -p no:cacheprovider --tb=short -rf \
         ${GPU_TEST_WORKERS:+-n $GPU_TEST_WORKERS} tests/decoders/test_persistent_families.py \
         tests/kernels/test_persistent_step.py tests/bench/test_persistent_timeline.py ;;
     persistent)
