@@ -80,11 +80,16 @@ def compile_step(step) -> tuple[dict, Path]:
 
 
 def loops(cubin: Path) -> list[dict]:
-    """Inner loops (a backward branch over at most 1000 instructions with 8 or more FFMAs) and their global loads."""
+    """`sass_loops` of the cubin's SASS (cuobjdump from Triton's CUDA tools)."""
     from triton import knobs
 
     cuobjdump = Path(knobs.nvidia.ptxas.path).with_name("cuobjdump")
-    sass = subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    return sass_loops(subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout)
+
+
+def sass_loops(sass: str) -> list[dict]:
+    """Inner loops of SASS text (a backward branch over at most 1000 instructions with 8 or more FFMAs)
+    and their global loads: waited (its destination read later in the body) or in flight across the back edge."""
     ins = [(int(m.group(1), 16), m.group(2)) for m in (re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line) for line in sass.splitlines()) if m]
     at = {a: i for i, (a, _) in enumerate(ins)}
     found = []

@@ -1,0 +1,24 @@
+"""`declab_bench.persistent_compile`'s SASS reading: which of a loop's global loads are waited on in the
+iteration that issued them, on a hand-written SASS loop."""
+
+from declab_bench.persistent_compile import sass_loops
+
+
+def sass(lines):
+    return "\n".join(f"        /*{16 * i:04x}*/                   {line} ;" for i, line in enumerate(lines))
+
+
+def test_a_load_read_in_its_iteration_is_waited_one_not_read_there_is_in_flight():
+    body = ["LDG.E.128 R4, desc[UR4][R2.64]",     # R4..R7, R5 read below: waited
+            "LDG.E.64 R12, desc[UR4][R8.64]",     # never read in the body: in flight
+            "@P0 LDG.E R20, desc[UR4][R10.64]"] + ["FFMA R30, R5, R31, R30"] * 8 + [
+            "STG.E desc[UR4][R10.64], R20",      # a store reads its value: waited
+            "STL [R1], R30",                      # a spill store (of no load's register)
+            "BRA 0x0000"]
+    (loop,) = sass_loops(sass(body))
+    assert loop == dict(start="0x0", instructions=len(body), loads_waited=2, loads_in_flight=1, spill_ops=1)
+
+
+def test_forward_branches_and_loops_without_arithmetic_are_not_loops():
+    assert sass_loops(sass(["LDG.E R4, desc[UR4][R2.64]", "BRA 0x0040", "FFMA R5, R4, R4, R5"])) == []
+    assert sass_loops(sass(["LDG.E R4, desc[UR4][R2.64]", "IADD3 R2, R2, 4, RZ", "BRA 0x0000"])) == []
