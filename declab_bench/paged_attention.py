@@ -5,7 +5,7 @@
 Measures the copy-bandwidth ceiling, then write_kv (Triton vs index_copy_), decode (contexts 4k,
 32k, 128k x batch 1, 16, 64 x head dim 64 and 128, Hq=32, Hkv=8, pages 16 and 128; SDPA and
 compiled FlexAttention over contiguous K/V as peers) and causal prefill (4k, 16k, 32k tokens,
-batch 1, D=128, beside SDPA's flash backend), then small tile/split sweeps and the batch-1 decode
+batch 1, D=128 and D=64 (llama-1b's), beside SDPA's flash backend), then small tile/split sweeps and the batch-1 decode
 variant "long" while time remains. `--sections decode,variants --decode-batches 1` runs only the
 batch-1 decode points and the variant (about 30 s).
 write_kv and decode are timed per call inside a CUDA graph of 16 calls (one per simulated layer)
@@ -36,7 +36,7 @@ DECODE_DIMS = (128, 64)
 SECTIONS = ("write_kv", "decode", "prefill", "decode_tuning", "variants", "prefill_tuning")
 PAGES = (16, 128)
 PREFILL_T = (4096, 16384, 32768)
-PREFILL_D = 128
+PREFILL_DIMS = (128, 64)
 WRITE_N = (64, 16384)
 TUNE_CTX = (4096, 32768)
 # Decode is timed as one model step would run it: a CUDA graph of LAYERS calls, each over its own
@@ -300,34 +300,35 @@ def prefill_ref_rows(q, k, v, rows, scale):
     return torch.einsum("hgnl,lhd->nhgd", scores.softmax(-1), v.float()).reshape(len(rows), HQ, -1)
 
 
-def prefill_case(bench, t, page):
-    """Random q and K/V of one causal prefill of t tokens; K/V written into a paged cache by write_kv."""
+def prefill_case(bench, t, page, d):
+    """Random q and K/V (head dim d) of one causal prefill of t tokens; K/V written into a paged cache by write_kv."""
     dev = bench.device
-    k = torch.randn(t, HKV, PREFILL_D, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(t, HKV, d, device=dev, dtype=torch.bfloat16)
     v = torch.randn_like(k)
-    q = torch.randn(t, HQ, PREFILL_D, device=dev, dtype=torch.bfloat16)
-    k_cache = torch.empty(t // page, page, HKV, PREFILL_D, device=dev, dtype=torch.bfloat16)
+    q = torch.randn(t, HQ, d, device=dev, dtype=torch.bfloat16)
+    k_cache = torch.empty(t // page, page, HKV, d, device=dev, dtype=torch.bfloat16)
     v_cache = torch.empty_like(k_cache)
     block_tables = torch.randperm(t // page, device=dev).view(1, -1).to(torch.int32)
     pos = torch.arange(t, device=dev)
     pa.write_kv(k, v, k_cache, v_cache, block_tables[0].long()[pos // page] * page + pos % page, impl="triton")
     rows = torch.cat([torch.arange(0, 64), torch.arange(t // 2, t // 2 + 64), torch.arange(t - 64, t)]).to(dev)
-    want = prefill_ref_rows(q, k, v, rows, PREFILL_D**-0.5)
+    want = prefill_ref_rows(q, k, v, rows, d**-0.5)
     return q, k, v, k_cache, v_cache, block_tables, rows, want
 
 
 def run_prefill_config(bench, op, t, page, cfg, case):
     """Check then time the Triton prefill with tiles `cfg`; one record."""
     q, _, _, k_cache, v_cache, block_tables, rows, want = case
+    d = q.shape[-1]
     cu = torch.tensor([0, t], dtype=torch.int32, device=bench.device)
     lens = torch.tensor([t], dtype=torch.int32, device=bench.device)
-    flops = 4 * t * t * HQ * PREFILL_D / 2
-    record = dict(op=op, impl="triton", B=1, ctx=t, D=PREFILL_D, Hq=HQ, Hkv=HKV, page=page, causal=True,
+    flops = 4 * t * t * HQ * d / 2
+    record = dict(op=op, impl="triton", B=1, ctx=t, D=d, Hq=HQ, Hkv=HKV, page=page, causal=True,
                   block_m=cfg.block_m, block_n=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                   ceiling="sdpa_flash")
 
     def run():
-        return tri.paged_prefill_attention(q, k_cache, v_cache, block_tables, lens, cu, PREFILL_D**-0.5,
+        return tri.paged_prefill_attention(q, k_cache, v_cache, block_tables, lens, cu, d**-0.5,
                                            causal=True, max_seqlen_q=t, config=cfg)
 
     try:
@@ -339,17 +340,17 @@ def run_prefill_config(bench, op, t, page, cfg, case):
     ok = err < TOL and not torch.isnan(got).any().item()
     ms = timing.time_ms(run, warmup=3, iters=10) if ok else None
     tflops = flops / ms / 1e9 if ms else None
-    sdpa = bench.sdpa_tflops.get(t)
+    sdpa = bench.sdpa_tflops.get((t, d))
     bench.emit(ms=ms, TFLOPs=tflops, frac=tflops / sdpa if tflops and sdpa else None, ok=ok, rel_rms=err, **record)
 
 
 def bench_prefill(bench):
-    """Causal prefill, batch 1, D=128: SDPA's flash backend, then the Triton kernel per page size."""
-    scale = PREFILL_D**-0.5
-    for t in PREFILL_T:
-        flops = 4 * t * t * HQ * PREFILL_D / 2
+    """Causal prefill, batch 1, per head dim in PREFILL_DIMS: SDPA's flash backend, then the Triton kernel per page size."""
+    for d, t in ((d, t) for d in PREFILL_DIMS for t in PREFILL_T):
+        scale = d**-0.5
+        flops = 4 * t * t * HQ * d / 2
         for page in PAGES:
-            case = prefill_case(bench, t, page)
+            case = prefill_case(bench, t, page, d)
             if page == PAGES[0]:
                 q, k, v, _, _, _, rows, want = case
                 qs, ks, vs = (x.transpose(0, 1)[None].contiguous() for x in (q, k, v))
@@ -371,23 +372,26 @@ def bench_prefill(bench):
                 ok = rel_rms(got[rows], want) < TOL
                 ms = timing.time_ms(sdpa, warmup=3, iters=10) if ok else None
                 if ms:
-                    bench.sdpa_tflops[t] = flops / ms / 1e9
-                bench.emit(op="prefill", impl="sdpa_flash", B=1, ctx=t, D=PREFILL_D, Hq=HQ, Hkv=HKV, causal=True,
-                           ms=ms, TFLOPs=bench.sdpa_tflops.get(t), frac=1.0 if ms else None, ok=ok, note=note,
+                    bench.sdpa_tflops[(t, d)] = flops / ms / 1e9
+                bench.emit(op="prefill", impl="sdpa_flash", B=1, ctx=t, D=d, Hq=HQ, Hkv=HKV, causal=True,
+                           ms=ms, TFLOPs=bench.sdpa_tflops.get((t, d)), frac=1.0 if ms else None, ok=ok, note=note,
                            ceiling="sdpa_flash")
                 del qs, ks, vs, got
-            run_prefill_config(bench, "prefill", t, page, tri.prefill_config(PREFILL_D), case)
+            run_prefill_config(bench, "prefill", t, page, tri.prefill_config(d), case)
             del case
             torch.cuda.empty_cache()
 
 
 def bench_prefill_tuning(bench, t=16384, page=16):
-    """A few other prefill tile shapes at one length (configs that do not fit are recorded as skipped)."""
-    case = prefill_case(bench, t, page)
-    for c in ((128, 128, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 2), (64, 32, 4, 4)):
-        if bench.elapsed() > bench.budget_s:
-            return
-        run_prefill_config(bench, "prefill_tuning", t, page, tri.KernelConfig(*c), case)
+    """A few other prefill tile shapes at one length, per head dim (configs that do not fit are recorded as skipped)."""
+    for d in PREFILL_DIMS:
+        case = prefill_case(bench, t, page, d)
+        for c in ((128, 128, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 2), (64, 32, 4, 4),
+                  (128, 128, 4, 3), (128, 64, 8, 3), (128, 64, 4, 4)):
+            if bench.elapsed() > bench.budget_s:
+                return
+            run_prefill_config(bench, "prefill_tuning", t, page, tri.KernelConfig(*c), case)
+        del case
 
 
 def compiled_flex():
