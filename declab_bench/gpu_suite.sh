@@ -3,7 +3,7 @@
 # bounded in time, results under OUT_DIR (JSON lines, one file per benchmark) and every stage's
 # output in OUT_DIR/suite.log (few files: the machine's transfer back counts them).
 #
-#   declab_bench/gpu_suite.sh OUT_DIR tests fused profile gemv kernels wkv7 compare-triton compare-8b compare-batch peers ablation quant-quality compare-ref
+#   declab_bench/gpu_suite.sh OUT_DIR tests fused profile gemv kernels prefill wkv7 compare-triton compare-8b compare-batch peers ablation quant-quality compare-ref
 #   declab_bench/gpu_suite.sh OUT_DIR gpu-tests version-ab quant-gemv compare-quant kv-fp8 persistent-tests persistent   (GPU_TESTS: the test files; AB_BEFORE: the baseline tree)
 #
 # Triton's compiled kernels and the GEMV picks can outlive a machine: the stage save-cache packs the
@@ -66,6 +66,8 @@ for s in "$@"; do
       stage paged_attention 170 python3 -m declab_bench.paged_attention --budget-s 120 --flex-budget-s 80 --out "$out/paged_attention.jsonl"
       stage ssd 120 python3 -m declab_bench.ssd --out "$out/ssd.jsonl"
       stage wkv7 120 python3 -m declab_bench.wkv7 --out "$out/wkv7.jsonl" ;;
+    # The causal prefill against SDPA's flash backend at D 128 and 64, and the tile sweep (issue 33's TTFT item).
+    prefill) stage prefill "${PREFILL_LIMIT:-180}" python3 -m declab_bench.paged_attention --sections prefill,prefill_tuning --budget-s 150 --out "$out/paged_attention.jsonl" ;;
     wkv7) stage wkv7 "${WKV7_LIMIT:-150}" python3 -m declab_bench.wkv7 --out "$out/wkv7.jsonl" ${WKV7_ARGS:-} ;;
     gemv) stage gemv 120 python3 -m declab_bench.gemv --out "$out/gemv.jsonl" ;;
     compare-batch) stage compare_batch 240 python3 -m decoders.compare --no-progress --impl triton \
