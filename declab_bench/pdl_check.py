@@ -182,7 +182,6 @@ def _signature(fn, ptrs, floats, consts):
 def compile_one(fn, ptrs, floats, consts, options, unaligned=(), ptx_version=None):
     """(ptx, sass, registers, spill stores/loads, shared memory bytes) of one sm_90 compile."""
     import triton
-    from triton import knobs
     from triton.backends.compiler import GPUTarget
 
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
@@ -194,8 +193,17 @@ def compile_one(fn, ptrs, floats, consts, options, unaligned=(), ptx_version=Non
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
              if sig[n].startswith("*") or (sig[n] == "i32" and n not in unaligned)}
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(options))
-    ptx = k.asm["ptx"]
+    ptx, sass, regs, spills, shared = assemble(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(options)), ptx_version)
+    return ptx, sass, regs, "?" if spills is None else f"{spills[0]}/{spills[1]}", shared
+
+
+def assemble(kernel, ptx_version=None):
+    """(ptx, sass, registers, (spill store bytes, spill load bytes) or None, shared memory bytes) of a
+    compiled Triton kernel, its PTX assembled for sm_90a by Triton's ptxas (with its `.version` set to
+    `ptx_version` first, when given) and disassembled by the cuobjdump beside it."""
+    from triton import knobs
+
+    ptx = kernel.asm["ptx"]
     with tempfile.TemporaryDirectory() as d:
         p = Path(d) / "k.ptx"
         p.write_text(ptx if ptx_version is None else re.sub(r"^\.version \S+", f".version {ptx_version}", ptx, flags=re.M))
@@ -210,7 +218,7 @@ def compile_one(fn, ptrs, floats, consts, options, unaligned=(), ptx_version=Non
     regs = re.search(r"Used (\d+) registers", log)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     return (ptx, sass, int(regs.group(1)) if regs else None,
-            f"{spills.group(1)}/{spills.group(2)}" if spills else "?", k.metadata.shared)
+            (int(spills.group(1)), int(spills.group(2))) if spills else None, kernel.metadata.shared)
 
 
 def _body(ptx):
@@ -252,17 +260,24 @@ def memory_order(sass):
     return " ".join(op if n == 1 else f"{op} x{n}" for op, n in runs)
 
 
-def loop_mix(sass):
-    """(instructions, Counter of opcodes) of the longest loop in `sass`: from the target of a backward
-    BRA to the branch itself; (0, empty) without a loop. Predicates and opcode modifiers dropped."""
+def sass_loops(sass):
+    """[(start address, instruction texts)] of every loop in `sass`: from the target of a backward BRA
+    to the branch itself, in the order of the branches."""
     ins = [(int(m.group(1), 16), m.group(2)) for m in
            (re.search(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line) for line in sass.splitlines()) if m]
     at = {addr: i for i, (addr, _) in enumerate(ins)}
-    body = []
+    found = []
     for i, (addr, text) in enumerate(ins):
         m = re.search(r"\bBRA (0x[0-9a-f]+)", text)
-        if m and int(m.group(1), 16) < addr and int(m.group(1), 16) in at and i + 1 - at[int(m.group(1), 16)] > len(body):
-            body = [t for _, t in ins[at[int(m.group(1), 16)]:i + 1]]
+        if m and int(m.group(1), 16) < addr and int(m.group(1), 16) in at:
+            found.append((int(m.group(1), 16), [t for _, t in ins[at[int(m.group(1), 16)]:i + 1]]))
+    return found
+
+
+def loop_mix(sass):
+    """(instructions, Counter of opcodes) of the longest loop in `sass` (`sass_loops`); (0, empty)
+    without a loop. Predicates and opcode modifiers dropped."""
+    body = max((b for _, b in sass_loops(sass)), key=len, default=[])
     return len(body), collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)
 
 

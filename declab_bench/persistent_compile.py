@@ -16,13 +16,11 @@ that issued it) and how many stay in flight across it. Last stdout line: one JSO
 import argparse
 import json
 import re
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 
 import decoders
+from declab_bench import pdl_check
 from declab_kernels import paged_attention
 from declab_kernels.persistent_step import launch
 
@@ -42,10 +40,9 @@ def build(model: str, programs: int, splits: int):
     return dec.persistent_step(cache, programs=programs)
 
 
-def compile_step(step) -> tuple[dict, Path]:
-    """The kernel of `step` compiled and assembled: its figures and the cubin's path."""
+def compile_step(step) -> tuple[dict, str]:
+    """The kernel of `step` compiled and assembled: its figures and its SASS."""
     import triton
-    from triton import knobs
     from triton.backends.compiler import GPUTarget
 
     fn = step.kernel
@@ -65,39 +62,20 @@ def compile_step(step) -> tuple[dict, Path]:
             attrs[(i,)] = [["tt.divisibility", 16]]
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 64), options=dict(num_warps=launch.NUM_WARPS, maxnreg=launch.MAX_REGISTERS))
-    d = Path(tempfile.mkdtemp())
-    (d / "k.ptx").write_text(re.sub(r"\.version \d+\.\d+", ".version 8.8", k.asm["ptx"], count=1))
-    res = subprocess.run([knobs.nvidia.ptxas.path, "-arch=sm_90a", "-v", str(d / "k.ptx"), "-o", str(d / "k.o")],
-                         capture_output=True, text=True, check=True)
-    regs = int(re.search(r"Used (\d+) registers", res.stderr).group(1))
-    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", res.stderr)
-    shared = k.metadata.shared
+    _, sass, regs, (spill_stores, spill_loads), shared = pdl_check.assemble(k, ptx_version="8.8")
     per_warp = -(-regs * 32 // 256) * 256
     resident = min(launch.REGISTERS_PER_SM // per_warp // launch.NUM_WARPS, 2048 // (32 * launch.NUM_WARPS),
                    SHARED_PER_SM // (shared + 1024), launch.MAX_PROGRAMS_PER_SM)
-    return dict(registers=regs, spill_stores=int(spill.group(1)), spill_loads=int(spill.group(2)), shared=shared,
-                programs_per_sm=resident), d / "k.o"
+    return dict(registers=regs, spill_stores=spill_stores, spill_loads=spill_loads, shared=shared,
+                programs_per_sm=resident), sass
 
 
-def loops(cubin: Path) -> list[dict]:
-    """`sass_loops` of the cubin's SASS (cuobjdump from Triton's CUDA tools)."""
-    from triton import knobs
-
-    cuobjdump = Path(knobs.nvidia.ptxas.path).with_name("cuobjdump")
-    return sass_loops(subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout)
-
-
-def sass_loops(sass: str) -> list[dict]:
-    """Inner loops of SASS text (a backward branch over at most 1000 instructions with 8 or more FFMAs)
-    and their global loads: waited (its destination read later in the body) or in flight across the back edge."""
-    ins = [(int(m.group(1), 16), m.group(2)) for m in (re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line) for line in sass.splitlines()) if m]
-    at = {a: i for i, (a, _) in enumerate(ins)}
+def loops(sass: str) -> list[dict]:
+    """Inner loops of SASS text (`pdl_check.sass_loops` over at most 1000 instructions with 8 or more
+    FFMAs) and their global loads: waited (its destination read later in the body) or in flight across
+    the back edge."""
     found = []
-    for i, (a, op) in enumerate(ins):
-        target = re.findall(r"BRA.*0x([0-9a-f]+)", op)
-        if not target or int(target[-1], 16) >= a or int(target[-1], 16) not in at:
-            continue
-        body = [s for _, s in ins[at[int(target[-1], 16)]:i + 1]]
+    for start, body in pdl_check.sass_loops(sass):
         if len(body) > 1000 or sum("FFMA" in s for s in body) < 8:
             continue
         waited = carried = spills = 0
@@ -115,8 +93,7 @@ def sass_loops(sass: str) -> list[dict]:
                 waited += 1
             else:
                 carried += 1
-        found.append(dict(start=hex(int(target[-1], 16)), instructions=len(body), loads_waited=waited, loads_in_flight=carried,
-                          spill_ops=spills))
+        found.append(dict(start=hex(start), instructions=len(body), loads_waited=waited, loads_in_flight=carried, spill_ops=spills))
     return found
 
 
@@ -129,8 +106,8 @@ def main(argv=None) -> None:
     out = {}
     for model in args.models.split(","):
         step = build(model, args.programs, args.splits)
-        figures, cubin = compile_step(step)
-        out[model] = dict(tiles=vars(step.tiles), **figures, loops=loops(cubin))
+        figures, sass = compile_step(step)
+        out[model] = dict(tiles=vars(step.tiles), **figures, loops=loops(sass))
         print(model, json.dumps(out[model]), flush=True)
     print(json.dumps(out))
 

@@ -1,7 +1,7 @@
 """`declab_bench.persistent_compile`'s SASS reading: which of a loop's global loads are waited on in the
 iteration that issued them, on a hand-written SASS loop."""
 
-from declab_bench.persistent_compile import sass_loops
+from declab_bench.persistent_compile import loops
 
 
 def sass(lines):
@@ -15,10 +15,10 @@ def test_a_load_read_in_its_iteration_is_waited_one_not_read_there_is_in_flight(
             "STG.E desc[UR4][R10.64], R20",      # a store reads its value: waited
             "STL [R1], R30",                      # a spill store (of no load's register)
             "BRA 0x0000"]
-    (loop,) = sass_loops(sass(body))
+    (loop,) = loops(sass(body))
     assert loop == dict(start="0x0", instructions=len(body), loads_waited=2, loads_in_flight=1, spill_ops=1)
 
 
 def test_forward_branches_and_loops_without_arithmetic_are_not_loops():
-    assert sass_loops(sass(["LDG.E R4, desc[UR4][R2.64]", "BRA 0x0040", "FFMA R5, R4, R4, R5"])) == []
-    assert sass_loops(sass(["LDG.E R4, desc[UR4][R2.64]", "IADD3 R2, R2, 4, RZ", "BRA 0x0000"])) == []
+    assert loops(sass(["LDG.E R4, desc[UR4][R2.64]", "BRA 0x0040", "FFMA R5, R4, R4, R5"])) == []
+    assert loops(sass(["LDG.E R4, desc[UR4][R2.64]", "IADD3 R2, R2, 4, RZ", "BRA 0x0000"])) == []
