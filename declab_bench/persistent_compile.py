@@ -13,14 +13,17 @@ are read before the loop's back edge (a load read there, even by a move, is wait
 that issued it) and how many stay in flight across it. Last stdout line: one JSON document.
 """
 
-import argparse
 import json
+import os
 import re
+import sys
 
 import torch
 
 import decoders
 from declab_bench import pdl_check
+from decoders import UsageError
+from decoders.cli import Parser, run_command
 from declab_kernels import paged_attention
 from declab_kernels.persistent_step import launch
 
@@ -97,20 +100,37 @@ def loops(sass: str) -> list[dict]:
     return found
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", default="llama-1b,mamba2-1.3b,rwkv7-1.5b")
-    p.add_argument("--programs", type=int, default=264, help="P (default 264: two programs on each of an H200's 132 SMs)")
-    p.add_argument("--splits", type=int, default=32, help="key splits of a transformer's attention (default 32: an H200 at 4k)")
-    args = p.parse_args(argv)
+def run(args) -> int:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise UsageError("unset TRITON_INTERPRET: the check compiles for sm_90")
+    if args.programs < 1 or args.splits < 1:
+        raise UsageError(f"--programs and --splits must be at least 1, got {args.programs} and {args.splits}")
+    models = [m for m in args.models.split(",") if m]
+    for model in models:
+        family = decoders.check_model(model, context=CTX)
+        if family not in ("transformer", "mamba2", "rwkv7"):
+            raise UsageError(f"{model} ({family}) has no persistent step (transformer, mamba2 and rwkv7 models only)")
     out = {}
-    for model in args.models.split(","):
+    for model in models:
         step = build(model, args.programs, args.splits)
         figures, sass = compile_step(step)
         out[model] = dict(tiles=vars(step.tiles), **figures, loops=loops(sass))
         print(model, json.dumps(out[model]), flush=True)
     print(json.dumps(out))
+    return 0
+
+
+def build_parser():
+    p = Parser(prog="python -m declab_bench.persistent_compile", description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="llama-1b,mamba2-1.3b,rwkv7-1.5b", help="llama, Mamba-2 or RWKV-7 presets (comma list)")
+    p.add_argument("--programs", type=int, default=264, help="P (default 264: two programs on each of an H200's 132 SMs)")
+    p.add_argument("--splits", type=int, default=32, help="key splits of a transformer's attention (default 32: an H200 at 4k)")
+    return p
+
+
+def main(argv=None) -> int:
+    return run_command(build_parser, run, argv)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

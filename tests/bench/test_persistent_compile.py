@@ -1,5 +1,7 @@
 """`declab_bench.persistent_compile`'s SASS reading: which of a loop's global loads are waited on in the
-iteration that issued them, on a hand-written SASS loop."""
+iteration that issued them, on a hand-written SASS loop; and its command's refusals."""
+
+import pytest
 
 from declab_bench.persistent_compile import loops
 
@@ -22,3 +24,21 @@ def test_a_load_read_in_its_iteration_is_waited_one_not_read_there_is_in_flight(
 def test_forward_branches_and_loops_without_arithmetic_are_not_loops():
     assert loops(sass(["LDG.E R4, desc[UR4][R2.64]", "BRA 0x0040", "FFMA R5, R4, R4, R5"])) == []
     assert loops(sass(["LDG.E R4, desc[UR4][R2.64]", "IADD3 R2, R2, 4, RZ", "BRA 0x0000"])) == []
+
+
+@pytest.mark.parametrize("args, env, message", [
+    (["--models", "no-such-preset"], {}, "no-such-preset"),
+    (["--models", "maskpredict-tiny"], {}, "no persistent step"),
+    (["--programs", "0"], {}, "at least 1"),
+    ([], {"TRITON_INTERPRET": "1"}, "TRITON_INTERPRET"),
+])
+def test_bad_input_is_one_line_and_exit_2_before_any_compile(monkeypatch, capsys, args, env, message):
+    from declab_bench import persistent_compile
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(persistent_compile, "build", lambda *a: pytest.fail("built a step for a refused input"))
+    assert persistent_compile.main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
