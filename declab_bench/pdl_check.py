@@ -35,6 +35,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from decoders.cli import Parser
+
+
 def _spec(label, folder, name, consts, options, ptrs=None, floats=(), unaligned=()):
     """One kernel to compile: pointers are *bf16 unless `ptrs` says otherwise, integer arguments are
     multiples of 16 (as Triton specialises them at these shapes) unless listed in `unaligned`."""
@@ -281,14 +284,20 @@ def loop_mix(sass):
     return len(body), collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def _ptx_version(text):
+    if not re.fullmatch(r"\d+\.\d+", text):
+        raise argparse.ArgumentTypeError(f"a PTX version is MAJOR.MINOR (e.g. 8.8), got {text!r}")
+    return text
+
+
+def main(argv=None):
+    ap = Parser(prog="python -m declab_bench.pdl_check", description=__doc__.splitlines()[0])
     ap.add_argument("--before", help="folder of the pre-PDL sources, <kernel folder>.py each (e.g. from git show)")
     ap.add_argument("--only", help="compile only the kernels whose label contains this")
     ap.add_argument("--order", action="store_true", help="also print each PDL compile's memory order (SASS)")
     ap.add_argument("--loop", action="store_true", help="also print each PDL compile's longest loop: SASS instructions by opcode")
-    ap.add_argument("--ptx-version", help="rewrite the PTX's .version to this before ptxas (e.g. 8.8)")
-    args = ap.parse_args()
+    ap.add_argument("--ptx-version", type=_ptx_version, help="rewrite the PTX's .version to this before ptxas (e.g. 8.8)")
+    args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("unset TRITON_INTERPRET: the check compiles for sm_90")
     print(f"{'kernel':<34}{'regs':>5}{'-> PDL':>7}{'spills':>12}  {'dependents/wait':<16}"

@@ -846,3 +846,13 @@ def test_pdl_check_loop_mix_takes_the_longest_loop():
     n, ops = loop_mix(sass)
     assert n == 4 and ops == {"HADD2": 1, "LOP3": 1, "HGMMA": 1, "BRA": 1}
     assert loop_mix("/*0000*/ EXIT ;") == (0, {})
+
+
+def test_pdl_check_refuses_a_malformed_ptx_version_in_one_line(capsys):
+    from declab_bench import pdl_check
+
+    with pytest.raises(SystemExit) as exit_:
+        pdl_check.main(["--ptx-version", "8"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "MAJOR.MINOR" in err[0]
