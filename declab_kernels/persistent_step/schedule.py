@@ -82,10 +82,11 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def choose_rows(n_rows: int, k: int, programs: int) -> int:
-    """Tile rows for a stage of n_rows weight rows of k columns over `programs` programs: the tile whose
-    busiest program costs least, an item costing its weights plus ITEM_OVERHEAD_ELEMS (a tie: the larger tile)."""
-    cost = {bn: cdiv(cdiv(n_rows, bn), programs) * (bn * k + ITEM_OVERHEAD_ELEMS) for bn in TILE_ROWS}
+def choose_rows(n_rows: int, k: int, programs: int, max_rows: int = TILE_ROWS[-1]) -> int:
+    """Tile rows (at most `max_rows`) for a stage of n_rows weight rows of k columns over `programs` programs:
+    the tile whose busiest program costs least, an item costing its weights plus ITEM_OVERHEAD_ELEMS (a tie:
+    the larger tile)."""
+    cost = {bn: cdiv(cdiv(n_rows, bn), programs) * (bn * k + ITEM_OVERHEAD_ELEMS) for bn in TILE_ROWS if bn <= max_rows}
     return max(bn for bn, c in cost.items() if c == min(cost.values()))
 
 

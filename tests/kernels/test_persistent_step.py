@@ -34,6 +34,9 @@ def test_choose_rows_weighs_rows_against_items():
     assert S.choose_rows(2048, 2048, 264) == 8
     assert S.choose_rows(2048, 8192, 264) == 8
     assert S.choose_rows(64, 64, 1) == 32
+    # A cap: the cheapest of the tiles up to it.
+    assert S.choose_rows(64, 64, 1, max_rows=8) == 8
+    assert S.choose_rows(8512, 2048, 264, max_rows=8) == 8
 
 
 C = S.Counters(TINY.n_layers, TINY.hkv)

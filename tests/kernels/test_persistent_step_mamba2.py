@@ -60,3 +60,13 @@ def test_broken_work_list_is_caught(name):
     assert M.stage_tiles(TINY, tiles)[S.SSM] == 8
     items = cases.broken(M.work_list(TINY, tiles), predicate, **change)
     cases.assert_caught(M, TINY, tiles, items, 8, says)
+
+
+def test_in_projection_tiles_are_capped():
+    # mamba2-1.3b on an H200's 264 programs: the cost model alone picks 16-row in_proj tiles, which ran 9x
+    # slower a byte than 8-row ones (the cap's measurement, in schedule_mamba2); the cap keeps 8.
+    shape = M.Mamba2Shape(d_model=2048, n_layers=48, vocab=50288, nheads=64, headdim=64, d_state=128, ngroups=1, d_conv=4)
+    assert S.choose_rows(shape.n_in, shape.d_model, 264) == 16
+    tiles = M.choose_tiles(shape, 264)
+    assert tiles.in_rows == M.IN_MAX_ROWS == 8
+    assert (tiles.block_p, tiles.out_rows) == (16, 8)
