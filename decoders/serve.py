@@ -753,7 +753,9 @@ def build_app(decoder, *, model_name: str | None = None, max_batch: int = 64, ma
 
 
 def bind(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on host:port (port 0: a free one); a port in use is the user's error."""
+    """A listening TCP socket on host:port (port 0: a free one); a port in use or out of range is the user's error."""
+    if not 0 <= port <= 65535:
+        raise UsageError(f"--port must be in 0..65535, got {port}")
     try:
         info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         sock = socket.socket(info[0], socket.SOCK_STREAM)

@@ -610,6 +610,11 @@ def plan_loads(args) -> list[dict]:
         raise ArgError(f"--duration must be > 0 seconds, got {args.duration:g}")
     if args.requests is not None and args.requests < 1:
         raise ArgError(f"--requests must be >= 1, got {args.requests}")
+    # Checked whatever the arrivals: a value out of range is a mistake even where it would go unused.
+    if not 0 <= args.burst_amplitude < 1:
+        raise ArgError(f"--burst-amplitude must be in [0, 1), got {args.burst_amplitude:g}")
+    if not args.burst_period > 0:
+        raise ArgError(f"--burst-period must be > 0 seconds, got {args.burst_period:g}")
     if args.users is not None:
         if args.rate is not None:
             raise ArgError("give --rate (open loop) or --users (closed loop), not both")
@@ -622,10 +627,6 @@ def plan_loads(args) -> list[dict]:
     if "bursty" in kinds:
         if math.isinf(max(rates)):
             raise ArgError("--arrivals bursty needs finite rates (inf sends every request at once)")
-        if not 0 <= args.burst_amplitude < 1:
-            raise ArgError(f"--burst-amplitude must be in [0, 1), got {args.burst_amplitude:g}")
-        if not args.burst_period > 0:
-            raise ArgError(f"--burst-period must be > 0 seconds, got {args.burst_period:g}")
     finite = [max(1, math.ceil(r * args.duration)) for r in rates if not math.isinf(r)]
     saturating = max(finite) if finite else 8 * args.max_batch
     return [{"arrivals": kind, "rate": r, "users": None,

@@ -347,6 +347,8 @@ def test_command_line_cancels_what_outlives_the_drain_timeout():
     (["--model", "no-such-preset"], "unknown preset"),
     (["--model", PRESET, "--dtype", "int3"], "unknown dtype"),
     (["--model", PRESET, "--drain-timeout", "-1"], "--drain-timeout"),
+    (["--model", PRESET, "--port", "99999"], "--port must be in 0..65535, got 99999"),
+    (["--model", PRESET, "--port", "-5"], "--port must be in 0..65535, got -5"),
     (["--model", "mamba2-tiny", "--page-size", "32"], "--page-size applies to the transformer family"),
 ])
 def test_command_line_refuses_bad_options_in_one_line(args, message, capsys):
