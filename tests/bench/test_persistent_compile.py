@@ -31,6 +31,10 @@ def test_forward_branches_and_loops_without_arithmetic_are_not_loops():
     (["--models", "maskpredict-tiny"], {}, "no persistent step"),
     (["--programs", "0"], {}, "at least 1"),
     ([], {"TRITON_INTERPRET": "1"}, "TRITON_INTERPRET"),
+    (["--models", "llama-tiny", "--tiles", "qkv=4"], {}, "--tiles applies to Mamba-2 and RWKV-7 models, not transformer"),
+    (["--models", "mamba2-tiny", "--tiles", "rows=4"], {}, "NAME is one of in_rows, block_p, out_rows, head_rows"),
+    (["--models", "mamba2-tiny", "--tiles", "in_rows=0"], {}, "ROWS must be an integer >= 1"),
+    (["--models", "mamba2-tiny", "--tiles", "in_rows=x"], {}, "ROWS must be an integer >= 1"),
 ])
 def test_bad_input_is_one_line_and_exit_2_before_any_compile(monkeypatch, capsys, args, env, message):
     from declab_bench import persistent_compile
@@ -42,3 +46,22 @@ def test_bad_input_is_one_line_and_exit_2_before_any_compile(monkeypatch, capsys
     assert persistent_compile.main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0]
+
+
+def test_a_malformed_ptx_version_is_one_line_and_exit_2(capsys):
+    from declab_bench import persistent_compile
+
+    with pytest.raises(SystemExit) as exit:
+        persistent_compile.main(["--ptx-version", "8"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit.value.code == 2 and len(err) == 1 and "MAJOR.MINOR" in err[0]
+
+
+def test_tiles_replace_the_planned_fields_of_the_step_compiled():
+    from declab_bench import persistent_compile
+
+    step = persistent_compile.build("mamba2-tiny", 8, 32, {"in_rows": 4, "head_rows": 8})
+    planned = persistent_compile.build("mamba2-tiny", 8, 32)
+    assert (step.tiles.in_rows, step.tiles.head_rows) == (4, 8)
+    assert (step.tiles.block_p, step.tiles.out_rows) == (planned.tiles.block_p, planned.tiles.out_rows)
+    assert planned.tiles.in_rows != 4 or planned.tiles.head_rows != 8
