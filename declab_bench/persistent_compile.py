@@ -10,10 +10,11 @@ splits, the H200's count at 4k), and its kernel compiled for `GPUTarget("cuda", 
 warps and `maxnreg`; the PTX (its `.version` set to `--ptx-version`, default 8.8: Triton 3.9's CPU wheel
 writes 9.x and bundles a ptxas that takes 8.8; Triton 3.6, the H200's, takes 8.7) is assembled by
 Triton's ptxas for sm_90a. `--tiles NAME=ROWS,...` replaces fields of the planned tiles of a Mamba-2 or
-RWKV-7 step (`Mamba2Tiles`, `RWKV7Tiles`), e.g. to read the SASS of a tile size the plan does not pick. Per model: the tiles, registers, spill bytes, shared memory, the programs an SM
-holds by `launch.resident_programs`' rule, and each inner loop of the SASS with its global loads: how many
-are read before the loop's back edge (a load read there, even by a move, is waited on in the iteration
-that issued it) and how many stay in flight across it. Last stdout line: one JSON document.
+RWKV-7 step (`Mamba2Tiles`, `RWKV7Tiles`), e.g. to read the SASS of a tile size the plan does not pick.
+Per model: the tiles, registers, spill bytes, shared memory, the programs an SM holds by
+`launch.resident_programs`' rule, and each inner loop of the SASS with its global loads: how many are
+read before the loop's back edge (a load read there, even by a move, is waited on in the iteration that
+issued it) and how many stay in flight across it. Last stdout line: one JSON document.
 """
 
 import dataclasses

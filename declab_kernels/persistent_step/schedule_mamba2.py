@@ -31,8 +31,9 @@ from declab_kernels.persistent_step.schedule import EMBED, HEAD, IN, OUT, SSM, I
 # programs, so every head's state is streamed by as many programs as there are.
 BLOCK_P_CHOICES = (8, 16, 32, 64)
 # Rows of an in-projection tile at most, from a measurement (README, "Mamba-2's regression": under
-# Triton 3.6 the 16-row normed K loop waits for 10 of its 26 loads each iteration, the 8-row one for none). Its item reads the float32 residual and rounds the normed row (`_gemv_item`'s
-# ROUND_NORMED): at 16 rows an item of 64 KB took 30.6 us on an H200 (2.1 GB/s a program),
+# Triton 3.6 the 16-row normed K loop waits for 10 of its 26 loads each iteration, the 8-row one for
+# none). Its item reads the float32 residual and rounds the normed row (`_gemv_item`'s ROUND_NORMED):
+# at 16 rows an item of 64 KB took 30.6 us on an H200 (2.1 GB/s a program),
 # at 8 rows 32 KB took 3.3 us and at 4 rows 16 KB 2.5 us; mamba2-1.3b's step 4629 / 1675 / 1991 us
 # (`results/persistent_timeline.jsonl`, experiment `mamba2_in_rows`).
 IN_MAX_ROWS = 8
