@@ -50,6 +50,8 @@ from decoders.harness import percentile
 DEFAULT_GPU_HOUR_PRICE = 4.0
 SLO_KEYS = ("ttft", "itl", "e2e")
 WARMUP_OUTPUT_TOKENS = 8
+# Seconds of the first point's own workload the warm-up replays (`warm_up`).
+DEFAULT_WARMUP_S = 5.0
 # The warm-up burst's prompts are short: a burst of full-length prompts may not fit in the cache.
 WARMUP_PROMPT_TOKENS = 16
 
@@ -487,17 +489,33 @@ def idle_samples(run, workload: wl.Workload, vocab_size: int) -> list[tuple[int,
     return samples
 
 
-def warm_up(run, workload: wl.Workload, vocab_size: int, burst: int):
+def warm_up(run, workload: wl.Workload, vocab_size: int, burst: int, replay_s: float = 0.0):
     """Compile and capture before timing, then take the idle TTFT samples. The warm-up burst is
     `burst` short requests at once, the i-th asking for WARMUP_OUTPUT_TOKENS + i tokens, so that the
     running batch shrinks through every size from `burst` to 1 (a size's first step may compile or
-    capture a graph). Returns (the idle TTFT samples, seconds spent)."""
+    capture a graph). Then the first `replay_s` seconds of the workload itself run (`replay_head`):
+    the prompt chunks a stream of arrivals cuts beside the decoding rows (a chunk's length, the
+    prefix it continues) are shapes the burst never makes, and their first compilation otherwise
+    lands in the first point's TTFT tail. Returns (the idle TTFT samples, seconds spent)."""
     t0 = time.perf_counter()
     prompt = min(workload.items, key=lambda item: len(item.prompt)).prompt[:WARMUP_PROMPT_TOKENS]
     run(wl.Workload({"arrivals": "closed", "users": burst}, vocab_size,
                     [wl.WorkItem(i, None, prompt, WARMUP_OUTPUT_TOKENS + i) for i in range(burst)]))
+    if replay_s > 0:
+        head, duration = replay_head(workload, replay_s, burst)
+        run(head, duration_s=duration)
     samples = idle_samples(run, workload, vocab_size)
     return samples, time.perf_counter() - t0
+
+
+def replay_head(workload: wl.Workload, seconds: float, burst: int) -> tuple[wl.Workload, float | None]:
+    """The workload's first `seconds`, as (workload, duration_s for the driver): an open loop's
+    requests arriving before then (at most `burst`, and at least the first), a closed loop's
+    users issuing for that long."""
+    if workload.closed:
+        return workload, seconds
+    items = [item for item in workload.items if item.arrival_s < seconds][:burst] or workload.items[:1]
+    return wl.Workload(workload.spec, workload.vocab_size, items), None
 
 
 class EngineTarget:
@@ -552,6 +570,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--users", default=None, help="closed loop instead of --rate: comma list of concurrent users")
     p.add_argument("--duration", type=float, default=60.0,
                    help="seconds of arrivals: a rate's request count is rate x duration; a closed loop stops issuing after it (default 60)")
+    p.add_argument("--warmup", type=float, default=DEFAULT_WARMUP_S,
+                   help=f"seconds of the first point's workload run untimed after the warm-up burst, per model (0: none; default {DEFAULT_WARMUP_S:g})")
     p.add_argument("--requests", type=int, default=None,
                    help="requests per point (default: rate x duration; at rate inf the largest finite rate's count, else 8 x --max-batch; closed loop 8 per user)")
     p.add_argument("--prompt-len", default="1024", help="prompt tokens: 1024 (fixed), 128..1024 (uniform) or corpus:FILE (its document lengths) (default 1024)")
@@ -600,6 +620,8 @@ def default_models(on_gpu: bool) -> str:
 
 def plan_loads(args) -> list[dict]:
     """The sweep's loads: {arrivals, rate, users, requests}, validated before anything is loaded."""
+    if not (args.warmup >= 0 and math.isfinite(args.warmup)):
+        raise ArgError(f"--warmup must be >= 0 seconds, got {args.warmup:g}")
     if args.workload is not None:
         if args.rate is not None or args.users is not None:
             raise ArgError("--workload replays a saved workload: give neither --rate nor --users")
@@ -754,7 +776,8 @@ def engine_point_stats(before: dict, after: dict) -> dict:
 def run_point(args, target, model, workload, source, slo, env, idle, warmup_s, progress) -> dict:
     spec = workload.spec
     record = {"model": model, "arrivals": spec["arrivals"], "rate": spec.get("rate"), "users": spec.get("users"),
-              "workload": spec, "workload_file": source, "warmup_s": warmup_s, "idle_ttft_ms": [[n, t * 1e3] for n, t in idle],
+              "workload": spec, "workload_file": source, "warmup_s": warmup_s, "warmup_replay_s": args.warmup,
+              "idle_ttft_ms": [[n, t * 1e3] for n, t in idle],
               **env, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
     if progress is not None:
         progress.reset(total=len(workload.items))
@@ -852,7 +875,8 @@ def run(args) -> int:
             for i, load in enumerate(loads):
                 workload, source = point_workload(args, load, target, model, lengths)
                 if i == 0:
-                    idle, warmup_s = warm_up(target.run, workload, target.vocab_size, min(args.max_batch, len(workload.items)))
+                    idle, warmup_s = warm_up(target.run, workload, target.vocab_size, min(args.max_batch, len(workload.items)),
+                                             args.warmup)
                     print(f"{model}: warm-up {warmup_s:.1f} s; idle TTFT " + ", ".join(f"{t * 1e3:.1f} ms at {n} tokens" for n, t in idle), file=sys.stderr)
                 record = run_point(args, target, model, workload, source, slo, env, idle, warmup_s, progress)
                 append_jsonl(args.out, record)

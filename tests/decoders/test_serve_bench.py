@@ -157,6 +157,29 @@ def test_idle_ttft_is_the_line_through_the_samples():
     assert sb.idle_ttft_line([(8, 0.2), (8, 0.4)])(100) == pytest.approx(0.3)
 
 
+def test_the_warm_up_replays_the_head_of_the_first_workload():
+    spec = wl.WorkloadSpec("poisson", requests=40, prompt_len=wl.parse_lengths("6"), output_len=wl.parse_lengths("3"), rate=10.0, seed=1)
+    w = wl.generate(spec, vocab_size=50)
+    head, duration = sb.replay_head(w, 1.0, burst=64)
+    assert duration is None and head.spec == w.spec and head.items == [i for i in w.items if i.arrival_s < 1.0] and head.items
+    assert len(sb.replay_head(w, 100.0, burst=8)[0].items) == 8
+    assert sb.replay_head(w, 1e-9, burst=8)[0].items == w.items[:1]
+    closed = wl.generate(wl.WorkloadSpec("closed", requests=6, prompt_len=wl.parse_lengths("6"), output_len=wl.parse_lengths("3"), users=2), 50)
+    assert sb.replay_head(closed, 2.5, burst=8) == (closed, 2.5)
+    runs = []
+
+    def run(workload, duration_s=None):
+        runs.append((workload, duration_s))
+        return [sb.Trace(0, 0.0, len(workload.items[0].prompt), 1, first_token_s=0.01)]
+
+    sb.warm_up(run, w, 50, burst=4, replay_s=1.0)
+    # the burst, the head (at most the burst's size), then the prompt length alone (one length here)
+    assert len(runs) == 3 and len(runs[0][0].items) == 4 and runs[1] == (sb.wl.Workload(w.spec, 50, head.items[:4]), None)
+    runs.clear()
+    sb.warm_up(run, w, 50, burst=4)
+    assert len(runs) == 2
+
+
 def test_rates_and_objectives_parse():
     assert sb.parse_rates("1,4,16,inf") == [1.0, 4.0, 16.0, math.inf]
     assert sb.parse_slo("ttft=500ms,itl=50ms") == pytest.approx({"ttft": 0.5, "itl": 0.05})
@@ -184,6 +207,8 @@ def test_rates_and_objectives_parse():
         (["--rate", "4", "--prompt-len", "8000"], "exceed the context of 8192"),
         (["--rate", "4", "--models", "no-such-model"], "unknown preset 'no-such-model'"),
         (["--rate", "4", "--gpu-hour-price", "-1"], "--gpu-hour-price must be >= 0"),
+        (["--rate", "4", "--warmup", "-1"], "--warmup must be >= 0"),
+        (["--rate", "4", "--warmup", "nan"], "--warmup must be >= 0"),
         (["--rate", "4", "--target", "localhost:8000"], "expected a base URL"),
         (["--workload", "no-such-file.jsonl"], "is not a file"),
     ],
@@ -342,9 +367,9 @@ def test_ctrl_c_keeps_the_finished_points(tmp_path, capsys, monkeypatch):
         points = 0
 
         def run(self, workload, duration_s=None, on_finish=None):
-            # The warm-up's two runs, then the first point; the second point is interrupted.
+            # The warm-up's three runs (burst, replay, idle prompt), then the first point; the second is interrupted.
             Interrupted.points += 1
-            if Interrupted.points == 4:
+            if Interrupted.points == 5:
                 raise KeyboardInterrupt
             return super().run(workload, duration_s, on_finish)
 
