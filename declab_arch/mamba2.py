@@ -314,8 +314,11 @@ class Mamba2LM(nn.Module):
         position's [b, T, d] with `all_positions` (speculative verification).
         """
         W = conv.shape[-1]
-        before = ssd.conv_window_slots(start, W)
-        after = ssd.conv_window_slots(start + tokens.shape[1], W)
+        # The ring slots as device tensors made on the device: a Python list index would be copied
+        # from pageable memory in every layer, each copy waiting for the GPU (`declab_kernels.host_copy`).
+        taps = torch.arange(W - 1, device=conv.device)
+        before = (start + 1 + taps) % W  # ssd.conv_window_slots(start, W)
+        after = (start + tokens.shape[1] + 1 + taps) % W
         r = self.embed(tokens)
         for i, block in enumerate(self.backbone.layers):
             ring = conv[i, rows]

@@ -56,6 +56,7 @@ from declab_arch import quant_linear, tensor_parallel
 from declab_arch.checkpoint import CheckpointError, assign_weights, check_fields, config_from_dict, load_weights, parse_config, read_json
 from declab_kernels import gemv, persistent_step
 from declab_kernels.gemv import fusions
+from declab_kernels.host_copy import on_device
 from declab_kernels.rwkv7_fused import add_norm_shift, gate_output, lora_hidden, time_mix_inputs
 from declab_kernels.wkv7 import wkv7_chunk, wkv7_chunk_factored, wkv7_step
 
@@ -366,7 +367,7 @@ class RWKV7(nn.Module):
         updated in place. Returns logits `[B, V]` of each row's last real token, or `[B, T, V]` of
         every position with `all_positions` (speculative verification)."""
         B, T = tokens.shape
-        lens = torch.tensor(lengths, device=tokens.device)
+        lens = on_device(lengths, tokens.device)  # not waiting for the GPU (`declab_kernels.host_copy`)
         mask = None
         if min(lengths) < T:
             mask = torch.arange(T, device=tokens.device) < lens[:, None]

@@ -57,6 +57,7 @@ Nothing here is thread-safe: one thread owns the engine.
 import itertools
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -65,6 +66,7 @@ from decoders.base import UsageError, record_graph
 from decoders.kv_cache import PagedKVCache, kv_token_bytes
 from decoders.sampling import GREEDY, Sampling
 from declab_kernels.argmax import argmax
+from declab_kernels.host_copy import on_device
 
 
 class EngineFull(RuntimeError):
@@ -80,7 +82,7 @@ class Request:
     request_id: str | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     request_id: str
     new_tokens: list[int]  # tokens committed since the previous output of this request
@@ -90,7 +92,7 @@ class RequestOutput:
     output_tokens: int  # total so far
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Sequence:
     """The engine's record of one request."""
 
@@ -104,22 +106,24 @@ class Sequence:
     computed: int = 0  # tokens of `tokens` already in the KV cache / state
     admitted: int = -1  # admission counter: the newest running request is preempted first
     inflight: int = 0  # tokens sampled on the device that the host has not seen yet (see `Engine.step`)
-    emitted: int = 0  # generated tokens already returned in an output
     finish_reason: str | None = None
     kv_seq: int | None = None  # its PagedKVCache sequence (transformer)
     slot: int | None = None  # its staging slot (recurrent)
+    row: int | None = None  # its decode row in the runner (autoregressive families), kept by the runner
 
     @property
     def generated(self) -> int:
         return len(self.tokens) - self.prompt_len
 
 
-@dataclass
+@dataclass(slots=True)
 class Schedule:
     decode: list[Sequence] = field(default_factory=list)  # feed their last token
     prefill: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, prompt tokens this step)
     admitted: list[Sequence] = field(default_factory=list)  # newly admitted (their state to reset)
     preempted: list[Sequence] = field(default_factory=list)  # back in the queue, blocks freed
+    # (decoding sequence, blocks it held before): its new block table entries, which the runner writes
+    grown: list[tuple[Sequence, int]] = field(default_factory=list)
 
 
 class Scheduler:
@@ -148,15 +152,20 @@ class Scheduler:
 
     def schedule(self) -> Schedule:
         out = Schedule()
+        running = list(self.running)  # preemptions shorten self.running
+        kv = self.kv
         # Every decoding request spends one token of the budget; prefills share the rest, oldest first.
-        self._budget = self.max_step_tokens - sum(s.status == "decode" for s in self.running)
-        for seq in list(self.running):
+        self._budget = self.max_step_tokens - [s.status for s in running].count("decode")
+        for seq in running:
             if seq.status == "decode":
+                length = len(seq.tokens) + seq.inflight
                 # A request whose last token is still on its way may be done already: when it is, its row
                 # decodes once more (into the scratch block) and that token is dropped.
-                if seq.generated + seq.inflight >= seq.request.max_new_tokens:
+                if length - seq.prompt_len >= seq.request.max_new_tokens:
                     continue
-                if self._grow(seq, len(seq.tokens) + seq.inflight, out):
+                # Most steps give a request no block: that test is made here, as a call per request
+                # would be a measurable share of the step's host time.
+                if kv is None or length <= len(kv.blocks[seq.kv_seq]) * kv.block_size or self._grow(seq, length, out):
                     out.decode.append(seq)
             elif seq.status == "prefill" and self._budget > 0:
                 n = min(len(seq.tokens) - seq.computed, self._budget, self.max_chunk)
@@ -192,20 +201,25 @@ class Scheduler:
 
     def _grow(self, seq: Sequence, length: int, out: Schedule) -> bool:
         """Blocks for `length` positions of `seq`, preempting the newest running requests while the
-        pool is short; False if `seq` itself had to go."""
-        if self.kv is None:
+        pool is short; False if `seq` itself had to go. A decoding request's new blocks go into
+        `out.grown`, which no later preemption of the step empties: a victim is always newer than
+        every request served before it."""
+        kv = self.kv
+        if kv is None:
             return True
-        have = len(self.kv.blocks[seq.kv_seq])
-        if length <= have * self.kv.block_size:
+        have = len(kv.blocks[seq.kv_seq])
+        if length <= have * kv.block_size:
             return True
-        missing = self.kv.blocks_needed(length) - have
-        while missing > self.kv.pool.num_free:
+        missing = kv.blocks_needed(length) - have
+        while missing > kv.pool.num_free:
             victim = self.running[-1]
             self.preempt(victim)
             out.preempted.append(victim)
             if victim is seq:
                 return False
-        self.kv.reserve(seq.kv_seq, length)
+        kv.reserve(seq.kv_seq, length)
+        if seq.status == "decode":
+            out.grown.append((seq, have))
         return True
 
     def preempt(self, seq: Sequence) -> None:
@@ -247,15 +261,6 @@ def buckets(max_batch: int) -> list[int]:
 
 def bucket(n: int, sizes: list[int]) -> int:
     return next(b for b in sizes if b >= n)
-
-
-def on_device(values, device, dtype=torch.int64) -> torch.Tensor:
-    """Host values as a device tensor without waiting for the GPU: pinned memory makes the copy
-    asynchronous (a copy from pageable memory would synchronise with the queued steps)."""
-    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
-    if torch.device(device).type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 _M32 = 0xFFFFFFFF
@@ -300,12 +305,12 @@ def sample_rows(logits, temperature, top_k, top_p, seeds, counters, *, impl: str
     return argmax(scores, impl=impl, out=out, advance=advance)
 
 
-@dataclass
+@dataclass(slots=True)
 class Pending:
     """A launched step's sampled tokens on their way to the host: seqs[i] gets host[i]."""
 
     seqs: list[Sequence]
-    host: torch.Tensor  # [k] int64 on the CPU (pinned on a GPU run)
+    host: torch.Tensor  # one of the runner's `host` buffers: int64 on the CPU (pinned on a GPU run)
     begin: "torch.cuda.Event | None"  # recorded before the step's first launch
     done: "torch.cuda.Event | None"  # recorded after the copy
 
@@ -341,14 +346,25 @@ class ARRunner:
         self.device = decoder.device
         self.impl = decoder.impl
         self.max_batch = max_batch
-        self.sizes = buckets(max_batch)
+        sizes = buckets(max_batch)
+        self.bucket_of = [bucket(n, sizes) for n in range(max_batch + 1)]
         self.params = RowParams(rows, self.device)
-        self.rows: list[Sequence] = []  # rows[i] decodes in row i
+        self.rows: list[Sequence] = []  # rows[i] decodes in row i, and rows[i].row == i
+        self.sampled_rows = 0  # rows whose request samples: a decode step of greedy rows only takes the argmax
         self.cuda_graphs = cuda_graphs
         self.graphs = {}
         self.wait_s = 0.0
         # GPU time of the last collected step, from its first launch to its tokens' copy (CUDA only)
         self.gpu_s = None
+        # Where a launch's tokens land on the host, and its timing events: two sets, used by turns. A
+        # launched step's set is read by its `collect`, which comes before the launch after the next
+        # (one step of lookahead), so a set is free again two launches later. A step's tokens never
+        # outnumber the rows (they are its decode rows and the prompts joining them).
+        cuda = self.device.type == "cuda"
+        self.host = [torch.empty(rows, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
+        self.events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else (None, None)
+                       for _ in range(2)]
+        self.launches = 0
 
     def launch(self, sched: Schedule) -> "Pending | None":
         """Launch one scheduled step without waiting for it: the decode forward of rows 0..n-1 (when
@@ -356,31 +372,35 @@ class ARRunner:
         join the decode rows). Its sampled tokens come back through `collect`."""
         n = len(self.rows) if sched.decode else 0
         decoded = self.rows[:n]
-        begin = None
-        if self.device.type == "cuda":
-            begin = torch.cuda.Event(enable_timing=True)
+        turn = self.launches % 2
+        begin, done = self.events[turn]
+        if begin is not None:
             begin.record()
         if n:
+            self.before_decode(sched.grown)
             self.decode(n)
         finished, logits = self.prefill(sched.prefill)
         first = None
         if finished:
             first = self.sample_first(finished, torch.stack(logits))
-        pieces = ([self.params.next_tokens[:n]] if n else []) + ([first] if first is not None else [])
-        if not pieces:
+        if not (n or finished):
             return None
-        joined = torch.cat(pieces)
-        if self.device.type == "cuda":
-            host = torch.empty(joined.shape, dtype=joined.dtype, pin_memory=True)
-            host.copy_(joined, non_blocking=True)
-            done = torch.cuda.Event(enable_timing=True)
+        # The decode rows' tokens, then the first tokens. The whole buffer is copied, not rows 0..n-1:
+        # slicing a tensor costs the host about as much as the copy, and the rows past n are not read.
+        host = self.host[turn]
+        if n:
+            host.copy_(self.params.next_tokens, non_blocking=True)
+        if finished:
+            host[n : n + len(finished)].copy_(first, non_blocking=True)
+        if done is not None:
             done.record()
-        else:
-            host, done = joined.clone(), None
+        self.launches += 1
         row = len(self.rows)
         for seq in finished:
-            self.enter(seq, len(self.rows))
+            seq.row = len(self.rows)
+            self.enter(seq, seq.row)
             self.rows.append(seq)
+            self.sampled_rows += not seq.request.sampling.greedy
             seq.status = "decode"
         if finished:
             self.write_rows(range(row, row + len(finished)), finished, first)
@@ -389,7 +409,7 @@ class ARRunner:
             seq.inflight += 1
         return Pending(seqs, host, begin, done)
 
-    def collect(self, pending: "Pending") -> list[tuple[Sequence, int]]:
+    def collect(self, pending: "Pending") -> Iterator[tuple[Sequence, int]]:
         """Wait for a launched step's tokens (the one host synchronisation of a step)."""
         start = time.perf_counter()
         if pending.done is not None:
@@ -400,7 +420,7 @@ class ARRunner:
             self.gpu_s = pending.begin.elapsed_time(pending.done) * 1e-3
         for seq in pending.seqs:
             seq.inflight -= 1
-        return list(zip(pending.seqs, tokens))
+        return zip(pending.seqs, tokens)
 
     def sample_first(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
         """First tokens [k] of sequences whose prompt is done, from their last logits [k, V]."""
@@ -427,11 +447,10 @@ class ARRunner:
             buf.index_copy_(0, index, on_device(list(column), self.device, buf.dtype))
 
     def decode(self, n: int) -> None:
-        b = bucket(n, self.sizes)
-        mode = "greedy" if all(s.request.sampling.greedy for s in self.rows) else "sample"
+        b = self.bucket_of[n]
+        mode = "sample" if self.sampled_rows else "greedy"
         if b > n:
             self.params.positions[n:b].zero_()
-        self.before_decode(n)
         key = (b, mode)
         if key in self.graphs:
             self.graphs[key].replay()
@@ -452,9 +471,10 @@ class ARRunner:
 
     def retire(self, seq: Sequence) -> None:
         """Take `seq` out of the decode rows (the last row moves into its hole); a no-op if it has none."""
-        if seq not in self.rows:
+        row = seq.row
+        if row is None:
             return
-        row, last = self.rows.index(seq), len(self.rows) - 1
+        last = len(self.rows) - 1
         if row != last:
             self.move_row(last, row)
             # After the state copy: PyTorch kernels (launched without PDL) follow every state write
@@ -462,15 +482,19 @@ class ARRunner:
             # wait (`state_ready`; `enter` is followed by `write_rows` the same way).
             for buf in self.params.tensors:
                 buf[row] = buf[last]
-            self.rows[row] = self.rows[last]
+            moved = self.rows[last]
+            self.rows[row], moved.row = moved, row
         self.rows.pop()
+        seq.row = None
+        self.sampled_rows -= not seq.request.sampling.greedy
         self.clear_row(last)
 
     def admit(self, seqs: list[Sequence]) -> None:
         """Prepare the state of newly admitted sequences."""
 
-    def before_decode(self, n: int) -> None:
-        """Host work before a decode step of n rows (the transformer writes new block table entries)."""
+    def before_decode(self, grown: list[tuple[Sequence, int]]) -> None:
+        """Host work before a decode step (the transformer writes the new block table entries of `grown`,
+        see `Schedule`)."""
 
     def clear_row(self, row: int) -> None:
         """Make a row that no longer decodes harmless as padding."""
@@ -488,7 +512,6 @@ class PagedRunner(ARRunner):
         self.max_blocks = kv.blocks_needed(max_model_len)
         self.max_model_len = max_model_len
         self.tables = torch.full((max_batch, self.max_blocks), self.scratch, dtype=torch.int32, device=self.device)
-        self.table_len: dict[Sequence, int] = {}
         self.workspaces = {}
 
     def workspace(self, b: int):
@@ -505,10 +528,10 @@ class PagedRunner(ARRunner):
         return self.workspaces[b]
 
     def prefill(self, chunks):
-        from declab_arch import llama
-
         if not chunks:
             return [], []
+        from declab_arch import llama
+
         kv, dev = self.kv, self.device
         tokens, positions, slots, q_lens, seq_lens, ends, finished = [], [], [], [], [], [], []
         for seq, n in chunks:
@@ -542,20 +565,18 @@ class PagedRunner(ARRunner):
         return finished, list(logits[: len(finished)])
 
     def enter(self, seq: Sequence, row: int) -> None:
+        # Its whole table: from here on, the scheduler reports each block it gains (`Schedule.grown`).
         blocks = self.kv.blocks[seq.kv_seq]
         self.tables[row, : len(blocks)] = on_device(blocks, self.device, torch.int32)
-        self.table_len[seq] = len(blocks)
 
-    def before_decode(self, n: int) -> None:
+    def before_decode(self, grown: list[tuple[Sequence, int]]) -> None:
         rows, cols, values = [], [], []
-        for row, seq in enumerate(self.rows):
+        for seq, have in grown:
             blocks = self.kv.blocks[seq.kv_seq]
-            have = self.table_len[seq]
             for j in range(have, len(blocks)):
-                rows.append(row)
+                rows.append(seq.row)
                 cols.append(j)
                 values.append(blocks[j])
-            self.table_len[seq] = len(blocks)
         if rows:
             index = (on_device(rows, self.device), on_device(cols, self.device))
             self.tables.index_put_(index, on_device(values, self.device, torch.int32))
@@ -572,10 +593,6 @@ class PagedRunner(ARRunner):
             slot_mapping=None, decode=True, impl=self.impl, workspace=self.workspace(b),
         )
         return self.decoder.model.forward_paged(tokens, positions, batch)
-
-    def retire(self, seq: Sequence) -> None:
-        super().retire(seq)
-        self.table_len.pop(seq, None)
 
     def move_row(self, src: int, dst: int) -> None:
         self.tables[dst] = self.tables[src]
@@ -785,6 +802,10 @@ class Engine:
         self.tokens_generated = 0
         self.steps = 0
         self.host_s_last = self.host_s_total = 0.0
+        # The same counters over the steps that consumed prompt tokens (or started a Mask-Predict cohort)
+        self.prefill_steps = 0
+        self.prefill_host_s_total = self.prefill_step_s_total = 0.0
+        self._prefilled = False
         self.step_s_last = self.step_s_total = 0.0
 
     def _new_pool(self, num_blocks, kv_memory_bytes) -> PagedKVCache:
@@ -877,6 +898,7 @@ class Engine:
         autoregressive families the tokens are those of the previous call's launch (one step of
         lookahead, see the module docstring)."""
         start = time.perf_counter()
+        self._prefilled = False
         if isinstance(self.runner, CanvasRunner):
             outputs = self._step_canvas()
         else:
@@ -887,6 +909,10 @@ class Engine:
         self.step_s_total += elapsed
         self.host_s_last = elapsed - self.runner.wait_s
         self.host_s_total += self.host_s_last
+        if self._prefilled:
+            self.prefill_steps += 1
+            self.prefill_step_s_total += elapsed
+            self.prefill_host_s_total += self.host_s_last
         return outputs
 
     def _step_autoregressive(self) -> list[RequestOutput]:
@@ -895,30 +921,41 @@ class Engine:
             self.runner.retire(seq)
         self.runner.admit(sched.admitted)
         self.runner.wait_s = 0.0
+        self._prefilled = bool(sched.prefill)
         launched = self.runner.launch(sched) if (sched.decode or sched.prefill) else None
-        outputs = [self._output(seq) for seq in self._cancelled]
+        cancelled = [self._output(seq, []) for seq in self._cancelled]
         self._cancelled = []
         previous, self._pending = self._pending, launched
-        for seq, token in (self.runner.collect(previous) if previous is not None else []):
+        if previous is None:
+            return cancelled
+        # Each output carries the one token its request gained (tokens are output as they are committed).
+        # The unfinished ones, the common case, are built here with positional arguments: one
+        # RequestOutput per row is the largest share of a step's host time, keywords add half again.
+        outputs = []
+        for seq, token in self.runner.collect(previous):
             if seq.status == "finished":
                 continue
             seq.tokens.append(token)
-            self.tokens_generated += 1
+            generated = len(seq.tokens) - seq.prompt_len
             if token in seq.stop:
                 seq.finish_reason = "stop"
-            elif seq.generated >= seq.request.max_new_tokens:
+            elif generated >= seq.request.max_new_tokens:
                 seq.finish_reason = "length"
-            if seq.finish_reason is not None:
-                self.runner.retire(seq)
-                self.scheduler.finish(seq)
-            outputs.append(self._output(seq))
-        return outputs
+            else:
+                outputs.append(RequestOutput(seq.id, [token], False, None, seq.prompt_len, generated))
+                continue
+            self.runner.retire(seq)
+            self.scheduler.finish(seq)
+            outputs.append(self._output(seq, [token]))
+        self.tokens_generated += len(outputs)
+        return cancelled + outputs
 
     def _step_canvas(self) -> list[RequestOutput]:
         for cohort in self.scheduler.schedule():
             self.runner.start(cohort)
+            self._prefilled = True
         self.runner.wait_s = 0.0
-        outputs = [self._output(seq) for seq in self._cancelled]
+        outputs = [self._output(seq, []) for seq in self._cancelled]
         self._cancelled = []
         for seq, final, done in (self.runner.execute() if self.runner.cohorts else []):
             new = final[seq.generated :]
@@ -934,12 +971,12 @@ class Engine:
                 self.scheduler.finish(seq)
                 self.runner.retire(seq)
             if new or seq.finish_reason is not None:
-                outputs.append(self._output(seq))
+                outputs.append(self._output(seq, new))
         return outputs
 
-    def _output(self, seq: Sequence) -> RequestOutput:
-        new = seq.tokens[seq.prompt_len + seq.emitted :]
-        seq.emitted = seq.generated
+    def _output(self, seq: Sequence, new: list[int]) -> RequestOutput:
+        """`seq`'s output, `new` its tokens since the last one (a request's tokens are output as soon as
+        they are committed, so a cancelled request has none left)."""
         done = seq.finish_reason is not None
         if done:
             self.finished += 1
@@ -958,6 +995,9 @@ class Engine:
             "steps": self.steps,
             "host_s_last": self.host_s_last,
             "host_s_total": self.host_s_total,
+            "prefill_steps": self.prefill_steps,
+            "prefill_host_s_total": self.prefill_host_s_total,
+            "prefill_step_s_total": self.prefill_step_s_total,
             "step_s_last": self.step_s_last,
             "step_s_total": self.step_s_total,
             "gpu_s_last": self.runner.gpu_s,

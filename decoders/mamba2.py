@@ -32,6 +32,7 @@ import torch
 
 from declab_arch import mamba2
 from declab_kernels import persistent_step
+from declab_kernels.host_copy import on_device
 from decoders.base import STEPS, Memory, RecurrentDecoder, UsageError
 
 # Parameters kept in float32 whatever the model dtype: A = -exp(A_log) and softplus(dt + dt_bias)
@@ -130,9 +131,11 @@ class Mamba2Decoder(RecurrentDecoder):
             groups.setdefault((p, n), []).append(j)
         out = [None] * len(rows)
         for (p, n), members in groups.items():
-            index = torch.tensor([rows[j] for j in members], device=self.device)
-            r = self.model.forward_chunk(tokens[members, :n], cache.conv, cache.ssm, index, self.impl, p,
-                                         all_positions=logits == "all")
+            # Indices copied through pinned memory (`on_device`): the engine calls this between decode
+            # steps, and a pageable copy would wait for the GPU.
+            index = on_device([rows[j] for j in members], self.device)
+            chunk = tokens[:, :n] if len(members) == tokens.shape[0] else tokens[:, :n].index_select(0, on_device(members, self.device))
+            r = self.model.forward_chunk(chunk, cache.conv, cache.ssm, index, self.impl, p, all_positions=logits == "all")
             if logits != "none":
                 for j, logit in zip(members, self.model.head(r)):
                     out[j] = logit

@@ -29,6 +29,7 @@ import torch
 from declab_arch import rwkv7
 from declab_arch.checkpoint import load_tokenizer
 from declab_kernels import persistent_step
+from declab_kernels.host_copy import on_device
 from declab_kernels.persistent_step.schedule import TILE_ROWS
 from decoders.base import STEPS, Memory, RecurrentDecoder, UsageError
 
@@ -137,7 +138,9 @@ class RWKV7Decoder(RecurrentDecoder):
             out = self.model.forward_chunk(tokens[:, :width], lengths, cache.shift, cache.wkv, impl=self.impl,
                                            all_positions=logits == "all")
         else:
-            index = torch.tensor(rows, device=self.device)
+            # Through pinned memory (`on_device`): the engine calls this between decode steps, and a
+            # pageable copy would wait for the GPU.
+            index = on_device(rows, self.device)
             shift, wkv = cache.shift.index_select(2, index), cache.wkv.index_select(1, index)
             out = self.model.forward_chunk(tokens[:, :width], lengths, shift, wkv, impl=self.impl, all_positions=logits == "all")
             cache.shift.index_copy_(2, index, shift)

@@ -756,7 +756,8 @@ def point_workload(args, load: dict, target, model: str, lengths) -> tuple[wl.Wo
     return workload, str(path)
 
 
-ENGINE_COUNTERS = ("finished", "preemptions", "tokens_generated", "steps", "host_s_total", "step_s_total")
+ENGINE_COUNTERS = ("finished", "preemptions", "tokens_generated", "steps", "host_s_total", "step_s_total", "prefill_steps",
+                   "prefill_host_s_total", "prefill_step_s_total")
 
 
 def engine_point_stats(before: dict, after: dict) -> dict:
@@ -770,6 +771,15 @@ def engine_point_stats(before: dict, after: dict) -> dict:
             point["host_ms_per_step"] = host_s / steps * 1e3
     if step_s and host_s is not None:
         point["host_fraction"] = host_s / step_s
+    # Steps that consumed prompt tokens against the rest (decode only): where the host's time goes.
+    prefills = point.get("prefill_steps")
+    if prefills is not None and host_s is not None and "prefill_host_s_total" in point:
+        p_host, p_step = point["prefill_host_s_total"], point["prefill_step_s_total"]
+        if prefills:
+            point["host_ms_per_prefill_step"], point["ms_per_prefill_step"] = p_host / prefills * 1e3, p_step / prefills * 1e3
+        if steps - prefills:
+            point["host_ms_per_decode_step"] = (host_s - p_host) / (steps - prefills) * 1e3
+            point["ms_per_decode_step"] = (step_s - p_step) / (steps - prefills) * 1e3
     return point
 
 

@@ -2,9 +2,12 @@
 random arrivals, chunked prefill and preemption; nothing leaks; the scheduler's decisions on their own."""
 
 import random
+import traceback
+from pathlib import Path
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 import decoders
 from decoders import Sampling, UsageError
@@ -181,6 +184,40 @@ def test_no_block_or_slot_leaks_after_thousands_of_random_events(family):
         assert engine.runner.rows == []
 
 
+@pytest.mark.parametrize("family", ["transformer", "mamba2"])
+def test_the_runners_incremental_bookkeeping_matches_a_full_scan_after_every_event(family):
+    """Row indices, the count of sampling rows and the block tables are kept up to date on admission,
+    retirement, cancellation and preemption (the tables only where the scheduler gave a request
+    blocks), not recomputed per step: after every event they equal what scanning the rows gives."""
+    dec = decoder(family)
+    rng = random.Random(13)
+    engine = Engine(dec, max_batch=5, max_step_tokens=12, **({"num_blocks": 8} if family == "transformer" else {}))
+    runner, live = engine.runner, []
+    for _ in range(600):
+        roll = rng.random()
+        if roll < 0.35:
+            sampling = Sampling(temperature=1.0, seed=rng.randrange(100)) if rng.random() < 0.3 else Sampling()
+            prompt = [rng.randrange(3, 500) for _ in range(rng.randint(1, 30))]
+            live.append(engine.add_request(Request(prompt, rng.randint(1, 40), sampling=sampling)))
+        elif roll < 0.45 and live:
+            engine.cancel(live.pop(rng.randrange(len(live))))
+        else:
+            for out in engine.step():
+                if out.finished and out.request_id in live:
+                    live.remove(out.request_id)
+        assert [s.row for s in runner.rows] == list(range(len(runner.rows)))
+        assert all((s.row is not None) == (s.status == "decode") for s in engine.seqs.values())
+        assert runner.sampled_rows == sum(not s.request.sampling.greedy for s in runner.rows)
+        if family == "transformer":
+            expected = torch.full_like(runner.tables, runner.scratch)
+            for i, s in enumerate(runner.rows):
+                blocks = engine.kv.blocks[s.kv_seq]
+                expected[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+            assert torch.equal(runner.tables, expected)
+    if family == "transformer":
+        assert engine.stats()["preemptions"] > 0
+
+
 def test_scheduler_chunks_long_prompts_under_the_step_budget():
     kv = PagedKVCache(1, 1, 16, block_size=16, num_blocks=64)
     sched = Scheduler(max_batch=4, max_step_tokens=10, kv=kv)
@@ -239,6 +276,60 @@ def test_user_errors_are_refused_before_anything_runs():
         Engine(dec, max_batch=0)
     with pytest.raises(UsageError, match="block_length"):
         Engine(decoder("maskpredict", block_length=4)).add_request(Request([1], 6))
+
+
+@pytest.mark.parametrize("family", ["transformer", "rwkv7", "maskpredict"])
+def test_the_steps_that_consume_prompt_tokens_are_counted_apart(family):
+    engine = Engine(decoder(family), max_batch=2, max_step_tokens=4)
+    # 10 prompt tokens at 4 a step: 3 steps prefill (a Mask-Predict cohort starts in one step).
+    engine.run([Request(list(range(3, 13)), 4 if family == "maskpredict" else 3)])
+    s = engine.stats()
+    assert s["prefill_steps"] == (1 if family == "maskpredict" else 3) < s["steps"]
+    assert 0 < s["prefill_host_s_total"] <= s["prefill_step_s_total"] <= s["step_s_total"]
+    assert s["prefill_host_s_total"] <= s["host_s_total"]
+
+
+class HostWaits(TorchFunctionMode):
+    """Records the calls of the engine's and the families' own code (decoders/, declab_arch/) that on a
+    GPU would wait for the device: a Python list used as an index, `torch.tensor(..., device=)`, `.to()`
+    a device without non_blocking, `.item()` / `.tolist()` (but in `collect`, the one wait a step
+    makes). The kernels' reference paths, which the GPU runs do not take, are not looked at."""
+
+    ROOTS = tuple(str(Path(decoders.__file__).parents[1] / d) for d in ("decoders", "declab_arch"))
+
+    def __init__(self):
+        super().__init__()
+        self.sites = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        index = args[1] if name in ("__getitem__", "__setitem__") and len(args) > 1 else None
+        waits = (isinstance(index, list) or isinstance(index, tuple) and any(isinstance(i, list) for i in index)
+                 or name in ("tensor", "as_tensor") and kwargs.get("device") is not None
+                 or name in ("item", "tolist")
+                 or name == "to" and not kwargs.get("non_blocking")
+                 and any(isinstance(a, (str, torch.device)) for a in (*args[1:], kwargs.get("device"))))
+        if waits:
+            frame = next((f for f in reversed(traceback.extract_stack()[:-1]) if f.filename.startswith(self.ROOTS)
+                          or "/declab_kernels/" in f.filename), None)
+            if frame is not None and frame.filename.startswith(self.ROOTS) and frame.name != "collect":
+                self.sites.add(f"{frame.filename}:{frame.lineno} {frame.line}")
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("family", ["transformer", "mamba2", "rwkv7"])
+def test_a_step_waits_for_the_device_only_for_the_previous_steps_tokens(family):
+    # Prompts cut into chunks beside decoding rows, sampled and greedy rows, retirements: every path of
+    # a step. On a GPU each call found here would stall the host until the queued work drained.
+    engine = Engine(decoder(family), max_batch=4, max_step_tokens=9, **({"num_blocks": 64} if family == "transformer" else {}))
+    rng = random.Random(3)
+    requests = random_requests(rng, 8, sampling=lambda i: Sampling(temperature=0.7, seed=i) if i % 3 == 0 else Sampling())
+    engine.add_request(requests.pop())
+    engine.step()
+    with HostWaits() as waits:
+        run_with_arrivals(engine, requests, rng)
+    assert not waits.sites, sorted(waits.sites)
 
 
 def test_buckets():

@@ -151,6 +151,19 @@ def test_unfinished_and_failed_requests_count_against_the_point():
     assert r["queue_ms_mean"] is None and r["energy_j_per_output_token"] is None
 
 
+def test_engine_point_stats_split_the_host_time_between_prefill_and_decode_steps():
+    before = dict(finished=0, preemptions=0, tokens_generated=0, steps=10, host_s_total=1.0, step_s_total=2.0, prefill_steps=2,
+                  prefill_host_s_total=0.5, prefill_step_s_total=0.6)
+    after = dict(finished=4, preemptions=0, tokens_generated=40, steps=20, host_s_total=1.5, step_s_total=4.0, prefill_steps=4,
+                 prefill_host_s_total=0.9, prefill_step_s_total=1.4)
+    p = sb.engine_point_stats(before, after)
+    assert p["steps"] == 10 and p["prefill_steps"] == 2 and p["host_fraction"] == pytest.approx(0.25)
+    assert p["host_ms_per_prefill_step"] == pytest.approx(200) and p["ms_per_prefill_step"] == pytest.approx(400)
+    assert p["host_ms_per_decode_step"] == pytest.approx(12.5) and p["ms_per_decode_step"] == pytest.approx(150)
+    # An engine without these counters (a stand-in) gets the totals only.
+    assert "host_ms_per_prefill_step" not in sb.engine_point_stats({"steps": 0, "host_s_total": 0}, {"steps": 2, "host_s_total": 1})
+
+
 def test_idle_ttft_is_the_line_through_the_samples():
     line = sb.idle_ttft_line([(10, 0.1), (30, 0.3), (10, 0.1)])
     assert line(20) == pytest.approx(0.2)
