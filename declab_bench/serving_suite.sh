@@ -4,7 +4,8 @@
 # stage's output in one log, results as JSON lines under OUT_DIR (few files: the machine's
 # transfer back counts them).
 #
-#   declab_bench/serving_suite.sh OUT_DIR SECONDS STAGE...   (stages: deps tests engine64 compare64 sb8b bursty b256 http spec)
+#   declab_bench/serving_suite.sh OUT_DIR SECONDS STAGE...   (stages: deps tests engine64 compare64 sb8b bursty b256 http spec;
+#   env: SB8B_RATES, SB8B_STEP_TOKENS, SB8B_LIMIT, BURSTY_RATE, B256_MODELS, B256_CTX, B256_NEW, B256_LIMIT)
 #
 # Wheels for the server and the HTTP client are installed from WHEEL_DIR (default .whl-serve) when
 # the machine lacks them; TRITON_CACHE_SEED seeds Triton's cache and the GEMV picks as in gpu_suite.sh
@@ -59,12 +60,16 @@ for s in "$@"; do
       done ;;
     compare64) stage compare64 110 python3 -m decoders.compare --no-progress --impl triton --models llama-1b,mamba2-1.3b,rwkv7-1.5b \
         --ctx 1k --batch 64 --new-tokens 256 --out "$out/compare_b64.jsonl" ;;
-    sb8b) stage sb8b "${SB8B_LIMIT:-160}" python3 -m decoders.serve_bench --models llama-8b --prompt-len 1024 --output-len 256 --rate 8,16,32,inf \
-        --duration 10 --slo ttft=500ms,itl=50ms --no-progress --out "$work/serve_bench.jsonl" ;;
+    # llama-8b loads, warms up (~25-35 s) and drains each point's last requests: 4 points need ~210 s.
+    sb8b) stage sb8b "${SB8B_LIMIT:-300}" python3 -m decoders.serve_bench --models llama-8b --prompt-len 1024 --output-len 256 --rate "${SB8B_RATES:-8,16,32,inf}" \
+        --max-step-tokens "${SB8B_STEP_TOKENS:-2048}" --duration 10 --slo ttft=500ms,itl=50ms --no-progress --out "$work/serve_bench.jsonl" ;;
     bursty) stage bursty 160 python3 -m decoders.serve_bench --models llama-1b,mamba2-1.3b,rwkv7-1.5b --prompt-len 1024 --output-len 256 \
         --rate "${BURSTY_RATE:-12}" --arrivals poisson,bursty --burst-period 5 --duration 10 --slo ttft=500ms,itl=50ms --no-progress --out "$work/serve_bench.jsonl" ;;
-    b256) for m in mamba2-1.3b rwkv7-1.5b llama-1b; do
-        stage "b256_$m" "${B256_LIMIT:-150}" python3 -m decoders.engine --model "$m" --batch 256 --ctx 4096 --new-tokens "${B256_NEW:-256}" --out "$out/engine.jsonl"
+    # 256 requests of 4k: a step budget of 16384 tokens prefills them all before the first finishes its
+    # 256 tokens (at 2048 none of the steps has all 256 decoding). rwkv7 took 69 s, mamba2 84 s.
+    b256) for m in ${B256_MODELS:-mamba2-1.3b rwkv7-1.5b llama-1b}; do
+        stage "b256_$m" "${B256_LIMIT:-120}" python3 -m decoders.engine --model "$m" --batch 256 --ctx "${B256_CTX:-4096}" --new-tokens "${B256_NEW:-256}" \
+          --max-step-tokens 16384 --out "$out/engine.jsonl"
       done ;;
     http) stage http 130 bash -c http_stage ;;
     spec) stage spec 300 python3 -m eval.spec_study --corpus "${CORPUS:-.corpus}" --out "$out/spec.jsonl" --work "$work/spec" \
