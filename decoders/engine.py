@@ -68,6 +68,9 @@ from decoders.sampling import GREEDY, Sampling
 from declab_kernels.argmax import argmax
 from declab_kernels.host_copy import on_device
 
+# Blocks a decoding request reserves at a time while the pool has room (`Scheduler._ahead`).
+GROW_AHEAD_BLOCKS = 4
+
 
 class EngineFull(RuntimeError):
     """The waiting queue already holds `max_waiting` requests."""
@@ -217,10 +220,23 @@ class Scheduler:
             out.preempted.append(victim)
             if victim is seq:
                 return False
+        if seq.status == "decode":
+            length = self._ahead(seq, length, missing)
         kv.reserve(seq.kv_seq, length)
         if seq.status == "decode":
             out.grown.append((seq, have))
         return True
+
+    def _ahead(self, seq: Sequence, length: int, missing: int) -> int:
+        """The length a decoding request reserves when it needs a block: GROW_AHEAD_BLOCKS blocks' worth
+        (never past its last position) while the pool keeps a free block for every running request
+        after it, else just `length`. Each reservation costs the next decode step a block-table write
+        (`PagedRunner.before_decode`); reserving ahead makes those writes rarer."""
+        kv = self.kv
+        extra = GROW_AHEAD_BLOCKS - missing
+        if extra <= 0 or kv.pool.num_free - missing - extra < len(self.running):
+            return length
+        return min(length + extra * kv.block_size, seq.prompt_len + seq.request.max_new_tokens)
 
     def preempt(self, seq: Sequence) -> None:
         """Free what `seq` holds and put it back at the head of the queue (recomputed from scratch)."""
@@ -578,8 +594,11 @@ class PagedRunner(ARRunner):
                 cols.append(j)
                 values.append(blocks[j])
         if rows:
-            index = (on_device(rows, self.device), on_device(cols, self.device))
-            self.tables.index_put_(index, on_device(values, self.device, torch.int32))
+            # One copy to the device: the flat entries of `tables`, then their values.
+            width = self.tables.shape[1]
+            k = len(rows)
+            both = on_device([r * width + c for r, c in zip(rows, cols)] + values, self.device)
+            self.tables.view(-1).index_copy_(0, both[:k], both[k:].to(torch.int32))
 
     def forward_decode(self, b: int) -> torch.Tensor:
         from declab_arch import llama

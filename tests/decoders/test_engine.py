@@ -11,6 +11,7 @@ from torch.overrides import TorchFunctionMode
 
 import decoders
 from decoders import Sampling, UsageError
+from decoders import engine as engine_module
 from decoders.engine import Engine, EngineFull, Request, Scheduler, Sequence, buckets, sample_rows
 from decoders.kv_cache import PagedKVCache
 
@@ -253,6 +254,34 @@ def test_scheduler_preempts_the_newest_request():
     assert plan.preempted == [new] and plan.decode == [old]
     assert list(sched.waiting) == [new] and new.status == "waiting" and new.tokens == [1] * 16 + [2]
     assert sched.preemptions == 1 and kv.pool.num_free == 1
+
+
+def test_a_decoding_request_reserves_blocks_ahead_only_while_the_pool_has_room():
+    def crossing(num_blocks, new_tokens=200):
+        """A request decoding its 17th token (a second block needed) beside another in a pool of num_blocks."""
+        kv = PagedKVCache(1, 1, 16, block_size=16, num_blocks=num_blocks)
+        sched = Scheduler(max_batch=4, max_step_tokens=64, kv=kv)
+        seqs = [Sequence(Request([1] * 16, new_tokens), i, [1] * 16, 16, frozenset()) for i in "ab"]
+        for s in seqs:
+            sched.add(s)
+        plan = sched.schedule()
+        for s, n in plan.prefill:
+            s.computed += n
+            s.tokens.append(2)
+            s.status = "decode"
+        return sched.schedule(), kv, seqs
+
+    # Room: each takes GROW_AHEAD_BLOCKS blocks at once, and the runner is told what each held before.
+    plan, kv, seqs = crossing(64)
+    assert plan.decode == seqs and not plan.preempted
+    assert [len(kv.blocks[s.kv_seq]) for s in seqs] == [1 + engine_module.GROW_AHEAD_BLOCKS] * 2
+    assert [(s, have) for s, have in plan.grown] == [(seqs[0], 1), (seqs[1], 1)]
+    # Never past the request's last position: 16 + 20 tokens fit in 3 blocks.
+    plan, kv, seqs = crossing(64, new_tokens=20)
+    assert [len(kv.blocks[s.kv_seq]) for s in seqs] == [3, 3]
+    # No room beyond one free block per running request: one block each, as without reserving ahead.
+    plan, kv, seqs = crossing(5)
+    assert plan.decode == seqs and [len(kv.blocks[s.kv_seq]) for s in seqs] == [2, 2]
 
 
 def test_user_errors_are_refused_before_anything_runs():
