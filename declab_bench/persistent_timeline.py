@@ -22,7 +22,7 @@ import sys
 import torch
 
 import decoders
-from decoders.cli import JsonlSink, Parser, check_output_file, run_command
+from decoders.cli import JsonlSink, Parser, check_records_file, run_command
 from decoders.compare import parse_ctx
 from decoders.records import environment
 from declab_kernels.persistent_step import schedule
@@ -47,7 +47,7 @@ def summarise(rows: list[dict], programs: int) -> dict:
 def run(args) -> int:
     ctxs = parse_ctx(args.ctx)
     decoders.check_model(args.model, context=max(ctxs))
-    sink = JsonlSink(check_output_file(args.out, "--out"))
+    sink = JsonlSink(check_records_file(args.out, "--out"))
     device = decoders.parse_device("cuda")
     dec = decoders.load(args.model, device=device, step="persistent", seed=args.seed)
     records = []

@@ -23,7 +23,7 @@ import decoders
 from declab_kernels import resolve_impl
 from decoders.records import environment
 from decoders import distributed, harness
-from decoders.cli import JsonlSink, Parser, check_output_file
+from decoders.cli import JsonlSink, Parser, check_records_file
 from decoders.compare import parse_ctx
 
 
@@ -62,7 +62,7 @@ def run(args) -> int:
         impl = resolve_impl(args.impl, device)
     except ValueError as e:
         raise decoders.UsageError(f"--impl: {e}") from None
-    sink = JsonlSink(check_output_file(args.out, "--out")) if lead else None
+    sink = JsonlSink(check_records_file(args.out, "--out")) if lead else None
     group = distributed.setup(device, here)
 
     import torch.distributed as dist

@@ -79,7 +79,7 @@ def parse_trees(items) -> list:
 def check_args(a) -> dict:
     """Everything the run needs, checked before any work (UsageError otherwise)."""
     from decoders import UsageError
-    from decoders.cli import check_output_file
+    from decoders.cli import check_records_file
     from decoders.compare import parse_ctx, parse_ints
 
     trees = parse_trees(a.tree)
@@ -98,7 +98,7 @@ def check_args(a) -> dict:
         raise UsageError(f"--rounds and --steps must be >= 1, got {a.rounds} and {a.steps}")
     if ctx[0] <= a.rounds * a.steps + 2:
         raise UsageError(f"--ctx {ctx[0]} leaves no prompt for {a.rounds * a.steps + 2} decoded tokens")
-    return {"out": check_output_file(a.out, "out"), "trees": trees, "models": models, "ctx": ctx[0], "batches": batches,
+    return {"out": check_records_file(a.out, "out"), "trees": trees, "models": models, "ctx": ctx[0], "batches": batches,
             "rounds": a.rounds, "steps": a.steps, "seed": a.seed, "setup_timeout": a.setup_timeout}
 
 

@@ -1,12 +1,13 @@
 """What the command lines share: output paths checked before any work starts, results that survive a
 write failing later, and an argument parser whose refusals are one line.
 
-    out = cli.check_output_file(args.out, "--out")        # UsageError now, not after the sweep
+    out = cli.check_records_file(args.out, "--out")       # UsageError now, not after the sweep
     sink = cli.JsonlSink(out)
     sink.append(record)                                    # a failed write moves to a fallback file
 """
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -40,6 +41,24 @@ def check_output_file(path, option: str) -> Path:
         raise UsageError(f"{option} {path}: cannot make its folder ({e.strerror})") from None
     if not os.access(path.parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise UsageError(f"{option} {path}: not writable")
+    return path
+
+
+def check_records_file(path, option: str) -> Path:
+    """`path` as a JSON lines file records are appended to (`check_output_file`), refused when it
+    already holds something whose last line is not a JSON object: appending would mix the records
+    into a file nothing can read back as records."""
+    path = check_output_file(path, option)
+    if path.is_file() and path.stat().st_size:
+        with open(path, "rb") as f:
+            f.seek(max(0, path.stat().st_size - (1 << 16)))
+            lines = [x for x in f.read().splitlines() if x.strip()]
+        try:
+            last = json.loads(lines[-1]) if lines else {}
+        except (UnicodeDecodeError, ValueError):
+            last = None
+        if not isinstance(last, dict):
+            raise UsageError(f"{option} {path}: not a JSON lines file (its last line is not a JSON object); name a new file")
     return path
 
 

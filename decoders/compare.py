@@ -532,7 +532,7 @@ def run(args) -> int:
     from decoders import harness
     from declab_kernels import resolve_impl
     from decoders.records import environment
-    from decoders.cli import JsonlSink, check_figure_file, check_output_file
+    from decoders.cli import JsonlSink, check_figure_file, check_records_file
     from decoders.quant import check_load_quant
 
     here = distributed.world()
@@ -577,7 +577,7 @@ def run(args) -> int:
     spec = parse_spec(args.spec, targets=models, peers=peer_names) if args.spec else None
     steps = parse_steps(args, models, batches, kv_dtypes, quants, spec, device) if args.step is not None else [None]
     spread = check_distributed(args, models, peer_names, spec, here)
-    out = check_output_file(args.out, "--out")
+    out = check_records_file(args.out, "--out")
     # Spread: each rank appends its own records as they finish; rank 0 writes them all to --out at the end.
     part = out.with_name(f"{out.name}.rank{here.rank}") if spread else None
     sink = JsonlSink(part or out)

@@ -1094,13 +1094,13 @@ def main(argv=None) -> int:
 
     import decoders
     from decoders.records import append_jsonl, environment
-    from decoders.cli import check_output_file
+    from decoders.cli import check_records_file
 
     args = build_parser().parse_args(argv)
     with decoders.user_errors():
         if args.batch < 1 or args.new_tokens < 1 or args.new_tokens >= args.ctx:
             raise UsageError(f"need --batch >= 1 and 1 <= --new-tokens < --ctx, got {args.batch}, {args.new_tokens}, {args.ctx}")
-        out = check_output_file(args.out, "--out")
+        out = check_records_file(args.out, "--out")
         record = decoders.family_class(decoders.family_of(args.model))
         if record.state_kind == "canvas":
             raise UsageError("the measuring command runs the autoregressive families (a Mask-Predict cohort is a static "

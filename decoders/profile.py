@@ -35,7 +35,7 @@ from decoders.compare import parse_size
 from decoders.harness import ceilings, pin_cpu_threads
 from declab_kernels import gemv
 from decoders.records import environment
-from decoders.cli import JsonlSink, Parser, check_output_file
+from decoders.cli import JsonlSink, Parser, check_records_file
 
 
 def kernel_times(prof, on_gpu: bool) -> list[tuple[str, int, float]]:
@@ -175,7 +175,7 @@ def main(argv=None) -> int:
         if a.top < 1:
             raise decoders.UsageError(f"--top must be at least 1, got {a.top}")
         ctx = parse_size(a.ctx)
-        sink = JsonlSink(check_output_file(a.out, "--out"))
+        sink = JsonlSink(check_records_file(a.out, "--out"))
         decoders.check_model(a.model, context=ctx)
         decoder = decoders.load(a.model, device=a.device, dtype=a.dtype, impl=a.impl)
         if decoder.device.type == "cpu":

@@ -233,7 +233,7 @@ def run(a) -> list[dict]:
         raise decoders.UsageError(f"--drafts {', '.join(bad)}: not autoregressive")
     train.check_corpus(str(a.corpus))
     cli.check_output_dir(a.work, "--work")
-    cli.check_output_file(a.out, "--out")
+    cli.check_records_file(a.out, "--out")
     device = decoders.parse_device(a.device)
     work = a.work
     work.mkdir(parents=True, exist_ok=True)

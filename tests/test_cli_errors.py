@@ -116,6 +116,7 @@ def test_compare_refuses_before_measuring(bad):
         (["--models", "llama-tiny", "--bogus"], "unrecognized arguments: --bogus"),
         (["--models", "llama-tiny", "--out", str(bad["root"])], "is a folder, not a file"),
         (["--models", "llama-tiny", "--out", str(bad["file"] / "c.jsonl")], "is a file, not a folder"),
+        (["--models", "llama-tiny", "--out", str(bad["file"])], "not a JSON lines file"),
         (["--models", "llama-tiny", "--plot", str(bad["root"] / "plot.txt")], "a figure must end in .png"),
         (["--models", "llama-tiny", "--plot", str(bad["file"] / "c.png")], "is a file, not a folder"),
         (["--models", str(bad["truncated"])], "truncated"),
@@ -234,6 +235,9 @@ def test_serving_report_and_speculative_commands_refuse_bad_input(bad):
         ("decoders.serve_bench", ["--models", "llama-tiny", "--slo", "ttft=soon"], "expected a time such as 500ms"),
         ("decoders.serve_bench", ["--models", "llama-tiny", "--duration", "0"], "--duration must be > 0"),
         ("decoders.serve_bench", ["--models", "llama-tiny", "--bogus"], "unrecognized arguments: --bogus"),
+        ("decoders.serve_bench", ["--models", "llama-tiny", "--out", str(bad["root"])], "is a folder, not a file"),
+        ("decoders.serve_bench", ["--models", "llama-tiny", "--out", str(bad["file"])], "not a JSON lines file"),
+        ("decoders.engine", ["--model", "llama-tiny", "--out", str(bad["file"])], "not a JSON lines file"),
         ("decoders.serve", ["--model", "no-such-preset"], "unknown preset 'no-such-preset'"),
         ("decoders.serve", ["--model", "llama-tiny", "--max-batch", "0"], "must be at least 1"),
         ("eval.report", [str(bad["root"] / "missing.jsonl"), "--out", str(out)], "no such result file"),
@@ -247,6 +251,7 @@ def test_serving_report_and_speculative_commands_refuse_bad_input(bad):
          "one of the arguments --tokens --seconds is required"),
     ])
     assert not out.exists()
+    assert bad["file"].read_text() == "a file, not a folder\n"
 
 
 def test_the_real_entry_points(bad):

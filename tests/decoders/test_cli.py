@@ -5,7 +5,7 @@ import json
 import pytest
 
 from decoders.base import UsageError
-from decoders.cli import JsonlSink, check_figure_file, check_output_dir, check_output_file
+from decoders.cli import JsonlSink, check_figure_file, check_output_dir, check_output_file, check_records_file
 
 
 def test_output_file_folder_is_made_and_bad_paths_are_refused(tmp_path):
@@ -16,6 +16,20 @@ def test_output_file_folder_is_made_and_bad_paths_are_refused(tmp_path):
             check_output_file(path, "--out")
     with pytest.raises(UsageError, match="a figure must end in"):
         check_figure_file(tmp_path / "plot.jpg", "--plot")
+
+
+def test_a_records_file_must_be_new_empty_or_json_lines(tmp_path):
+    assert check_records_file(tmp_path / "new.jsonl", "--out") == tmp_path / "new.jsonl"
+    (tmp_path / "empty.jsonl").write_text("")
+    check_records_file(tmp_path / "empty.jsonl", "--out")
+    good = tmp_path / "good.jsonl"
+    good.write_text(json.dumps({"a": 1}) + "\n" + json.dumps({"b": 2}) + "\n\n")
+    check_records_file(good, "--out")
+    for name, data in [("prose.txt", b"a report\nof some kind\n"), ("list.jsonl", json.dumps({"a": 1}).encode() + b"\n[1, 2]\n"),
+                       ("binary.bin", b"\xff\xfe\x00\x01")]:
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(UsageError, match="not a JSON lines file"):
+            check_records_file(tmp_path / name, "--out")
 
 
 def test_output_dir_is_checked_without_being_made(tmp_path):
