@@ -45,6 +45,23 @@ def run_with_arrivals(engine, requests, rng):
     return [tokens[i] for i in ids]
 
 
+def random_events(engine, rng, count, new_request, *, add, cancel):
+    """`count` random events on `engine`, yielding after each: with probability `add` a request from
+    `new_request()` arrives, with `cancel` a live one is cancelled, else the engine steps."""
+    live = []
+    for _ in range(count):
+        roll = rng.random()
+        if roll < add:
+            live.append(engine.add_request(new_request()))
+        elif roll < add + cancel and live:
+            engine.cancel(live.pop(rng.randrange(len(live))))
+        else:
+            for out in engine.step():
+                if out.finished and out.request_id in live:
+                    live.remove(out.request_id)
+        yield
+
+
 def alone(dec, request):
     return dec.generate([request.prompt], request.max_new_tokens, request.sampling).tokens[0]
 
@@ -156,19 +173,13 @@ def test_no_block_or_slot_leaks_after_thousands_of_random_events(family):
     dec = decoder(family)
     rng = random.Random(11)
     engine = Engine(dec, max_batch=6, max_step_tokens=12, **({"num_blocks": 6} if family == "transformer" else {}))
-    live, events = [], 0
-    while events < 2000:
-        roll = rng.random()
-        if roll < 0.45:
-            new = rng.choice([4, 8]) if family == "maskpredict" else rng.randint(1, 6)
-            live.append(engine.add_request(Request([rng.randrange(3, 500) for _ in range(rng.randint(1, 30))], new)))
-        elif roll < 0.6 and live:
-            engine.cancel(live.pop(rng.randrange(len(live))))
-        else:
-            for out in engine.step():
-                if out.finished and out.request_id in live:
-                    live.remove(out.request_id)
-        events += 1
+
+    def request():
+        new = rng.choice([4, 8]) if family == "maskpredict" else rng.randint(1, 6)
+        return Request([rng.randrange(3, 500) for _ in range(rng.randint(1, 30))], new)
+
+    for _ in random_events(engine, rng, 2000, request, add=0.45, cancel=0.15):
+        pass
     while engine.has_unfinished():
         engine.step()
     stats = engine.stats()
@@ -193,19 +204,14 @@ def test_the_runners_incremental_bookkeeping_matches_a_full_scan_after_every_eve
     dec = decoder(family)
     rng = random.Random(13)
     engine = Engine(dec, max_batch=5, max_step_tokens=12, **({"num_blocks": 8} if family == "transformer" else {}))
-    runner, live = engine.runner, []
-    for _ in range(600):
-        roll = rng.random()
-        if roll < 0.35:
-            sampling = Sampling(temperature=1.0, seed=rng.randrange(100)) if rng.random() < 0.3 else Sampling()
-            prompt = [rng.randrange(3, 500) for _ in range(rng.randint(1, 30))]
-            live.append(engine.add_request(Request(prompt, rng.randint(1, 40), sampling=sampling)))
-        elif roll < 0.45 and live:
-            engine.cancel(live.pop(rng.randrange(len(live))))
-        else:
-            for out in engine.step():
-                if out.finished and out.request_id in live:
-                    live.remove(out.request_id)
+    runner = engine.runner
+
+    def request():
+        sampling = Sampling(temperature=1.0, seed=rng.randrange(100)) if rng.random() < 0.3 else Sampling()
+        prompt = [rng.randrange(3, 500) for _ in range(rng.randint(1, 30))]
+        return Request(prompt, rng.randint(1, 40), sampling=sampling)
+
+    for _ in random_events(engine, rng, 600, request, add=0.35, cancel=0.1):
         assert [s.row for s in runner.rows] == list(range(len(runner.rows)))
         assert all((s.row is not None) == (s.status == "decode") for s in engine.seqs.values())
         assert runner.sampled_rows == sum(not s.request.sampling.greedy for s in runner.rows)
