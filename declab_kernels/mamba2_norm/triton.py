@@ -22,7 +22,7 @@ def _num_warps(block):
 @triton.jit
 def _add_rmsnorm_kernel(
     x_ptr, tok_ptr, res_ptr, w_ptr, out_ptr, r_ptr,
-    s_xb, s_xd, s_rb, s_rd, s_ob, s_od, s_qb, s_qd,
+    s_xb, s_xd, s_rb, s_rd, s_ob, s_od, s_qb, s_qd, s_tok,
     D, eps,
     BLOCK_D: tl.constexpr, GATHER: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr = False,
 ):
@@ -34,9 +34,11 @@ def _add_rmsnorm_kernel(
         # The norm weight is no kernel's output: fetched while the previous kernel finishes.
         w = tl.load(w_ptr + offs, mask=mask, other=0.0)
         tl.extra.cuda.gdc_wait()
-    # With GATHER, x is the embedding table and this row's input is the row of its token.
+    # With GATHER, x is the embedding table and this row's input is the row of its token. The token ids
+    # are read through their stride: a column of a [B, T] tensor (speculative verification's fed[:, j])
+    # is a view with stride T, and reading it as contiguous would give row b the token of another row.
     if GATHER:
-        row = tl.load(tok_ptr + b).to(tl.int64)
+        row = tl.load(tok_ptr + b * s_tok).to(tl.int64)
     else:
         row = b
     r = tl.load(x_ptr + row * s_xb + offs * s_xd, mask=mask, other=0.0).to(tl.float32)
@@ -65,7 +67,7 @@ def _add_rmsnorm(x, tokens, residual, weight, eps):
     use_pdl = pdl(x.device, __name__)
     _add_rmsnorm_kernel[(Bsz,)](
         x, tokens if tokens is not None else r, res, weight, out, r,
-        *x.stride(), *res.stride(), *out.stride(), *r.stride(),
+        *x.stride(), *res.stride(), *out.stride(), *r.stride(), tokens.stride(0) if tokens is not None else 0,
         D, eps,
         BLOCK_D=block, GATHER=tokens is not None, HAS_RES=residual is not None, PDL=use_pdl,
         num_warps=_num_warps(block), launch_pdl=use_pdl,

@@ -66,6 +66,22 @@ def test_triton_embed_rmsnorm_matches_ref(dtype, nan_empty):
     assert rel(h, h_ref) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
+def test_triton_embed_rmsnorm_reads_tokens_through_their_stride(nan_empty):
+    """The token ids as speculative verification's decode steps pass them (`speculative.verify_steps`):
+    column j of the fed tokens [B, T], a view with stride T. Read as contiguous, row b got the token at
+    flat index b, row 0's own draft, and Mamba-2's "steps" verification diverged on every row but the first."""
+    table = rnd(50, 37, seed=9)
+    weight = rnd(37, seed=10)
+    fed = torch.tensor([[4, 11, 12, 13, 14], [49, 21, 22, 23, 24], [0, 31, 32, 33, 34]], device=DEV)
+    for j in range(fed.shape[1]):
+        tokens = fed[:, j]
+        assert tokens.stride(0) == fed.shape[1]
+        h, r = mamba2_norm.embed_rmsnorm(tokens, table, weight, 1e-5, impl="triton")
+        h_ref, r_ref = mamba2_norm.embed_rmsnorm(tokens, table, weight, 1e-5, impl="ref")
+        assert torch.equal(r, table[tokens]) and torch.equal(r, r_ref)
+        assert rel(h, h_ref) < 1e-5
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("B,D,group", [(1, 40, 40), (3, 39, 13), (2, 96, 24)])
 def test_triton_gated_rmsnorm_matches_ref(B, D, group, dtype, nan_empty):
