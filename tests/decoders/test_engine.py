@@ -244,17 +244,23 @@ def test_scheduler_chunks_long_prompts_under_the_step_budget():
     assert sum(n for _, n in plan.prefill) + len(plan.decode) <= 10
 
 
-def test_scheduler_preempts_the_newest_request():
-    kv = PagedKVCache(1, 1, 16, block_size=16, num_blocks=3)
+def two_decoding(num_blocks, new_tokens=8):
+    """A scheduler over a pool of `num_blocks` blocks of 16 whose two requests ("a" admitted first) have
+    prefilled 16-token prompts and sampled their first token: each holds one full block."""
+    kv = PagedKVCache(1, 1, 16, block_size=16, num_blocks=num_blocks)
     sched = Scheduler(max_batch=4, max_step_tokens=64, kv=kv)
-    old, new = (Sequence(Request([1] * 16, 8), i, [1] * 16, 16, frozenset()) for i in "ab")
-    for s in (old, new):
+    seqs = [Sequence(Request([1] * 16, new_tokens), i, [1] * 16, 16, frozenset()) for i in "ab"]
+    for s in seqs:
         sched.add(s)
-        plan = sched.schedule()
-        for s2, n in plan.prefill:
-            s2.computed += n
-            s2.tokens.append(2)
-            s2.status = "decode"
+    for s, n in sched.schedule().prefill:
+        s.computed += n
+        s.tokens.append(2)
+        s.status = "decode"
+    return sched, kv, seqs
+
+
+def test_scheduler_preempts_the_newest_request():
+    sched, kv, (old, new) = two_decoding(3)
     # Each holds one full block and needs a second: only one is free, so the newer request goes.
     plan = sched.schedule()
     assert plan.preempted == [new] and plan.decode == [old]
@@ -264,17 +270,8 @@ def test_scheduler_preempts_the_newest_request():
 
 def test_a_decoding_request_reserves_blocks_ahead_only_while_the_pool_has_room():
     def crossing(num_blocks, new_tokens=200):
-        """A request decoding its 17th token (a second block needed) beside another in a pool of num_blocks."""
-        kv = PagedKVCache(1, 1, 16, block_size=16, num_blocks=num_blocks)
-        sched = Scheduler(max_batch=4, max_step_tokens=64, kv=kv)
-        seqs = [Sequence(Request([1] * 16, new_tokens), i, [1] * 16, 16, frozenset()) for i in "ab"]
-        for s in seqs:
-            sched.add(s)
-        plan = sched.schedule()
-        for s, n in plan.prefill:
-            s.computed += n
-            s.tokens.append(2)
-            s.status = "decode"
+        """The step where both requests feed their 17th token and need a second block."""
+        sched, kv, seqs = two_decoding(num_blocks, new_tokens)
         return sched.schedule(), kv, seqs
 
     # Room: each takes GROW_AHEAD_BLOCKS blocks at once, and the runner is told what each held before.
