@@ -1020,6 +1020,8 @@ class Engine:
             "step_s_last": self.step_s_last,
             "step_s_total": self.step_s_total,
             "gpu_s_last": self.runner.gpu_s,
+            # Decode steps captured as CUDA graphs so far (one per bucket and sampling mode, at first use).
+            "graphs_captured": len(getattr(self.runner, "graphs", ())),
         }
         if self.kv is not None:
             total = self.kv.pool.num_blocks - 1

@@ -44,6 +44,7 @@ from decoders import cli
 from decoders.base import UsageError
 from decoders.compare import parse_ints
 from decoders.harness import percentile
+from declab_kernels import compile_log, gemv
 
 # Assumed price of one H200 GPU-hour in US dollars: a round figure within the on-demand list prices
 # of cloud providers for a single H200 in 2025-2026 (roughly 3 to 10 dollars); pass your own.
@@ -757,7 +758,7 @@ def point_workload(args, load: dict, target, model: str, lengths) -> tuple[wl.Wo
 
 
 ENGINE_COUNTERS = ("finished", "preemptions", "tokens_generated", "steps", "host_s_total", "step_s_total", "prefill_steps",
-                   "prefill_host_s_total", "prefill_step_s_total")
+                   "prefill_host_s_total", "prefill_step_s_total", "graphs_captured")
 
 
 def engine_point_stats(before: dict, after: dict) -> dict:
@@ -783,6 +784,25 @@ def engine_point_stats(before: dict, after: dict) -> dict:
     return point
 
 
+def gemv_measured() -> int:
+    """GEMV keys `declab_kernels.gemv.linear` has timed in this process (not read from DECLAB_GEMV_CHOICES)."""
+    return sum(1 for rec in gemv.choices() if not rec.get("from_file"))
+
+
+def warn_first_use(label: str, first_use: dict) -> None:
+    """One stderr line when kernels compiled, graphs were captured or GEMV shapes were measured inside a
+    timed point (`first_use_during_point`): the point's latencies include those seconds."""
+    compiles = first_use["triton_compiles"]
+    parts = [f"{compiles['count']} Triton compilation(s) ({compiles['seconds']:.1f} s)"] if compiles["count"] else []
+    if first_use["graphs_captured"]:
+        parts.append(f"{first_use['graphs_captured']} CUDA graph capture(s)")
+    if first_use["gemv_keys_measured"]:
+        parts.append(f"{first_use['gemv_keys_measured']} GEMV shape measurement(s)")
+    if parts:
+        print(f"warning: {label}: {', '.join(parts)} ran inside the timed point, and its latencies include them "
+              "(a longer --warmup replays more of the workload before timing)", file=sys.stderr)
+
+
 def run_point(args, target, model, workload, source, slo, env, idle, warmup_s, progress) -> dict:
     spec = workload.spec
     record = {"model": model, "arrivals": spec["arrivals"], "rate": spec.get("rate"), "users": spec.get("users"),
@@ -793,6 +813,7 @@ def run_point(args, target, model, workload, source, slo, env, idle, warmup_s, p
         progress.reset(total=len(workload.items))
         progress.set_description(f"{model} {spec['arrivals']} {load_label(record)}")
     before = target.engine.stats() if isinstance(target, EngineTarget) else None
+    compiled_before, gemv_keys = compile_log.snapshot(), gemv_measured()
     meter = PowerMeter(target.device)
     with meter:
         traces = target.run(workload, duration_s=args.duration if workload.closed else None, on_finish=(lambda t: progress.update()) if progress else None)
@@ -801,6 +822,10 @@ def run_point(args, target, model, workload, source, slo, env, idle, warmup_s, p
         point = engine_point_stats(before, described["engine_stats"])
         described["engine_stats"] = {"point": point, "after": described["engine_stats"]}
         record["host_fraction"] = point.get("host_fraction")
+        record["first_use_during_point"] = first_use = {
+            "triton_compiles": compile_log.since(compiled_before), "graphs_captured": point.get("graphs_captured", 0),
+            "gemv_keys_measured": gemv_measured() - gemv_keys}
+        warn_first_use(f"{model} {spec['arrivals']} {load_label(record)}", first_use)
     record.update(described)
     record.update(model=model, status="ok", **summarize(traces, slo=slo, gpu_hour_price=args.gpu_hour_price, energy_j=meter.energy_j,
                                                         idle_ttft=idle_ttft_line(idle) if idle else None))
@@ -875,6 +900,7 @@ def run(args) -> int:
             raise ArgError("--target needs aiohttp (pip install -e '.[bench]')")
 
     env = environment(torch.device(args.device or ("cuda" if on_gpu else "cpu")))
+    compile_log.watch()  # from here on, what compiles inside a timed point is counted (`first_use_during_point`)
     records, planned = [], len(models) * len(loads)
     progress = None
     if not args.no_progress:

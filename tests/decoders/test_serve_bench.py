@@ -413,7 +413,21 @@ def test_the_cli_on_the_engine_with_tiny_models(tmp_path):
         assert (r["status"], r["finished"], r["output_tokens"], r["slo_met"]) == ("ok", 6, 36, 6)
         assert r["ttft_ms_p50"] > 0 and r["itl_ms_p50"] > 0 and r["engine_stats"]["point"]["finished"] == 6
         assert r["impl"] == "ref" and r["energy_j"] is None
+        # On the CPU reference nothing compiles, no graph is captured and no GEMV shape is measured.
+        assert r["first_use_during_point"] == {"triton_compiles": {"count": 0, "seconds": 0.0, "kernels": {}},
+                                               "graphs_captured": 0, "gemv_keys_measured": 0}
+    assert "inside the timed point" not in result.stderr
     assert json.loads(result.stdout.strip().splitlines()[-1])["points"][3]["model"] == "mamba2-tiny"
+
+
+def test_first_use_inside_a_timed_point_is_one_warning_line(capsys):
+    quiet = {"triton_compiles": {"count": 0, "seconds": 0.0, "kernels": {}}, "graphs_captured": 0, "gemv_keys_measured": 0}
+    sb.warn_first_use("llama-8b poisson 8/s", quiet)
+    assert capsys.readouterr().err == ""
+    sb.warn_first_use("llama-8b poisson 8/s", {**quiet, "triton_compiles": {"count": 3, "seconds": 2.46, "kernels": {"_prefill_kernel": 3}},
+                                               "graphs_captured": 1})
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("warning: llama-8b poisson 8/s: 3 Triton compilation(s) (2.5 s), 1 CUDA graph capture(s) ran inside")
 
 
 @pytest.mark.gpu
