@@ -54,7 +54,8 @@ for s in "$@"; do
   case $s in
     deps) stage deps 60 python3 -m pip install -q --no-index --find-links "${WHEEL_DIR:-.whl-serve}" starlette uvicorn httpx openai aiohttp ;;
     tests) stage tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short -rf tests/decoders/test_engine.py \
-        tests/decoders/test_serve.py tests/decoders/test_speculative.py tests/arch/test_checkpoint.py tests/decoders/test_gate_long_context.py ;;
+        tests/decoders/test_serve.py tests/decoders/test_serve_bench.py tests/decoders/test_speculative.py tests/arch/test_checkpoint.py \
+        tests/decoders/test_gate_long_context.py tests/kernels/test_compile_log.py ;;
     engine64) for m in llama-1b mamba2-1.3b rwkv7-1.5b; do
         stage "engine64_$m" 70 python3 -m decoders.engine --model "$m" --batch 64 --ctx 1024 --new-tokens 256 --out "$out/engine.jsonl"
       done ;;
