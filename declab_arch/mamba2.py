@@ -314,11 +314,8 @@ class Mamba2LM(nn.Module):
         position's [b, T, d] with `all_positions` (speculative verification).
         """
         W = conv.shape[-1]
-        # The ring slots as device tensors made on the device: a Python list index would be copied
-        # from pageable memory in every layer, each copy waiting for the GPU (`declab_kernels.host_copy`).
-        taps = torch.arange(W - 1, device=conv.device)
-        before = (start + 1 + taps) % W  # ssd.conv_window_slots(start, W)
-        after = (start + tokens.shape[1] + 1 + taps) % W
+        before = ssd.conv_window_slots(start, W, conv.device)
+        after = ssd.conv_window_slots(start + tokens.shape[1], W, conv.device)
         r = self.embed(tokens)
         for i, block in enumerate(self.backbone.layers):
             ring = conv[i, rows]

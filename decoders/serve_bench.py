@@ -846,7 +846,6 @@ def short_summary(records: list[dict], env: dict, out: str) -> dict:
 
 
 def run(args) -> int:
-    from decoders.cli import check_records_file
     from decoders.records import append_jsonl, environment
 
     if args.replot is not None:
@@ -859,7 +858,7 @@ def run(args) -> int:
         raise ArgError("--models names no model")
     loads = plan_loads(args)
     slo = parse_slo(args.slo)
-    check_records_file(args.out, "--out")
+    cli.check_records_file(args.out, "--out")
     if not args.gpu_hour_price >= 0:
         raise ArgError(f"--gpu-hour-price must be >= 0 dollars, got {args.gpu_hour_price:g}")
     if args.max_batch < 1 or args.max_step_tokens < 1:

@@ -170,14 +170,16 @@ def check_decode_norm(norm, z, batch, H, P):
     return norm_weight, sumsq
 
 
-def conv_window_slots(position, width):
+def conv_window_slots(position, width, device=None):
     """Slots of a conv ring `[..., C, width]` (the input at position p lives in slot p % width) that hold
-    the width-1 inputs before `position`, oldest first: `[width-1]` for an int, `[B, width-1]` for a
-    tensor of positions `[B]`. Position p - width + 1 + j is in slot (p + 1 + j) % width."""
+    the width-1 inputs before `position`, oldest first, as an int64 tensor: `[width-1]` on `device` for
+    an int, `[B, width-1]` for a tensor of positions `[B]`. Position p - width + 1 + j is in slot
+    (p + 1 + j) % width. Made on the device, not copied there: an index copied from host memory would
+    wait for the GPU (`declab_kernels.host_copy`)."""
     if torch.is_tensor(position):
         taps = torch.arange(width - 1, device=position.device)
         return (position.long()[:, None] + 1 + taps) % width
-    return [(position + 1 + j) % width for j in range(width - 1)]
+    return (position + 1 + torch.arange(width - 1, device=device)) % width
 
 
 def conv_window(conv_state, positions):
