@@ -39,13 +39,15 @@ def nan_empty(monkeypatch):
 def hf_mamba2_groups():
     """`check(ngroups)` skips a comparison with transformers' Mamba-2 at more than one group when the
     installed release normalises the gated output over all of d_inner at once: mamba-ssm, and this
-    lab, normalise each group of d_inner / ngroups (transformers' `MambaRMSNormGated` took a
-    `group_size` later). At one group the two agree."""
+    lab, normalise each group of d_inner / ngroups (transformers' gated norm took a `group_size`
+    later). At one group the two agree."""
 
     def check(ngroups):
         from transformers.models.mamba2 import modeling_mamba2
 
-        if ngroups > 1 and "group_size" not in inspect.signature(modeling_mamba2.MambaRMSNormGated).parameters:
+        # The class is `Mamba2RMSNormGated` from transformers 5.25 on, `MambaRMSNormGated` before.
+        gated = getattr(modeling_mamba2, "Mamba2RMSNormGated", None) or modeling_mamba2.MambaRMSNormGated
+        if ngroups > 1 and "group_size" not in inspect.signature(gated).parameters:
             pytest.skip("this transformers normalises Mamba-2's gated output over all groups at once (mamba-ssm: per group)")
 
     return check
