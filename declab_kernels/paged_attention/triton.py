@@ -580,7 +580,10 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *
     return out
 
 
-@triton.jit
+# The integers that change from call to call under serving (the step's query count, the block
+# table's width, the split count) are not specialised: each distinct value of 1, a multiple of 16 or
+# anything else would otherwise compile its own variant in the middle of a timed run.
+@triton.jit(do_not_specialize=["total_q", "stride_btb", "splits"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, cu_ptr, out_ptr, lse_ptr, part_ptr,
     qk_scale, total_q,
@@ -588,15 +591,16 @@ def _prefill_kernel(
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_btb,
     stride_ot, stride_oh,
+    splits,
     G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, SPLITS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     ks_ptr=None, vs_ptr=None, stride_sb=0, stride_st=0, stride_sh=0, FP8: tl.constexpr = False,
 ):
     # Query tiles in reverse so the longest causal tiles start first and the tail is short.
     m_block = tl.num_programs(0) - 1 - tl.program_id(0)
     h = tl.program_id(1)
-    b = tl.program_id(2) // SPLITS
-    split = tl.program_id(2) % SPLITS
+    b = tl.program_id(2) // splits
+    split = tl.program_id(2) % splits
     hk = h // G
     q_first = tl.load(cu_ptr + b)
     q_len = tl.load(cu_ptr + b + 1) - q_first
@@ -625,8 +629,8 @@ def _prefill_kernel(
         else:
             full_end = seq_len // BLOCK_N * BLOCK_N
             end = seq_len
-        # SPLITS > 1: this program takes the split-th of SPLITS equal runs of whole key tiles.
-        tiles_per_split = tl.cdiv(tl.cdiv(end, BLOCK_N), SPLITS)
+        # splits > 1: this program takes the split-th of `splits` equal runs of whole key tiles.
+        tiles_per_split = tl.cdiv(tl.cdiv(end, BLOCK_N), splits)
         lo = split * tiles_per_split * BLOCK_N
         hi = tl.minimum(lo + tiles_per_split * BLOCK_N, end)
         full_end = tl.maximum(tl.minimum(full_end, hi), lo)
@@ -683,10 +687,9 @@ def _prefill_kernel(
                 visible = valid[None, :]
             qk = tl.where(visible, qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
-            if SPLITS > 1:
-                # A causal row can see none of a later split's keys: exponents from 0, not -inf.
-                m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-            # (One split: position 0 is visible to every row and comes first, so m_new is finite.)
+            # With splits, a causal row can see none of a later split's keys: exponents from 0, not
+            # -inf. (One split: position 0 is visible to every row and comes first; m_new is finite.)
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(qk - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
@@ -695,13 +698,13 @@ def _prefill_kernel(
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
             m_i = m_new
-        if SPLITS == 1:
+        if splits == 1:
             out = acc / l_i[:, None]
             o_ptrs = out_ptr + q_rows[:, None] * stride_ot + h * stride_oh + d[None, :]
             tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=qmask)
         else:
             # This split's normalised output and log2-sum-exp (-inf where it saw no key), merged by
-            # _prefill_merge_kernel. Layout: part [SPLITS, total_q, Hq, D_PAD], lse [SPLITS, total_q, Hq].
+            # _prefill_merge_kernel. Layout: part [splits, total_q, Hq, D_PAD], lse [splits, total_q, Hq].
             seen = l_i > 0
             n_heads = tl.num_programs(1)
             row = (split * total_q + q_rows) * n_heads + h
@@ -711,20 +714,21 @@ def _prefill_kernel(
             tl.store(part_ptr + row[:, None] * D_PAD + d[None, :], part, mask=(offs_m[:, None] < q_len))
 
 
-@triton.jit
-def _prefill_merge_kernel(lse_ptr, part_ptr, out_ptr, total_q, stride_ot, stride_oh,
-                          SPLITS: tl.constexpr, S_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr):
-    """One (query row, head): out = sum_s 2^(lse_s - M) part_s / sum_s 2^(lse_s - M)."""
+@triton.jit(do_not_specialize=["total_q", "splits"])
+def _prefill_merge_kernel(lse_ptr, part_ptr, out_ptr, total_q, stride_ot, stride_oh, splits,
+                          S_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr):
+    """One (query row, head): out = sum_s 2^(lse_s - M) part_s / sum_s 2^(lse_s - M); S_PAD, the
+    split count's power of two, is the only shape: one variant per power of two."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     n_heads = tl.num_programs(1)
     s = tl.arange(0, S_PAD)
     d = tl.arange(0, D_PAD)
     row = (s * total_q + t) * n_heads + h
-    lse = tl.load(lse_ptr + row, mask=s < SPLITS, other=float("-inf"))
+    lse = tl.load(lse_ptr + row, mask=s < splits, other=float("-inf"))
     # Split 0 holds the sequence's first key tile, visible to every query: M is finite.
     w = tl.exp2(lse - tl.max(lse, 0))
-    part = tl.load(part_ptr + row[:, None] * D_PAD + d[None, :], mask=s[:, None] < SPLITS, other=0.0)
+    part = tl.load(part_ptr + row[:, None] * D_PAD + d[None, :], mask=s[:, None] < splits, other=0.0)
     out = tl.sum(w[:, None] * part, 0) / tl.sum(w, 0)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
 
@@ -780,14 +784,15 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seql
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
+        num_splits,
         G=num_q_heads // num_kv_heads, D=head_dim, D_PAD=d_pad, PAGE=page,
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, SPLITS=num_splits,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **fp8,
     )
     if num_splits > 1:
         _prefill_merge_kernel[(total_q, num_q_heads)](
-            lse, part, out, total_q, out.stride(0), out.stride(1),
-            SPLITS=num_splits, S_PAD=triton.next_power_of_2(num_splits), D=head_dim, D_PAD=d_pad,
+            lse, part, out, total_q, out.stride(0), out.stride(1), num_splits,
+            S_PAD=triton.next_power_of_2(num_splits), D=head_dim, D_PAD=d_pad,
         )
     return out
 

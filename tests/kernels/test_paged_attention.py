@@ -493,3 +493,57 @@ def test_gpu_decode_triton_cuda_graph_replay(variant):
     assert not torch.isnan(out).any()
     assert rel_rms(out, want) < TOL
     assert not workspace.counters.any()
+
+
+class _LaunchRecorder:
+    """Stands in for a Triton kernel: records, per launch, what Triton keys its compiled variants
+    on. Every keyword argument is a constexpr or a launch option (the launches here pass nothing
+    else by keyword); of the positional arguments, an integer Triton specialises counts as 1, a
+    multiple of 16 or neither, and a tensor as 16-byte aligned or not."""
+
+    def __init__(self, kernel):
+        options = getattr(kernel, "kwargs", {})  # the interpreter keeps jit's options here
+        dns = getattr(kernel, "do_not_specialize", None) or options.get("do_not_specialize") or []
+        self.names, self.unspecialised, self.keys, self.launches = kernel.arg_names, set(dns), set(), 0
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            key = []
+            for name, arg in zip(self.names, args):
+                if isinstance(arg, torch.Tensor):
+                    key.append((name, arg.data_ptr() % 16 == 0))
+                elif isinstance(arg, int) and name not in self.unspecialised:
+                    key.append((name, "1" if arg == 1 else "16" if arg % 16 == 0 else "other"))
+            self.keys.add((tuple(key), tuple(sorted(kwargs.items()))))
+            self.launches += 1
+        return launch
+
+
+def test_serving_chunks_of_a_long_prompt_compile_one_prefill_variant_per_query_tile(monkeypatch):
+    """Every chunk a 1,024-token prompt can be cut into (alone, and beside a second prompt's first
+    chunk, under block tables of several widths; llama-8b's heads on a 132-SM GPU) compiles at most one
+    `_prefill_kernel` variant per query tile size (4) and one merge variant per power of two of the
+    split count: a serving run does not compile in the middle of its timed points (when the query
+    count, the table width and the split count were specialised, the same launches made 75)."""
+    from declab_kernels.paged_attention import triton as tri
+
+    prefill, merge = _LaunchRecorder(tri._prefill_kernel), _LaunchRecorder(tri._prefill_merge_kernel)
+    monkeypatch.setattr(tri, "_prefill_kernel", prefill)
+    monkeypatch.setattr(tri, "_prefill_merge_kernel", merge)
+    monkeypatch.setattr(tri, "_num_sms", lambda device: 132)
+    page, hq, hkv, d, prompt = 16, 32, 8, 128, 1024
+    k_cache = torch.zeros(2 * prompt // page + 8, page, hkv, d, dtype=torch.bfloat16)
+    for width in (prompt // page, prompt // page + 1, 80, 2 * prompt // page):
+        for start in range(0, prompt, 97):
+            for length in range(1, prompt - start + 1, 7):
+                for beside in (0, 256):
+                    q_lens, lens = [length] + [beside] * bool(beside), [start + length] + [beside] * bool(beside)
+                    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
+                    q = torch.empty(sum(q_lens), hq, d, dtype=torch.bfloat16)
+                    tables = torch.zeros(len(lens), width, dtype=torch.int32)
+                    tri.paged_prefill_attention(q, k_cache, k_cache, tables, torch.tensor(lens, dtype=torch.int32), cu,
+                                                d ** -0.5, causal=True, max_seqlen_q=max(q_lens))
+    block_ms = {dict(kw)["BLOCK_M"] for _, kw in prefill.keys}
+    assert block_ms == {16, 32, 64, 128} and len(prefill.keys) == len(block_ms)
+    # Some of them split their keys (a short chunk late in the prompt), each split count merged.
+    assert 0 < merge.launches < prefill.launches and len(merge.keys) <= 8
