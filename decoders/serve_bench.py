@@ -490,11 +490,26 @@ def idle_samples(run, workload: wl.Workload, vocab_size: int) -> list[tuple[int,
     return samples
 
 
+def prefill_ladder(workload: wl.Workload, vocab_size: int) -> wl.Workload:
+    """One request at a time, prompts of 1..8 tokens and then every power of two up to the workload's
+    longest prompt (and that length), 2 output tokens each: a prefill step of each of these token
+    counts compiles what a step of about that many tokens compiles (the projections' row tiles at
+    1..8 rows, where each row count has its own GEMV pick; the attention's query tiles), which a
+    stream of arrivals otherwise first meets inside a timed point."""
+    longest = max(workload.items, key=lambda item: len(item.prompt)).prompt
+    lengths = list(range(1, min(8, len(longest)) + 1))
+    while lengths[-1] < len(longest):
+        lengths.append(min(2 * lengths[-1], len(longest)))
+    return wl.Workload({"arrivals": "closed", "users": 1}, vocab_size,
+                       [wl.WorkItem(i, None, longest[:n], 2) for i, n in enumerate(lengths)])
+
+
 def warm_up(run, workload: wl.Workload, vocab_size: int, burst: int, replay_s: float = 0.0):
     """Compile and capture before timing, then take the idle TTFT samples. The warm-up burst is
     `burst` short requests at once, the i-th asking for WARMUP_OUTPUT_TOKENS + i tokens, so that the
     running batch shrinks through every size from `burst` to 1 (a size's first step may compile or
-    capture a graph). Then the first `replay_s` seconds of the workload itself run (`replay_head`):
+    capture a graph). Then the prompt lengths of `prefill_ladder`, one at a time. Then the first
+    `replay_s` seconds of the workload itself run (`replay_head`):
     the prompt chunks a stream of arrivals cuts beside the decoding rows (a chunk's length, the
     prefix it continues) are shapes the burst never makes, and their first compilation otherwise
     lands in the first point's TTFT tail. Returns (the idle TTFT samples, seconds spent)."""
@@ -502,6 +517,7 @@ def warm_up(run, workload: wl.Workload, vocab_size: int, burst: int, replay_s: f
     prompt = min(workload.items, key=lambda item: len(item.prompt)).prompt[:WARMUP_PROMPT_TOKENS]
     run(wl.Workload({"arrivals": "closed", "users": burst}, vocab_size,
                     [wl.WorkItem(i, None, prompt, WARMUP_OUTPUT_TOKENS + i) for i in range(burst)]))
+    run(prefill_ladder(workload, vocab_size))
     if replay_s > 0:
         head, duration = replay_head(workload, replay_s, burst)
         run(head, duration_s=duration)

@@ -186,11 +186,23 @@ def test_the_warm_up_replays_the_head_of_the_first_workload():
         return [sb.Trace(0, 0.0, len(workload.items[0].prompt), 1, first_token_s=0.01)]
 
     sb.warm_up(run, w, 50, burst=4, replay_s=1.0)
-    # the burst, the head (at most the burst's size), then the prompt length alone (one length here)
-    assert len(runs) == 3 and len(runs[0][0].items) == 4 and runs[1] == (sb.wl.Workload(w.spec, 50, head.items[:4]), None)
+    # the burst, the prefill ladder, the head (at most the burst's size), then the prompt length alone
+    # (one length here)
+    assert len(runs) == 4 and len(runs[0][0].items) == 4 and runs[2] == (sb.wl.Workload(w.spec, 50, head.items[:4]), None)
+    assert [len(item.prompt) for item in runs[1][0].items] == [1, 2, 3, 4, 5, 6] and runs[1][0].spec["users"] == 1
     runs.clear()
     sb.warm_up(run, w, 50, burst=4)
-    assert len(runs) == 2
+    assert len(runs) == 3
+
+
+def test_the_prefill_ladder_takes_every_row_count_to_8_then_powers_of_two_to_the_longest_prompt():
+    w = wl.generate(wl.WorkloadSpec("poisson", requests=20, prompt_len=wl.parse_lengths("300..1000"), output_len=wl.parse_lengths("3"),
+                                    rate=10.0, seed=2), vocab_size=50)
+    longest = max(w.items, key=lambda item: len(item.prompt)).prompt
+    ladder = sb.prefill_ladder(w, 50)
+    lengths = [len(item.prompt) for item in ladder.items]
+    assert lengths == [1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 64, 128, 256, 512, len(longest)] and 512 < len(longest) <= 1000
+    assert all(item.prompt == longest[:n] and item.max_new_tokens == 2 for item, n in zip(ladder.items, lengths))
 
 
 def test_rates_and_objectives_parse():
@@ -380,9 +392,10 @@ def test_ctrl_c_keeps_the_finished_points(tmp_path, capsys, monkeypatch):
         points = 0
 
         def run(self, workload, duration_s=None, on_finish=None):
-            # The warm-up's three runs (burst, replay, idle prompt), then the first point; the second is interrupted.
+            # The warm-up's four runs (burst, prefill ladder, replay, idle prompt), then the first point; the
+            # second is interrupted.
             Interrupted.points += 1
-            if Interrupted.points == 5:
+            if Interrupted.points == 6:
                 raise KeyboardInterrupt
             return super().run(workload, duration_s, on_finish)
 
