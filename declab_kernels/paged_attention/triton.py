@@ -716,21 +716,27 @@ def _prefill_kernel(
 
 @triton.jit(do_not_specialize=["total_q", "splits"])
 def _prefill_merge_kernel(lse_ptr, part_ptr, out_ptr, total_q, stride_ot, stride_oh, splits,
-                          S_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr):
-    """One (query row, head): out = sum_s 2^(lse_s - M) part_s / sum_s 2^(lse_s - M); S_PAD, the
-    split count's power of two, is the only shape: one variant per power of two."""
+                          D: tl.constexpr, D_PAD: tl.constexpr):
+    """One (query row, head): out = sum_s 2^(lse_s - M) part_s / sum_s 2^(lse_s - M), the splits
+    folded in one at a time (online), so that every split count runs the same compiled kernel."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     n_heads = tl.num_programs(1)
-    s = tl.arange(0, S_PAD)
     d = tl.arange(0, D_PAD)
-    row = (s * total_q + t) * n_heads + h
-    lse = tl.load(lse_ptr + row, mask=s < splits, other=float("-inf"))
-    # Split 0 holds the sequence's first key tile, visible to every query: M is finite.
-    w = tl.exp2(lse - tl.max(lse, 0))
-    part = tl.load(part_ptr + row[:, None] * D_PAD + d[None, :], mask=s[:, None] < splits, other=0.0)
-    out = tl.sum(w[:, None] * part, 0) / tl.sum(w, 0)
-    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
+    m = tl.full([1], float("-inf"), tl.float32)
+    den = tl.zeros([1], dtype=tl.float32)
+    acc = tl.zeros([D_PAD], dtype=tl.float32)
+    for s in range(0, splits):
+        row = (s * total_q + t) * n_heads + h
+        # Split 0 holds the sequence's first key tile, visible to every query: m is finite from it on,
+        # and a later split that saw no key (lse -inf) weighs 0.
+        lse = tl.load(lse_ptr + row + tl.zeros([1], dtype=tl.int64))
+        m_new = tl.maximum(m, lse)
+        alpha, w = tl.exp2(m - m_new), tl.exp2(lse - m_new)
+        acc = acc * alpha + w * tl.load(part_ptr + row * D_PAD + d)
+        den = den * alpha + w
+        m = m_new
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, (acc / den).to(out_ptr.dtype.element_ty), mask=d < D)
 
 
 def paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, *, causal,
@@ -775,7 +781,8 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seql
         lse = torch.empty(num_splits, total_q, num_q_heads, dtype=torch.float32, device=q.device)
         part = torch.empty(num_splits, total_q, num_q_heads, d_pad, dtype=torch.float32, device=q.device)
     else:
-        lse = part = out  # not read
+        # Not read; float32 like the split buffers, so that both cases run the same compiled kernel.
+        lse = part = torch.empty(1, dtype=torch.float32, device=q.device)
     _prefill_kernel[(m_blocks, num_q_heads, batch * num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, lse, part,
         scale * LOG2E, total_q,
@@ -791,8 +798,7 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seql
     )
     if num_splits > 1:
         _prefill_merge_kernel[(total_q, num_q_heads)](
-            lse, part, out, total_q, out.stride(0), out.stride(1), num_splits,
-            S_PAD=triton.next_power_of_2(num_splits), D=head_dim, D_PAD=d_pad,
+            lse, part, out, total_q, out.stride(0), out.stride(1), num_splits, D=head_dim, D_PAD=d_pad,
         )
     return out
 
