@@ -19,9 +19,9 @@ The model runs three ways, all through `declab_kernels.ssd`:
 
 - `forward(tokens [B, T])`: one parallel forward from zero state, logits [B, T, V] (also the training
   path: with impl="ref" it is autograd through the reference scan, in chunks of at most REF_CHUNK);
-- `forward_chunk(tokens [b, T], conv, ssm, rows, start)`: a prefill chunk at positions start.. that starts
-  from, and writes back, the rows `rows` of the batched state buffers; returns the last position's
-  hidden state;
+- `forward_chunk(tokens [b, T], conv, ssm, rows, starts, lengths)`: right-padded prefill chunks, row j
+  at positions starts[j].. for lengths[j] tokens, in one pass that starts from, and writes back, the
+  rows `rows` of the batched state buffers; returns each row's last real position's hidden state;
 - `step(tokens [B], conv, ssm, positions=)`: one token per sequence, both states updated in place; its norms go
   through `declab_kernels.mamba2_norm` (one launch each on the Triton path: embedding + pre-norm, residual add +
   pre-norm). With one norm group and up to `declab_kernels.tuning.GATE_IN_STEP_ROWS`
@@ -48,6 +48,7 @@ from declab_arch.checkpoint import CheckpointError, assign_weights, check_fields
 from declab_arch.llama import RMSNorm
 from declab_kernels import gemv, mamba2_norm, persistent_step, ssd, tuning
 from declab_kernels.gemv import fusions
+from declab_kernels.host_copy import on_device
 
 # Largest chunk of the reference SSD scan (impl="ref", the training path; the Triton path uses the config's
 # chunk_size). Its intermediates cost about H (L + P N / L) floats per token, the [L, L] decays against the
@@ -150,15 +151,23 @@ class Mixer(nn.Module):
         c = self.config
         return zxbcdt.split([c.d_inner, c.conv_dim, c.nheads], dim=-1)
 
-    def forward(self, h, impl: str, conv_init=None, ssm_init=None):
-        """h [b, T, d] -> (out [b, T, d], conv window [b, conv_dim, W-1], SSM state [b, H, P, N] fp32)."""
+    def forward(self, h, impl: str, conv_init=None, ssm_init=None, padded=None):
+        """h [b, T, d] -> (out [b, T, d], the conv's inputs xBC [b, T, conv_dim], SSM state [b, H, P, N] fp32).
+
+        conv_init [b, conv_dim, W-1]: the conv's inputs before h. `padded` [b, T, 1] bool: positions
+        that leave the SSM state as it was: their raw dt is -inf, so softplus(dt + dt_bias) is exactly
+        0 on both impls (decay exp(0 * A) = 1, input 0 * x B = 0), unless a lower limit on the step
+        (dt_min_limit > 0) clamps that 0 away (`Mamba2LM.forward_chunk` refuses it there).
+        """
         c = self.config
         b, T, _ = h.shape
         z, xBC, dt = self.split(self.in_proj(h))
-        xBC, conv_final = ssd.causal_conv1d(
+        if padded is not None:
+            dt = dt.masked_fill(padded, -math.inf)
+        conv_out, _ = ssd.causal_conv1d(
             xBC, self.conv1d.weight.squeeze(1), self.conv1d.bias, initial_state=conv_init, activation="silu", impl=impl
         )
-        x, B, C = xBC.split([c.d_inner, c.ngroups * c.d_state, c.ngroups * c.d_state], dim=-1)
+        x, B, C = conv_out.split([c.d_inner, c.ngroups * c.d_state, c.ngroups * c.d_state], dim=-1)
         y, ssm_final = ssd.ssd_chunk_scan(
             x.reshape(b, T, c.nheads, c.headdim),
             dt,
@@ -174,7 +183,7 @@ class Mixer(nn.Module):
             impl=impl,
         )
         y = self.norm(y.reshape(b, T, c.d_inner), z)
-        return self.out_proj(y), conv_final, ssm_final
+        return self.out_proj(y), xBC, ssm_final
 
     def decay_rates(self):
         """A = -exp(A_log) [H] fp32 for decoding, recomputed only when A_log changes, so a decode step
@@ -304,30 +313,47 @@ class Mamba2LM(nn.Module):
             r = r + out
         return self.head(r)
 
-    def forward_chunk(self, tokens, conv, ssm, rows, impl: str, start: int, *, all_positions: bool = False):
-        """Prefill chunk tokens [b, T], at positions start..start+T-1, of the sequences in rows [b] of the
-        state buffers.
+    def forward_chunk(self, tokens, conv, ssm, rows, impl: str, starts, lengths, *, all_positions: bool = False):
+        """Prefill chunks tokens [b, T], right-padded: row j continues the sequence in row rows[j] of the
+        state buffers with its first lengths[j] >= 1 tokens, at positions starts[j].. (rows, starts and
+        lengths host ints, copied through pinned memory: `declab_kernels.host_copy`).
 
         conv [L, B, conv_dim, W] (the rings of the decode step: the input at position p in slot p % W,
         `ssd.conv_window_slots`) and ssm [L, B, H, P, N] hold each sequence's state before the chunk and
-        receive the state after it. Returns the last position's residual [b, d] (fp32), or every
-        position's [b, T, d] with `all_positions` (speculative verification).
+        receive the state after its last real token: padded positions leave the SSM state as it was
+        (`Mixer.forward`'s `padded`, refused where dt_min_limit > 0) and never enter a ring. One pass
+        for all rows: each layer makes the same calls whatever the rows' positions and lengths. Returns
+        each row's last real position's residual [b, d] (fp32), or every position's [b, T, d] with
+        `all_positions` (speculative verification).
         """
-        W = conv.shape[-1]
-        before = ssd.conv_window_slots(start, W, conv.device)
-        after = ssd.conv_window_slots(start + tokens.shape[1], W, conv.device)
+        b, T = tokens.shape
+        W, C = conv.shape[-1], conv.shape[-2]
+        rows, starts, lens = on_device([rows, starts, lengths], conv.device)
+        before = ssd.conv_window_slots(starts, W)[:, None, :].expand(b, C, W - 1)
+        # After the chunk, slot s of row j's ring holds tap (s - end - 1) % W, oldest first, of the window
+        # before end = starts[j] + lengths[j] (tap W - 1: the slot of position end, zeroed). That tap is the
+        # chunk's input `token`, or, where token < 0, an input from before the chunk, in slot s already.
+        tap = (torch.arange(W, device=conv.device) - (starts + lens)[:, None] - 1) % W  # [b, W]
+        token = lens[:, None] - (W - 1) + tap
+        kept, nxt = (token < 0)[:, None, :], (tap == W - 1)[:, None, :]
+        inputs = token.clamp(0, T - 1)[:, :, None].expand(b, W, C)
+        padded = None
+        if min(lengths) < T:
+            if self.config.dt_min_limit > 0:
+                raise ValueError(f"forward_chunk: padded rows need dt_min_limit = 0, not {self.config.dt_min_limit} "
+                                 "(a padded position's step would be clamped up to it)")
+            padded = (torch.arange(T, device=conv.device) >= lens[:, None])[..., None]
         r = self.embed(tokens)
         for i, block in enumerate(self.backbone.layers):
             ring = conv[i, rows]
-            out, conv_final, ssm_final = block.mixer(block.norm(r), impl, ring[..., before], ssm[i, rows])
-            ring[..., after] = conv_final.to(conv.dtype)
+            out, xBC, ssm_final = block.mixer(block.norm(r), impl, ring.gather(2, before), ssm[i, rows], padded)
             # The slot of the next position holds an input no window reads again: zero, so the state
             # after a prompt is the same however it was cut into chunks.
-            ring[..., (start + tokens.shape[1]) % W] = 0
+            ring = torch.where(kept, ring, xBC.gather(1, inputs).transpose(1, 2).to(conv.dtype)).masked_fill_(nxt, 0)
             conv[i, rows] = ring
             ssm[i, rows] = ssm_final
             r = r + out
-        return r if all_positions else r[:, -1]
+        return r if all_positions else r.gather(1, (lens - 1)[:, None, None].expand(b, 1, r.shape[-1])).squeeze(1)
 
     def step(self, tokens, conv, ssm, impl: str, *, positions, state_ready: bool = False):
         """One token per sequence, tokens [B] at positions [B]; conv and ssm ([L, B, ...]; conv the rings of

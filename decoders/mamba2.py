@@ -18,12 +18,14 @@ prefill (`check_persistent`).
 
 Prefill consumes each prompt in chunks of `prefill_chunk` tokens, each chunk starting from the state
 the previous one left (conv window and SSM state), so a 128k prompt costs memory linear in the chunk,
-not the prompt, and only the last position's logits are computed. Prompts of different lengths are
-prefilled one group at a time into their rows of the batched state (rows that have consumed as many
-tokens and get prompts of one length). `prefill_forward` continues from whatever state the cache
-holds, so a prompt consumed in two calls equals one call. A decode step takes each token's position
-from its caller (the decoder's state advances them on the device) and writes that token's conv input
-into slot position % d_conv, which no program of the step reads (`ssd.mamba2_decode_step`).
+not the prompt, and only the last position's logits are computed. A chunk of every row is one pass
+(`chunk_forward`, `Mamba2LM.forward_chunk`), the rows right-padded to the longest, each at its own
+position: padded positions leave the state as it was (their step size dt is 0), except where the
+model has a lower limit on dt (dt_min_limit > 0), whose rows go one pass per chunk length.
+`prefill_forward` continues from whatever state the cache holds, so a prompt consumed in two calls
+equals one call. A decode step takes each token's position from its caller (the decoder's state
+advances them on the device) and writes that token's conv input into slot position % d_conv, which
+no program of the step reads (`ssd.mamba2_decode_step`).
 """
 
 from dataclasses import dataclass
@@ -101,19 +103,18 @@ class Mamba2Decoder(RecurrentDecoder):
 
     def prefill_forward(self, cache: Mamba2Cache, prompts: list[list[int]]) -> torch.Tensor:
         """Consume prompts (row i of the cache continues with prompts[i]); logits [B, V] of each last token."""
-        groups = {}
-        for i, p in enumerate(prompts):
-            groups.setdefault((cache.lens[i], len(p)), []).append(i)
         last = [None] * len(prompts)
-        for (done, length), members in groups.items():
-            rows = torch.tensor(members, device=self.device)
-            tokens = torch.tensor([prompts[i] for i in members], device=self.device)
-            for start in range(0, length, self.prefill_chunk):
-                r = self.model.forward_chunk(tokens[:, start : start + self.prefill_chunk], cache.conv, cache.ssm, rows,
-                                             self.impl, done + start)
-            for i, logit in zip(members, self.model.head(r)):
-                last[i] = logit
-                cache.lens[i] = done + length
+        for t0 in range(0, max(map(len, prompts)), self.prefill_chunk):
+            rows = [i for i, p in enumerate(prompts) if len(p) > t0]
+            pieces = [prompts[i][t0 : t0 + self.prefill_chunk] for i in rows]
+            width = max(map(len, pieces))
+            tokens = on_device([p + [0] * (width - len(p)) for p in pieces], self.device)
+            logits = self.chunk_forward(cache, tokens, [cache.lens[i] + t0 for i in rows], [len(p) for p in pieces], rows=rows)
+            for i, p, logit in zip(rows, pieces, logits):
+                if t0 + len(p) == len(prompts[i]):
+                    last[i] = logit
+        for i, p in enumerate(prompts):
+            cache.lens[i] += len(p)
         return torch.stack(last)
 
     def decode_forward(self, cache: Mamba2Cache, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -124,22 +125,23 @@ class Mamba2Decoder(RecurrentDecoder):
 
     def chunk_forward(self, cache: Mamba2Cache, tokens: torch.Tensor, positions: list[int], lengths: list[int], *,
                       rows: list[int] | None = None, logits: str = "last") -> torch.Tensor | None:
-        rows = list(range(tokens.shape[0])) if rows is None else rows
-        # The scan takes one start position for its batch: rows at the same (position, length) run together.
-        groups = {}
-        for j, (p, n) in enumerate(zip(positions, lengths)):
-            groups.setdefault((p, n), []).append(j)
-        out = [None] * len(rows)
-        for (p, n), members in groups.items():
-            # Indices copied through pinned memory (`on_device`): the engine calls this between decode
-            # steps, and a pageable copy would wait for the GPU.
-            index = on_device([rows[j] for j in members], self.device)
-            chunk = tokens[:, :n] if len(members) == tokens.shape[0] else tokens[:, :n].index_select(0, on_device(members, self.device))
-            r = self.model.forward_chunk(chunk, cache.conv, cache.ssm, index, self.impl, p, all_positions=logits == "all")
-            if logits != "none":
-                for j, logit in zip(members, self.model.head(r)):
+        """One `Mamba2LM.forward_chunk` pass over all rows, whatever their positions and lengths
+        (`RecurrentDecoder.chunk_forward`); one pass per length where the model has dt_min_limit > 0."""
+        rows = list(range(tokens.shape[0])) if rows is None else list(rows)
+        if self.config.dt_min_limit > 0 and len(set(lengths)) > 1:
+            # A lower limit on the step size would move the state at a padded position: one pass per length.
+            out = [None] * len(rows)
+            for n in dict.fromkeys(lengths):
+                members = [j for j, m in enumerate(lengths) if m == n]
+                part = self.chunk_forward(cache, tokens[:, :n].index_select(0, on_device(members, self.device)),
+                                          [positions[j] for j in members], [n] * len(members), rows=[rows[j] for j in members],
+                                          logits=logits)
+                for j, logit in zip(members, () if part is None else part):
                     out[j] = logit
-        return None if logits == "none" else torch.stack(out)
+            return None if logits == "none" else torch.stack(out)
+        r = self.model.forward_chunk(tokens[:, :max(lengths)], cache.conv, cache.ssm, rows, self.impl, positions, lengths,
+                                     all_positions=logits == "all")
+        return None if logits == "none" else self.model.head(r)
 
     def memory(self, batch: int, ctx: int, *, new_tokens: int = 1) -> Memory:
         c = self.config

@@ -112,6 +112,122 @@ def test_prefill_resumed_from_saved_state_equals_one_pass_ref():
     assert rel(resumed.ssm, whole.ssm) < 1e-5 and rel(resumed.conv, whole.conv) < 1e-5
 
 
+def random_cache(dec, batch, seed):
+    """A cache of `batch` rows holding random states, every slot of every ring included (a stale slot
+    must not leak into a window)."""
+    g = torch.Generator().manual_seed(seed)
+    cache = dec.new_cache([0] * batch, 1)
+    cache.conv.copy_(torch.randn(cache.conv.shape, generator=g))
+    cache.ssm.copy_(torch.randn(cache.ssm.shape, generator=g))
+    return cache
+
+
+# Rows of one chunk_forward: (cache row, start position, length). W = d_conv = 4: lengths 2 and 1 are
+# shorter than the conv's window, starts 5, 3 and 9 not multiples of W, length 70 over one scan chunk
+# (64); cache row 1 sits out.
+ROWS = [(3, 5, 2), (0, 0, 70), (2, 9, 13), (4, 3, 1)]
+
+
+def chunk_alone_and_together(dec, rows, logits):
+    """chunk_forward over `rows` in one call, and each row alone in its own call, from the same random
+    states: (together's result, together's cache, the alone results, the alone cache)."""
+    width = max(n for _, _, n in rows)
+    tokens = random_tokens((len(rows), width), seed=21)
+    together, alone = random_cache(dec, 5, seed=20), random_cache(dec, 5, seed=20)
+    got = dec.chunk_forward(together, tokens, [p for _, p, _ in rows], [n for _, _, n in rows],
+                            rows=[r for r, _, _ in rows], logits=logits)
+    want = [dec.chunk_forward(alone, tokens[j : j + 1, :n], [p], [n], rows=[r], logits=logits)[0]
+            for j, (r, p, n) in enumerate(rows)]
+    return got, together, want, alone
+
+
+@pytest.mark.parametrize("impl", ["ref", pytest.param("triton", marks=pytest.mark.interpreter)])
+@torch.inference_mode()
+def test_chunk_forward_rows_at_any_position_and_length_equal_each_row_alone(impl):
+    """One chunk_forward over rows at different positions with different lengths (right-padded) gives
+    each row's logits, SSM state and conv ring as that row alone does, the rows it leaves untouched
+    included; with logits="all", each row's real positions too."""
+    dec = tiny(impl)
+    got, together, want, alone = chunk_alone_and_together(dec, ROWS, "last")
+    torch.testing.assert_close(got, torch.stack(want), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(together.ssm, alone.ssm, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(together.conv, alone.conv, rtol=1e-5, atol=1e-5)
+    got, _, want, _ = chunk_alone_and_together(dec, ROWS, "all")
+    for j, (_, _, n) in enumerate(ROWS):
+        torch.testing.assert_close(got[j, :n], want[j], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["ref", pytest.param("triton", marks=pytest.mark.interpreter)])
+@torch.inference_mode()
+def test_chunk_forward_rows_continue_their_sequences(impl):
+    """Rows whose prefixes (of ROWS's start positions) were consumed in one chunk_forward continue in
+    another with ROWS's lengths, then decode a token: the logits equal the parallel forward's over each
+    whole sequence, and the next position's slot of each ring is zero."""
+    dec = tiny(impl)
+    width = max(n for _, _, n in ROWS)
+    seqs = random_tokens((len(ROWS), max(p for _, p, _ in ROWS) + width + 1), seed=22)
+    full = dec.logits(seqs)
+    cache = dec.new_cache([0] * 5, 1)
+    first = [j for j, (_, p, _) in enumerate(ROWS) if p]
+    dec.chunk_forward(cache, seqs[first], [0] * len(first), [ROWS[j][1] for j in first], rows=[ROWS[j][0] for j in first],
+                      logits="none")
+    tokens = torch.stack([seqs[j, p : p + width] for j, (_, p, _) in enumerate(ROWS)])
+    got = dec.chunk_forward(cache, tokens, [p for _, p, _ in ROWS], [n for _, _, n in ROWS], rows=[r for r, _, _ in ROWS])
+    index, ends = torch.arange(len(ROWS)), torch.tensor([p + n for _, p, n in ROWS])
+    assert rel(got, full[index, ends - 1]) < 1e-5
+    next_tokens, positions = torch.zeros(5, dtype=torch.long), torch.zeros(5, dtype=torch.long)
+    for j, (r, p, n) in enumerate(ROWS):
+        assert not cache.conv[:, r, :, (p + n) % dec.config.d_conv].any()
+        next_tokens[r], positions[r] = seqs[j, p + n], p + n
+    step = dec.decode_forward(cache, next_tokens, positions)
+    assert rel(step[[r for r, _, _ in ROWS]], full[index, ends]) < 1e-5
+
+
+def count_forward_chunk(monkeypatch):
+    calls = []
+    run = mamba2.Mamba2LM.forward_chunk
+
+    def counted(self, tokens, *args, **kwargs):
+        calls.append(tokens.shape[0])
+        return run(self, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(mamba2.Mamba2LM, "forward_chunk", counted)
+    return calls
+
+
+@torch.inference_mode()
+def test_chunk_forward_is_one_pass_whatever_the_rows_positions_and_lengths(monkeypatch):
+    dec = tiny()
+    calls = count_forward_chunk(monkeypatch)
+    cache = dec.new_cache([0] * 5, 1)
+    dec.chunk_forward(cache, random_tokens((4, 70)), [p for _, p, _ in ROWS], [n for _, _, n in ROWS],
+                      rows=[r for r, _, _ in ROWS])
+    assert calls == [4]
+    calls.clear()
+    dec.prefill_forward(cache, [random_tokens((n,), seed=n).tolist() for n in (3, 17, 9, 1, 40)])
+    assert calls == [5]
+
+
+@torch.inference_mode()
+def test_chunk_forward_with_a_lower_dt_limit_goes_one_pass_per_length(monkeypatch):
+    """dt_min_limit > 0 clamps a padded position's step up to the limit, which would move the state:
+    there the rows go one pass per length (each row still at its own position), equal to each row
+    alone, and forward_chunk refuses padded rows."""
+    config = dataclasses.replace(tiny().config, dt_min_limit=0.01)
+    dec = Mamba2Decoder(mamba2.build(config, None, "dt-limit"), config, device="cpu", dtype=torch.float32, impl="ref",
+                        source="dt-limit")
+    calls = count_forward_chunk(monkeypatch)
+    rows = ROWS + [(1, 7, 13)]
+    got, together, want, alone = chunk_alone_and_together(dec, rows, "last")
+    assert calls == [1, 1, 2, 1] + [1] * len(rows)
+    torch.testing.assert_close(got, torch.stack(want), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(together.ssm, alone.ssm, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(together.conv, alone.conv, rtol=1e-5, atol=1e-5)
+    cache = dec.new_cache([0, 0], 1)
+    with pytest.raises(ValueError, match="dt_min_limit"):
+        dec.model.forward_chunk(random_tokens((2, 5)), cache.conv, cache.ssm, [0, 1], "ref", [0, 0], [5, 3])
+
+
 def test_hf_generate_matches_token_for_token_ref(tmp_path, hf_mamba2_groups):
     from transformers import Mamba2Config, Mamba2ForCausalLM
 
