@@ -4,15 +4,18 @@ against the recurrent state size.
 
     python -m eval.mqar_sweep --out results/quality/mqar            # the default grid (one GPU: ~30 min)
     python -m eval.mqar_sweep --quick --out /tmp/mqar               # a small grid, a few minutes
+    python -m eval.mqar_sweep --processes 12 --out results/quality/mqar   # 12 runs at a time on one GPU
     python -m eval.mqar_sweep --families transformer,mamba2 --widths 64,128 --points 16:128,64:512
 
 A sequence (seeded, synthetic) is n key-value pairs `k1 v1 ... kn vn`, filler up to the end of the
 sequence less 2n tokens, then every key again in a random order, each followed by its value:
 `... q1 a1 q2 a2 ... qn an` (keys from ids 1..255, values from 256..510, all keys of a sequence
-distinct). The autoregressive families learn next-token prediction on the answers only (the loss
-and the accuracy read the position before each answer, teacher-forced, as Zoology does);
-Mask-Predict gets the sequence with every answer masked and predicts them all in one bidirectional
-pass (the query keys are not masked). Models: two blocks (--layers) of each family at each width,
+distinct). No model sees an answer: as in Zoology, the autoregressive families read the sequence
+with every answer slot blanked to filler and predict each answer at its query key (the loss and the
+accuracy read only those positions); Mask-Predict reads it with every answer masked and predicts
+them all in one bidirectional pass. (With the answers left in, teacher forcing lets a model narrow
+the i-th answer to the n - i values not yet asked for, which scores H_n / n with no recall at all,
+0.34 at 8 pairs; attention and Mamba-2 settled there.) Models: two blocks (--layers) of each family at each width,
 head dimension 32, vocabulary 512, built from the family's tiny preset with the width overridden.
 Training: `eval.train`'s optimiser and schedule (AdamW, weight decay on matrices, warmup then
 cosine), fresh data every step, each learning rate of --lrs; a point's accuracy is that of its best
@@ -23,7 +26,10 @@ finishes; a rerun skips what is there, so an interrupted sweep resumes and a fin
 redraws. Under `torchrun --nproc-per-node N -m eval.mqar_sweep ...` the runs still to do are dealt
 round-robin to the N ranks, each training on its own GPU (cuda:LOCAL_RANK) and appending to
 mqar.jsonl.rankR as it goes; rank 0 merges them into mqar.jsonl in grid order, a run that raised on a
-rank is an error record naming it (retried by a rerun), and rank 0 alone prints. Writes
+rank is an error record naming it (retried by a rerun), and rank 0 alone prints. On one GPU,
+`--processes N` trains N runs at a time, each in a worker process of its own on the same device (the
+models are small: two blocks of width 64-256); the longest runs go first, each record is appended as it
+arrives, and a run that raised is an error record. Writes
 mqar_width.png (accuracy against width, one panel per point, one line per family) and
 mqar_state.png (accuracy against the bytes of state decoding carries at seq_len, i.e.
 `Decoder.memory(1, seq_len).state_bytes`: the KV cache for attention, the fixed state for the
@@ -32,9 +38,11 @@ is one JSON document.
 """
 
 import argparse
+import functools
 import inspect
 import json
 import math
+import multiprocessing
 import sys
 import time
 from pathlib import Path
@@ -45,7 +53,7 @@ import torch.nn.functional as F
 import decoders
 from decoders import cli, distributed
 from declab_arch.checkpoint import CONFIG_DIR, read_json
-from decoders.records import environment
+from decoders.records import append_jsonl, environment
 from eval.train import lr_at
 
 FAMILIES = list(decoders.FAMILIES)
@@ -99,15 +107,21 @@ def mqar_batch(batch: int, pairs: int, seq_len: int, generator: torch.Generator)
 
 
 def answer_logits(dec, tokens: torch.Tensor, answers: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits [A, V] the model gives each answer position and the answers [A]: the autoregressive
-    families read the position before it, Mask-Predict the masked position itself."""
+    """Logits [A, V] the model gives each answer and the answers [A], from the sequence with every
+    answer hidden (`model_input`): the autoregressive families predict it at the query key before
+    it, Mask-Predict at the masked position itself."""
     model = dec.model
+    seen = model_input(dec.family, tokens, answers)
     if decoders.family_class(dec.family).state_kind == "canvas":
-        logits = model(torch.where(answers, MASK, tokens))
-        return logits[answers], tokens[answers]
+        return model(seen)[answers], tokens[answers]
     kwargs = {"impl": "ref"} if "impl" in inspect.signature(model.forward).parameters else {}
-    logits = model(tokens[:, :-1], **kwargs)
+    logits = model(seen[:, :-1], **kwargs)
     return logits[answers[:, 1:]], tokens[answers]
+
+
+def model_input(family: str, tokens: torch.Tensor, answers: torch.Tensor) -> torch.Tensor:
+    """What the model reads: the sequence with every answer masked (Mask-Predict) or blanked to filler."""
+    return torch.where(answers, MASK if decoders.family_class(family).state_kind == "canvas" else FILLER, tokens)
 
 
 def accuracy(dec, pairs: int, seq_len: int, *, sequences: int, batch: int, seed: int) -> float:
@@ -195,11 +209,47 @@ def sweep(a, here: distributed.World) -> list[dict]:
 
     def point(run: dict) -> dict:
         record = train_point(run["family"], run["width"], run["pairs"], run["seq_len"], run["lr"], a, device)
-        print(f"{run['family']:<12} width {run['width']:>4}  pairs {run['pairs']:>3}  seq {run['seq_len']:>4}  lr {run['lr']:.0e}: "
-              f"acc {record['acc']:.3f} ({record['train_s']:.0f} s)", flush=True)
+        print_point(record)
         return record
 
-    return distributed.run_jobs([run for run in grid(a) if key(run) not in done], point, path, here, failed_point)
+    todo = [run for run in grid(a) if key(run) not in done]
+    if a.processes > 1 and not here.launched:
+        return in_processes(todo, a, device, path)
+    return distributed.run_jobs(todo, point, path, here, failed_point)
+
+
+def print_point(record: dict) -> None:
+    print(f"{record['family']:<12} width {record['width']:>4}  pairs {record['pairs']:>3}  seq {record['seq_len']:>4}  lr {record['lr']:.0e}: "
+          f"acc {record['acc']:.3f} ({record['train_s']:.0f} s)", flush=True)
+
+
+def worker_point(run: dict, a, device: str) -> dict:
+    """One run in a worker process of `in_processes`: its record, or its error record."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    try:
+        record = train_point(run["family"], run["width"], run["pairs"], run["seq_len"], run["lr"], a, device)
+    except Exception as e:
+        return failed_point(run, f"{type(e).__name__}: {e}")
+    return {**record, "processes": a.processes}
+
+
+def in_processes(runs: list[dict], a, device: torch.device, path: Path) -> list[dict]:
+    """Train `runs` in `a.processes` worker processes sharing `device`, the longest (sequence length
+    x width) first; each record appended to `path` as it arrives. The error records of the runs that raised."""
+    runs = sorted(runs, key=lambda r: (r["seq_len"] * r["width"], r["seq_len"]), reverse=True)
+    errors = []
+    if not runs:
+        return errors
+    with multiprocessing.get_context("spawn").Pool(min(a.processes, len(runs))) as pool:
+        for record in pool.imap_unordered(functools.partial(worker_point, a=a, device=str(device)), runs):
+            append_jsonl(path, record)
+            if record.get("status") == "error":
+                errors.append(record)
+            else:
+                print_point(record)
+    return errors
 
 
 def best(records: list[dict]) -> dict[tuple, dict]:
@@ -287,6 +337,7 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help=f"the small grid: widths {QUICK['widths']}, points {QUICK['points']}, "
                                                         f"lr {QUICK['lrs']}, {QUICK['steps']} steps (explicit options still win)")
     p.add_argument("--device", help="default cuda when present (each rank of a launch on cuda:LOCAL_RANK), else cpu")
+    p.add_argument("--processes", type=int, default=1, help="runs trained at a time, each in its own worker process on the one device (default 1)")
     a = p.parse_args(argv)
     preset = QUICK if a.quick else DEFAULT
     try:
@@ -307,7 +358,7 @@ def parse_args(argv=None):
             p.error(f"--points: {':'.join(map(str, point))} is not pairs:seq_len with 1 <= pairs <= {len(KEYS)} and 4 * pairs <= seq_len")
     if not a.points or not a.lrs or any(lr <= 0 for lr in a.lrs):
         p.error("--points and --lrs need at least one entry, learning rates positive")
-    for name in ("steps", "batch", "layers", "eval_sequences"):
+    for name in ("steps", "batch", "layers", "eval_sequences", "processes"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     decoders.parse_device(a.device)

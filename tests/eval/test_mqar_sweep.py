@@ -82,6 +82,7 @@ def test_tiny_grid_records_every_run_and_resumes(tmp_path, capsys):
     (["--families", "gpt"], "unknown gpt"),
     (["--lrs", "x"], "could not be read"),
     (["--steps", "0"], "--steps must be >= 1"),
+    (["--processes", "0"], "--processes must be >= 1"),
 ])
 def test_bad_options_are_one_line_and_exit_2(bad, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
@@ -91,3 +92,51 @@ def test_bad_options_are_one_line_and_exit_2(bad, message, tmp_path, capsys):
     assert re.search(message, err)
     assert not (tmp_path / "mqar.jsonl").exists()
 
+
+
+def test_processes_give_the_records_of_one_process(tmp_path, capsys):
+    """--processes 2: the same runs and results as one process (each run seeded on its own), each
+    record appended once; a rerun trains nothing."""
+    args = ["--widths", "32,64", "--points", "2:16", "--steps", "2", "--lrs", "1e-3", "--eval-sequences", "4", "--batch", "2", "--device", "cpu",
+            "--families", "transformer,rwkv7"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each worker runs
+    try:
+        mqar_sweep.main(["--out", str(tmp_path / "one"), *args])
+    finally:
+        torch.set_num_threads(threads)
+    mqar_sweep.main(["--out", str(tmp_path / "two"), *args, "--processes", "2"])
+    stable = ("family", "width", "pairs", "seq_len", "lr", "steps", "acc", "final_loss", "params", "state_bytes")
+    one = {mqar_sweep.key(r): r for r in map(json.loads, (tmp_path / "one" / "mqar.jsonl").read_text().splitlines())}
+    lines = (tmp_path / "two" / "mqar.jsonl").read_text().splitlines()
+    two = {mqar_sweep.key(r): r for r in map(json.loads, lines)}
+    assert len(lines) == len(two) == len(one) == 4
+    assert {k: [r[f] for f in stable] for k, r in two.items()} == {k: [r[f] for f in stable] for k, r in one.items()}
+    assert {r["processes"] for r in two.values()} == {2}
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["acc"].keys() == {f"{f}/w{w}/n2/t16" for f in ("transformer", "rwkv7") for w in (32, 64)}
+    mqar_sweep.main(["--out", str(tmp_path / "two"), *args, "--processes", "2"])
+    assert len((tmp_path / "two" / "mqar.jsonl").read_text().splitlines()) == 4
+
+
+@pytest.mark.parametrize("family", mqar_sweep.FAMILIES)
+def test_no_model_reads_an_answer(family):
+    """After the pairs, a model reads only the query keys and filler (or masks): no value a model
+    could use to narrow an answer to the values not yet asked for."""
+    seen = []
+
+    class Spy(torch.nn.Module):
+        def forward(self, tokens):
+            seen.append(tokens)
+            return torch.zeros(*tokens.shape, mqar_sweep.VOCAB)
+
+    class Dec:
+        device = torch.device("cpu")
+
+    dec = Dec()
+    dec.family, dec.model = family, Spy()
+    tokens, answers = mqar_sweep.mqar_batch(8, 6, 40, torch.Generator().manual_seed(1))
+    _, target = mqar_sweep.answer_logits(dec, tokens, answers)
+    after_pairs = seen[0][:, 12:]
+    assert target.tolist() == tokens[answers].tolist()
+    assert not any(v in mqar_sweep.VALUES for v in after_pairs.flatten().tolist())
+    assert sorted(seen[0][:, :12].flatten().tolist()) == sorted(tokens[:, :12].flatten().tolist())
