@@ -30,10 +30,11 @@ rank is an error record naming it (retried by a rerun), and rank 0 alone prints.
 `--processes N` trains N runs at a time, each in a worker process of its own on the same device (the
 models are small: two blocks of width 64-256); the longest runs go first, each record is appended as it
 arrives, and a run that raised is an error record. Writes
-mqar_width.png (accuracy against width, one panel per point, one line per family) and
+mqar_width.png (accuracy against width, one panel per point, one line per family, a dashed line at
+1 / pairs: a model that knows the answer is one of the context's values but not which scores that) and
 mqar_state.png (accuracy against the bytes of state decoding carries at seq_len, i.e.
 `Decoder.memory(1, seq_len).state_bytes`: the KV cache for attention, the fixed state for the
-recurrences), prints a table (best accuracy per family, width and point), and its last stdout line
+recurrences), prints a table (best accuracy per family, width and point; its last row 1 / pairs), and its last stdout line
 is one JSON document.
 """
 
@@ -276,6 +277,7 @@ def plot(points: dict[tuple, dict], out: Path) -> list[str]:
         for family in families:
             xs = sorted(w for f, w, n2, t2 in points if (f, n2, t2) == (family, n, t))
             ax.plot(xs, [points[(family, w, n, t)]["acc"] for w in xs], marker="o", label=family)
+        ax.axhline(1 / n, color="grey", linestyle="--", linewidth=0.8, label="1 / pairs (no recall)")
         ax.set_xscale("log", base=2)
         ax.set_title(f"{n} pairs, seq {t}", fontsize=9)
         ax.set_xlabel("model width")
@@ -315,6 +317,7 @@ def table(points: dict[tuple, dict]) -> str:
             row = [points.get((family, width, n, t)) for n, t in cells]
             state = max(r["state_bytes"] for r in row if r)
             lines.append(f"| {family} | {width} | {state:,} | " + " | ".join("" if r is None else f"{r['acc']:.3f}" for r in row) + " |")
+    lines.append("| 1 / pairs (one of the context's values, no recall) | | | " + " | ".join(f"{1 / n:.3f}" for n, _ in cells) + " |")
     return "\n".join(lines) + "\n"
 
 

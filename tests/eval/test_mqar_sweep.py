@@ -68,6 +68,8 @@ def test_tiny_grid_records_every_run_and_resumes(tmp_path, capsys):
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(summary["acc"]) == {f"{f}/w32/n2/t16" for f in mqar_sweep.FAMILIES}
     assert (tmp_path / "mqar_width.png").stat().st_size > 0 and (tmp_path / "mqar_state.png").stat().st_size > 0
+    # The table ends with what knowing the context's values without recall scores: 1 / pairs.
+    assert (tmp_path / "mqar.md").read_text().splitlines()[-1].endswith("| 0.500 |")
     # A rerun trains nothing new, and one more width trains only its runs.
     mqar_sweep.main(args)
     assert len((tmp_path / "mqar.jsonl").read_text().splitlines()) == 4
