@@ -9,14 +9,14 @@ against the recurrent state size.
 
 A sequence (seeded, synthetic) is n key-value pairs `k1 v1 ... kn vn`, filler up to the end of the
 sequence less 2n tokens, then every key again in a random order, each followed by its value:
-`... q1 a1 q2 a2 ... qn an` (keys from ids 1..255, values from 256..510, all keys of a sequence
+`... q1 a1 q2 a2 ... qn an` (keys from ids 1..4095, values from 4096..8190, all keys of a sequence
 distinct). No model sees an answer: as in Zoology, the autoregressive families read the sequence
 with every answer slot blanked to filler and predict each answer at its query key (the loss and the
 accuracy read only those positions); Mask-Predict reads it with every answer masked and predicts
 them all in one bidirectional pass. (With the answers left in, teacher forcing lets a model narrow
 the i-th answer to the n - i values not yet asked for, which scores H_n / n with no recall at all,
 0.34 at 8 pairs; attention and Mamba-2 settled there.) Models: two blocks (--layers) of each family at each width,
-head dimension 32, vocabulary 512, built from the family's tiny preset with the width overridden.
+head dimension 32, vocabulary 8192 (as Zoology's), built from the family's tiny preset with the width overridden.
 Training: `eval.train`'s optimiser and schedule (AdamW, weight decay on matrices, warmup then
 cosine), fresh data every step, each learning rate of --lrs; a point's accuracy is that of its best
 learning rate, measured on --eval-sequences held-out sequences of another seed.
@@ -59,11 +59,13 @@ from eval.train import lr_at
 
 FAMILIES = list(decoders.FAMILIES)
 TINY = {f: f"{decoders.family_class(f).presets}-tiny" for f in FAMILIES}
-VOCAB = 512
+# Zoology's vocabulary: with 512 tokens, two-block attention settles on "one of the context's values"
+# and never finds recall (results/LOG.md, 2026-12-04); with 8,192 it recalls 2 pairs in 3,000 steps.
+VOCAB = 8192
 FILLER = 0
-KEYS = range(1, 256)
-VALUES = range(256, 511)
-MASK = 511
+KEYS = range(1, 4096)
+VALUES = range(4096, 8191)
+MASK = 8191
 HEAD_DIM = 32
 DEFAULT = {"widths": "64,128,256", "points": "8:64,16:128,32:256,64:512", "lrs": "1e-3,3e-3", "steps": 1500}
 QUICK = {"widths": "64,128", "points": "8:64,32:256", "lrs": "3e-3", "steps": 400}

@@ -40,7 +40,8 @@ class Oracle(torch.nn.Module):
             for i in range(T):
                 key = row[i - 1] if self.masked else row[i]
                 if (row[i] == mqar_sweep.MASK or not self.masked) and key in pairs:
-                    out[b, i, (pairs[key] + self.shift - 256) % 255 + 256] = 1.0
+                    values = mqar_sweep.VALUES
+                    out[b, i, (pairs[key] + self.shift - values.start) % len(values) + values.start] = 1.0
         return out
 
 
