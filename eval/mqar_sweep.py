@@ -2,9 +2,9 @@
 over a grid of model widths and (key-value pairs, sequence length), accuracy against width and
 against the recurrent state size.
 
-    python -m eval.mqar_sweep --out results/quality/mqar            # the default grid (one GPU: ~30 min)
+    python -m eval.mqar_sweep --out results/quality/mqar            # the default grid, one run at a time
     python -m eval.mqar_sweep --quick --out /tmp/mqar               # a small grid, a few minutes
-    python -m eval.mqar_sweep --processes 12 --out results/quality/mqar   # 12 runs at a time on one GPU
+    python -m eval.mqar_sweep --processes 12 --out results/quality/mqar   # 12 runs at a time on one GPU (~18 min)
     python -m eval.mqar_sweep --families transformer,mamba2 --widths 64,128 --points 16:128,64:512
 
 A sequence (seeded, synthetic) is n key-value pairs `k1 v1 ... kn vn`, filler up to the end of the
@@ -15,8 +15,9 @@ with every answer slot blanked to filler and predict each answer at its query ke
 accuracy read only those positions); Mask-Predict reads it with every answer masked and predicts
 them all in one bidirectional pass. (With the answers left in, teacher forcing lets a model narrow
 the i-th answer to the n - i values not yet asked for, which scores H_n / n with no recall at all,
-0.34 at 8 pairs; attention and Mamba-2 settled there.) Models: two blocks (--layers) of each family at each width,
-head dimension 32, vocabulary 8192 (as Zoology's), built from the family's tiny preset with the width overridden.
+0.34 at 8 pairs; attention and Mamba-2 settled there.) Models: two blocks (--layers) of each
+family at each width, head dimension 32, vocabulary 8192 (as Zoology's), built from the family's
+tiny preset with the width overridden.
 Training: `eval.train`'s optimiser and schedule (AdamW, weight decay on matrices, warmup then
 cosine), fresh data every step, each learning rate of --lrs; a point's accuracy is that of its best
 learning rate, measured on --eval-sequences held-out sequences of another seed.
@@ -34,8 +35,8 @@ mqar_width.png (accuracy against width, one panel per point, one line per family
 1 / pairs: a model that knows the answer is one of the context's values but not which scores that) and
 mqar_state.png (accuracy against the bytes of state decoding carries at seq_len, i.e.
 `Decoder.memory(1, seq_len).state_bytes`: the KV cache for attention, the fixed state for the
-recurrences), prints a table (best accuracy per family, width and point; its last row 1 / pairs), and its last stdout line
-is one JSON document.
+recurrences), prints a table (best accuracy per family, width and point; its last row 1 / pairs),
+and its last stdout line is one JSON document.
 """
 
 import argparse
@@ -60,7 +61,7 @@ from eval.train import lr_at
 FAMILIES = list(decoders.FAMILIES)
 TINY = {f: f"{decoders.family_class(f).presets}-tiny" for f in FAMILIES}
 # Zoology's vocabulary: with 512 tokens, two-block attention settles on "one of the context's values"
-# and never finds recall (results/LOG.md, 2026-12-04); with 8,192 it recalls 2 pairs in 3,000 steps.
+# and did not find recall (results/LOG.md, 2026-12-04); with 8,192 it recalled 2 pairs in 3,000 steps (one CPU run).
 VOCAB = 8192
 FILLER = 0
 KEYS = range(1, 4096)
