@@ -4,7 +4,7 @@ against the recurrent state size.
 
     python -m eval.mqar_sweep --out results/quality/mqar            # the default grid, one run at a time
     python -m eval.mqar_sweep --quick --out /tmp/mqar               # a small grid, a few minutes
-    python -m eval.mqar_sweep --processes 12 --out results/quality/mqar   # 12 runs at a time on one GPU (~18 min)
+    python -m eval.mqar_sweep --processes 12 --out results/quality/mqar   # 12 at a time on one GPU (~18 min at the old 512 vocabulary)
     python -m eval.mqar_sweep --families transformer,mamba2 --widths 64,128 --points 16:128,64:512
 
 A sequence (seeded, synthetic) is n key-value pairs `k1 v1 ... kn vn`, filler up to the end of the
