@@ -305,13 +305,17 @@ class Mamba2LM(nn.Module):
         # The residual stream stays in float32 whatever the weights' dtype.
         return self.backbone.embeddings(tokens).float()
 
-    def forward(self, tokens, impl: str = "ref"):
-        """Logits [B, T, V] of one parallel forward from zero state."""
+    def hidden(self, tokens, impl: str = "ref"):
+        """Final residual stream [B, T, d] (fp32) before the norm, one parallel forward from zero state."""
         r = self.embed(tokens)
         for block in self.backbone.layers:
             out, _, _ = block.mixer(block.norm(r), impl)
             r = r + out
-        return self.head(r)
+        return r
+
+    def forward(self, tokens, impl: str = "ref"):
+        """Logits [B, T, V] of one parallel forward from zero state."""
+        return self.head(self.hidden(tokens, impl))
 
     def forward_chunk(self, tokens, conv, ssm, rows, impl: str, starts, lengths, *, all_positions: bool = False):
         """Prefill chunks tokens [b, T], right-padded: row j continues the sequence in row rows[j] of the

@@ -347,8 +347,8 @@ class RWKV7(nn.Module):
         wkv = torch.zeros(c.num_hidden_layers, batch, c.num_heads, c.head_dim, c.head_dim, device=device, dtype=torch.float32)
         return shift, wkv
 
-    def forward(self, tokens, *, impl):
-        """Logits [B, T, V] of one parallel forward from zero state."""
+    def hidden(self, tokens, *, impl):
+        """Final hidden states [B, T, d] before the norm, one parallel forward from zero state."""
         x = self.model.embeddings(tokens)
         zeros = x.new_zeros(x.shape[0], x.shape[-1])
         v_first = None
@@ -359,7 +359,11 @@ class RWKV7(nn.Module):
             x = x + out
             h = block.ffn_norm(x)
             x = x + block.ffn(h, shifted(h, zeros))
-        return self.head(x)
+        return x
+
+    def forward(self, tokens, *, impl):
+        """Logits [B, T, V] of one parallel forward from zero state."""
+        return self.head(self.hidden(tokens, impl=impl))
 
     def forward_chunk(self, tokens, lengths, shift, wkv, *, impl, all_positions: bool = False):
         """Continue B sequences by a chunk each. tokens `[B, T]` right-padded, lengths (host ints,

@@ -116,11 +116,11 @@ def answer_logits(dec, tokens: torch.Tensor, answers: torch.Tensor) -> tuple[tor
     it, Mask-Predict at the masked position itself."""
     model = dec.model
     seen = model_input(dec.family, tokens, answers)
+    # The LM head only where an answer is read: at 8,192 tokens it is most of a small model's work.
+    kwargs = {"impl": "ref"} if "impl" in inspect.signature(model.hidden).parameters else {}
     if decoders.family_class(dec.family).state_kind == "canvas":
-        return model(seen)[answers], tokens[answers]
-    kwargs = {"impl": "ref"} if "impl" in inspect.signature(model.forward).parameters else {}
-    logits = model(seen[:, :-1], **kwargs)
-    return logits[answers[:, 1:]], tokens[answers]
+        return model.head(model.hidden(seen)[answers]), tokens[answers]
+    return model.head(model.hidden(seen[:, :-1], **kwargs)[answers[:, 1:]]), tokens[answers]
 
 
 def model_input(family: str, tokens: torch.Tensor, answers: torch.Tensor) -> torch.Tensor:

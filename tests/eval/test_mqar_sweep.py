@@ -29,7 +29,8 @@ class Oracle(torch.nn.Module):
         super().__init__()
         self.masked, self.shift = masked, shift
 
-    def forward(self, tokens):
+    def hidden(self, tokens):
+        """The logits themselves, as the "hidden states" the identity head maps to logits."""
         B, T = tokens.shape
         out = torch.zeros(B, T, mqar_sweep.VOCAB)
         for b, row in enumerate(tokens.tolist()):
@@ -43,6 +44,9 @@ class Oracle(torch.nn.Module):
                     values = mqar_sweep.VALUES
                     out[b, i, (pairs[key] + self.shift - values.start) % len(values) + values.start] = 1.0
         return out
+
+    def head(self, h):
+        return h
 
 
 @pytest.mark.parametrize("family", ["transformer", "maskpredict"])
@@ -128,9 +132,12 @@ def test_no_model_reads_an_answer(family):
     seen = []
 
     class Spy(torch.nn.Module):
-        def forward(self, tokens):
+        def hidden(self, tokens):
             seen.append(tokens)
             return torch.zeros(*tokens.shape, mqar_sweep.VOCAB)
+
+        def head(self, h):
+            return h
 
     class Dec:
         device = torch.device("cpu")
@@ -143,3 +150,20 @@ def test_no_model_reads_an_answer(family):
     assert target.tolist() == tokens[answers].tolist()
     assert not any(v in mqar_sweep.VALUES for v in after_pairs.flatten().tolist())
     assert sorted(seen[0][:, :12].flatten().tolist()) == sorted(tokens[:, :12].flatten().tolist())
+
+
+@pytest.mark.parametrize("family", mqar_sweep.FAMILIES)
+def test_answer_logits_are_the_full_forwards_at_the_answers(family):
+    """The head applied only at the answers gives the logits the whole forward gives there."""
+    dec = mqar_sweep.build(family, 64, 1, device=torch.device("cpu"), seed=0)
+    tokens, answers = mqar_sweep.mqar_batch(3, 4, 24, torch.Generator().manual_seed(2))
+    logits, target = mqar_sweep.answer_logits(dec, tokens, answers)
+    seen = mqar_sweep.model_input(family, tokens, answers)
+    with torch.no_grad():
+        if family == "maskpredict":
+            full = dec.model(seen)[answers]
+        else:
+            kwargs = {"impl": "ref"} if family in ("mamba2", "rwkv7") else {}
+            full = dec.model(seen[:, :-1], **kwargs)[answers[:, 1:]]
+    assert logits.shape == (12, mqar_sweep.VOCAB) and target.tolist() == tokens[answers].tolist()
+    torch.testing.assert_close(logits, full, rtol=1e-5, atol=1e-5)
