@@ -68,8 +68,9 @@ def test_tiny_grid_records_every_run_and_resumes(tmp_path, capsys):
     records = [json.loads(line) for line in (tmp_path / "mqar.jsonl").read_text().splitlines()]
     assert sorted(r["family"] for r in records) == sorted(mqar_sweep.FAMILIES)
     assert all(r["state_bytes"] > 0 and r["params"] > 0 and r["steps"] == 2 for r in records)
-    # Attention's state is the KV cache at seq_len: 2 layers x K and V x 32 dims x 16 positions x fp32.
-    assert next(r for r in records if r["family"] == "transformer")["state_bytes"] == 2 * 2 * 32 * 16 * 4
+    # Attention's state is the KV cache at seq_len (2 layers x K and V x 32 dims x 16 positions x fp32)
+    # and the short convolution's window (2 inputs of 32 floats).
+    assert next(r for r in records if r["family"] == "transformer")["state_bytes"] == 2 * 2 * 32 * 16 * 4 + 2 * 32 * 4
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(summary["acc"]) == {f"{f}/w32/n2/t16" for f in mqar_sweep.FAMILIES}
     assert (tmp_path / "mqar_width.png").stat().st_size > 0 and (tmp_path / "mqar_state.png").stat().st_size > 0
@@ -90,6 +91,7 @@ def test_tiny_grid_records_every_run_and_resumes(tmp_path, capsys):
     (["--lrs", "x"], "could not be read"),
     (["--steps", "0"], "--steps must be >= 1"),
     (["--processes", "0"], "--processes must be >= 1"),
+    (["--short-conv", "-1"], "--short-conv must be >= 0"),
 ])
 def test_bad_options_are_one_line_and_exit_2(bad, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
@@ -167,3 +169,36 @@ def test_answer_logits_are_the_full_forwards_at_the_answers(family):
             full = dec.model(seen[:, :-1], **kwargs)[answers[:, 1:]]
     assert logits.shape == (12, mqar_sweep.VOCAB) and target.tolist() == tokens[answers].tolist()
     torch.testing.assert_close(logits, full, rtol=1e-5, atol=1e-5)
+
+
+def test_short_conv_is_causal_and_only_for_attention():
+    """The attention families read their embeddings through a causal convolution of the width asked
+    for: a token changes no earlier position's hidden state, and does change the next one's through
+    the convolution alone (no attention: one block with the attention's output zeroed); the
+    recurrences keep their own local path and get none."""
+    dec = mqar_sweep.build("transformer", 64, 1, device=torch.device("cpu"), seed=0, short_conv=3)
+    embed = dec.model.model.embed_tokens
+    assert isinstance(embed, mqar_sweep.ShortConv) and embed.conv.kernel_size == (3,)
+    tokens = torch.randint(1, 4096, (1, 12))
+    changed = tokens.clone()
+    changed[0, 6] = 5000
+    with torch.no_grad():
+        a, b = embed(tokens), embed(changed)
+    assert torch.equal(a[0, :6], b[0, :6]) and not torch.allclose(a[0, 7:9], b[0, 7:9]) and torch.equal(a[0, 9:], b[0, 9:])
+    assert torch.equal(embed.weight, embed.embed.weight)
+    assert not isinstance(mqar_sweep.build("transformer", 64, 1, device=torch.device("cpu"), seed=0).model.model.embed_tokens,
+                          mqar_sweep.ShortConv)
+    for family in ("mamba2", "rwkv7"):
+        assert mqar_sweep.short_conv_of(family, 3) == 0
+        assert not any(isinstance(m, mqar_sweep.ShortConv) for m in mqar_sweep.build(family, 64, 1, device=torch.device("cpu"),
+                                                                                     seed=0, short_conv=3).model.modules())
+    assert mqar_sweep.short_conv_of("maskpredict", 3) == 3
+
+
+def test_records_without_the_short_conv_are_runs_without_it(tmp_path, capsys):
+    """The resume key holds the convolution's width, and a record from before it existed counts as width 0:
+    a sweep with the convolution retrains the attention runs and keeps the recurrent ones."""
+    run = {"family": "transformer", "width": 64, "layers": 2, "pairs": 8, "seq_len": 64, "lr": 1e-3, "steps": 10, "batch": 4, "seed": 0}
+    assert mqar_sweep.key(run) == mqar_sweep.key({**run, "short_conv": 0}) != mqar_sweep.key({**run, "short_conv": 3})
+    a = mqar_sweep.parse_args(["--families", "transformer,rwkv7", "--widths", "64", "--points", "2:16", "--lrs", "1e-3"])
+    assert {(g["family"], g["short_conv"]) for g in mqar_sweep.grid(a)} == {("transformer", 3), ("rwkv7", 0)}
