@@ -173,9 +173,9 @@ def test_answer_logits_are_the_full_forwards_at_the_answers(family):
 
 def test_short_conv_is_causal_and_only_for_attention():
     """The attention families read their embeddings through a causal convolution of the width asked
-    for: a token changes no earlier position's hidden state, and does change the next one's through
-    the convolution alone (no attention: one block with the attention's output zeroed); the
-    recurrences keep their own local path and get none."""
+    for: a token changes no earlier position's input, changes the next k - 1 positions' and no later
+    one's; without `short_conv` the embedding is plain; the recurrences keep their own local path
+    and get none."""
     dec = mqar_sweep.build("transformer", 64, 1, device=torch.device("cpu"), seed=0, short_conv=3)
     embed = dec.model.model.embed_tokens
     assert isinstance(embed, mqar_sweep.ShortConv) and embed.conv.kernel_size == (3,)
@@ -195,7 +195,7 @@ def test_short_conv_is_causal_and_only_for_attention():
     assert mqar_sweep.short_conv_of("maskpredict", 3) == 3
 
 
-def test_records_without_the_short_conv_are_runs_without_it(tmp_path, capsys):
+def test_records_without_the_short_conv_are_runs_without_it():
     """The resume key holds the convolution's width, and a record from before it existed counts as width 0:
     a sweep with the convolution retrains the attention runs and keeps the recurrent ones."""
     run = {"family": "transformer", "width": 64, "layers": 2, "pairs": 8, "seq_len": 64, "lr": 1e-3, "steps": 10, "batch": 4, "seed": 0}
